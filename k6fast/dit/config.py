@@ -1,0 +1,208 @@
+"""The DiT's configuration, read from the checkpoint's `transformer/config.json`, and the tensor names and shapes
+that configuration implies (used to validate a checkpoint before any weight is read)."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, fields
+from typing import Any
+
+
+@dataclass(frozen=True)
+class DiTConfig:
+    in_visual_dim: int
+    out_visual_dim: int
+    in_text_dim: int
+    in_text_dim2: int
+    time_dim: int
+    patch_size: tuple[int, int, int]
+    model_dim: int
+    ff_dim: int
+    num_text_blocks: int
+    num_visual_blocks: int
+    axes_dims: tuple[int, int, int]
+    visual_cond: bool
+    in_audio_dim: int
+    out_audio_dim: int
+    model_dim_a: int
+    time_dim_a: int
+    ff_dim_a: int
+    axes_dims_a: tuple[int, int, int]
+    audio_freqs_scaling: float
+    scale_factor: tuple[float, float, float]
+    text_token_padding: bool
+    ca_rope: bool
+    cross_gates: bool
+    fix_modulation: bool
+    visual_token_type_num_embeddings: int
+
+    @classmethod
+    def from_dict(cls, raw: dict[str, Any]) -> DiTConfig:
+        """Build from a diffusers `Kandinsky6Transformer3DModel` config dict, applying diffusers' defaults."""
+        defaults: dict[str, Any] = {
+            "in_visual_dim": 16,
+            "out_visual_dim": 16,
+            "in_text_dim": 3584,
+            "in_text_dim2": 768,
+            "time_dim": 1024,
+            "patch_size": (1, 2, 2),
+            "model_dim": 4096,
+            "ff_dim": 16384,
+            "num_text_blocks": 4,
+            "num_visual_blocks": 60,
+            "axes_dims": (32, 48, 48),
+            "visual_cond": True,
+            "in_audio_dim": 20,
+            "out_audio_dim": 20,
+            "model_dim_a": None,
+            "time_dim_a": None,
+            "ff_dim_a": None,
+            "axes_dims_a": None,
+            "audio_freqs_scaling": 1.0,
+            "scale_factor": (1.0, 2.0, 2.0),
+            "text_token_padding": False,
+            "ca_rope": False,
+            "cross_gates": False,
+            "fix_modulation": False,
+            "visual_token_type_num_embeddings": 0,
+        }
+        values = {**defaults, **{k: v for k, v in raw.items() if k in defaults and v is not None}}
+        values["model_dim_a"] = values["model_dim_a"] or values["model_dim"]
+        values["time_dim_a"] = values["time_dim_a"] or values["time_dim"]
+        values["ff_dim_a"] = values["ff_dim_a"] or values["ff_dim"]
+        values["axes_dims_a"] = values["axes_dims_a"] or values["axes_dims"]
+        for key in ("patch_size", "axes_dims", "axes_dims_a"):
+            values[key] = tuple(int(v) for v in values[key])
+        values["scale_factor"] = tuple(float(v) for v in values["scale_factor"])
+        values["audio_freqs_scaling"] = float(values["audio_freqs_scaling"])
+        values["visual_token_type_num_embeddings"] = int(values["visual_token_type_num_embeddings"] or 0)
+        cfg = cls(**{f.name: values[f.name] for f in fields(cls)})
+        cfg._check()
+        return cfg
+
+    def _check(self) -> None:
+        if self.model_dim % self.head_dim or self.model_dim_a % self.head_dim_a:
+            raise ValueError(
+                f"transformer config: model_dim {self.model_dim} / model_dim_a {self.model_dim_a} must be divisible "
+                f"by the head dims {self.head_dim} / {self.head_dim_a} (sum of axes_dims)"
+            )
+        if self.ca_rope and self.head_dim != self.head_dim_a:
+            raise ValueError(
+                f"transformer config: ca_rope needs equal video and audio head dims, found {self.head_dim} and "
+                f"{self.head_dim_a}"
+            )
+
+    @property
+    def head_dim(self) -> int:
+        return sum(self.axes_dims)
+
+    @property
+    def head_dim_a(self) -> int:
+        return sum(self.axes_dims_a)
+
+    @property
+    def visual_in_channels(self) -> int:
+        """Channels of the DiT's video input: noisy latent, conditioning latent and mask when visual_cond."""
+        return 2 * self.in_visual_dim + 1 if self.visual_cond else self.in_visual_dim
+
+    @property
+    def n_grid(self) -> int:
+        """PiFlow grid size: distilled heads predict n_grid values per latent channel; 1 for a velocity head."""
+        return self.out_visual_dim // self.in_visual_dim
+
+    @property
+    def size_class(self) -> str:
+        return {4096: "pro", 1792: "lite"}.get(self.model_dim, "custom")
+
+
+def _linear(shapes: dict[str, tuple[int, ...]], name: str, n_in: int, n_out: int, bias: bool = True) -> None:
+    shapes[f"{name}.weight"] = (n_out, n_in)
+    if bias:
+        shapes[f"{name}.bias"] = (n_out,)
+
+
+def _attention(shapes: dict, name: str, dim: int, kv_dim: int, head_dim: int) -> None:
+    _linear(shapes, f"{name}.to_query", dim, dim)
+    _linear(shapes, f"{name}.to_key", kv_dim, dim)
+    _linear(shapes, f"{name}.to_value", kv_dim, dim)
+    shapes[f"{name}.query_norm.weight"] = (head_dim,)
+    shapes[f"{name}.key_norm.weight"] = (head_dim,)
+    _linear(shapes, f"{name}.out_layer", dim, dim)
+
+
+def _feed_forward(shapes: dict, name: str, dim: int, ff_dim: int) -> None:
+    _linear(shapes, f"{name}.net.0.proj", dim, ff_dim, bias=False)
+    _linear(shapes, f"{name}.net.2", ff_dim, dim, bias=False)
+
+
+def _text_embeddings(shapes: dict, name: str, n_in: int, dim: int) -> None:
+    _linear(shapes, f"{name}.in_layer", n_in, dim)
+    shapes[f"{name}.norm.weight"] = (dim,)
+    shapes[f"{name}.norm.bias"] = (dim,)
+
+
+def fused_block_shapes(cfg: DiTConfig) -> dict[str, tuple[int, ...]]:
+    """Tensor names (relative to `visual_transformer_blocks.<i>.`) and shapes of one fused video/audio block."""
+    shapes: dict[str, tuple[int, ...]] = {}
+    for prefix, dim, time_dim, ff_dim, head_dim in (
+        ("video_dec_block", cfg.model_dim, cfg.time_dim, cfg.ff_dim, cfg.head_dim),
+        ("audio_dec_block", cfg.model_dim_a, cfg.time_dim_a, cfg.ff_dim_a, cfg.head_dim_a),
+    ):
+        _linear(shapes, f"{prefix}.visual_modulation.out_layer", time_dim, 9 * dim)
+        _attention(shapes, f"{prefix}.self_attention", dim, dim, head_dim)
+        _attention(shapes, f"{prefix}.cross_attention", dim, dim, head_dim)
+        _feed_forward(shapes, f"{prefix}.feed_forward", dim, ff_dim)
+    _attention(shapes, "va_cross_attention", cfg.model_dim, cfg.model_dim_a, cfg.head_dim)
+    _attention(shapes, "av_cross_attention", cfg.model_dim_a, cfg.model_dim, cfg.head_dim_a)
+    if cfg.cross_gates:
+        va_out, av_out = 2 * cfg.model_dim + cfg.model_dim_a, 2 * cfg.model_dim_a + cfg.model_dim
+    else:
+        va_out, av_out = 3 * cfg.model_dim, 3 * cfg.model_dim_a
+    _linear(shapes, "va_modulation.out_layer", cfg.time_dim, va_out)
+    _linear(shapes, "av_modulation.out_layer", cfg.time_dim_a, av_out)
+    return shapes
+
+
+def text_block_shapes(dim: int, time_dim: int, ff_dim: int, head_dim: int) -> dict[str, tuple[int, ...]]:
+    """Tensor names (relative to `<video|audio>_text_transformer_blocks.<i>.`) and shapes of one text block."""
+    shapes: dict[str, tuple[int, ...]] = {}
+    _linear(shapes, "text_modulation.out_layer", time_dim, 6 * dim)
+    _attention(shapes, "attn", dim, dim, head_dim)
+    _feed_forward(shapes, "feed_forward", dim, ff_dim)
+    return shapes
+
+
+def expected_shapes(cfg: DiTConfig) -> dict[str, tuple[int, ...]]:
+    """Every tensor a checkpoint with this config must hold, by full name."""
+    shapes: dict[str, tuple[int, ...]] = {}
+    _linear(shapes, "visual_embeddings.in_layer", math.prod(cfg.patch_size) * cfg.visual_in_channels, cfg.model_dim)
+    if cfg.visual_token_type_num_embeddings > 0:
+        shapes["visual_token_type_embeddings.weight"] = (cfg.visual_token_type_num_embeddings, cfg.model_dim)
+    _linear(shapes, "out_layer.modulation.out_layer", cfg.time_dim, 2 * cfg.model_dim)
+    _linear(shapes, "out_layer.out_layer", cfg.model_dim, math.prod(cfg.patch_size) * cfg.out_visual_dim)
+    _text_embeddings(shapes, "audio_embeddings", cfg.in_audio_dim, cfg.model_dim_a)
+    _linear(shapes, "audio_out_layer.modulation.out_layer", cfg.time_dim_a, 2 * cfg.model_dim_a)
+    _linear(shapes, "audio_out_layer.out_layer", cfg.model_dim_a, cfg.out_audio_dim)
+    for prefix, dim, time_dim, ff_dim, head_dim in (
+        ("video", cfg.model_dim, cfg.time_dim, cfg.ff_dim, cfg.head_dim),
+        ("audio", cfg.model_dim_a, cfg.time_dim_a, cfg.ff_dim_a, cfg.head_dim_a),
+    ):
+        _linear(shapes, f"{prefix}_time_embeddings.timestep_embedder.linear_1", dim, time_dim)
+        _linear(shapes, f"{prefix}_time_embeddings.timestep_embedder.linear_2", time_dim, time_dim)
+        _text_embeddings(shapes, f"{prefix}_text_embeddings", cfg.in_text_dim, dim)
+        _text_embeddings(shapes, f"{prefix}_pooled_text_embeddings", cfg.in_text_dim2, time_dim)
+        block = text_block_shapes(dim, time_dim, ff_dim, head_dim)
+        for i in range(cfg.num_text_blocks):
+            shapes.update({f"{prefix}_text_transformer_blocks.{i}.{k}": v for k, v in block.items()})
+    block = fused_block_shapes(cfg)
+    for i in range(cfg.num_visual_blocks):
+        shapes.update({f"visual_transformer_blocks.{i}.{k}": v for k, v in block.items()})
+    return shapes
+
+
+def is_fp32_tensor(name: str) -> bool:
+    """Layers k6fast keeps in float32 whatever the compute dtype: every AdaLN modulation projection and both time
+    embeddings. They are tiny (one row of activations per sample) and their outputs scale every residual update,
+    so bf16 rounding there would be paid in every block. (diffusers' `_keep_in_fp32_modules` name match misses the
+    `*_time_embeddings` and `visual_modulation`/`text_modulation` layers; k6fast keeps them all.)"""
+    return "modulation." in name or "_time_embeddings." in name

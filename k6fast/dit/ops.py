@@ -1,0 +1,105 @@
+"""The numerical building blocks of the DiT forward, written against a plain weight mapping.
+
+Every function here takes its weights as a `Mapping[str, Tensor]` (names relative to the layer) so that resident,
+streamed and quantized weights look the same to the forward. Linear layers and attention go through a `Backend`
+(see `backend.py`), which is where precision and kernel choices live.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from .backend import Backend
+from .rope import apply_rope
+
+LN_EPS = 1e-5  # nn.LayerNorm's default, as in the reference model
+
+Weights = Mapping[str, Tensor]
+
+
+def timestep_embedding(timestep: Tensor, dim: int, max_period: float = 10000.0) -> Tensor:
+    """Sinusoidal embedding, cos half first (diffusers' `Timesteps(flip_sin_to_cos=True, shift=0)`).
+    timestep: [B] on the [0, 1000] scale → fp32 [B, dim]."""
+    half = dim // 2
+    freqs = torch.exp(-math.log(max_period) * torch.arange(half, dtype=torch.float32, device=timestep.device) / half)
+    args = timestep.float()[:, None] * freqs[None, :]
+    return torch.cat([torch.cos(args), torch.sin(args)], dim=-1)
+
+
+def broadcast_cond(cond: Tensor, x: Tensor) -> Tensor:
+    """A per-sample vector [B, D] viewed to broadcast over x's token axes [B, ..., D]."""
+    return cond.reshape(cond.shape[0], *([1] * (x.ndim - 2)), cond.shape[-1])
+
+
+def modulate(x: Tensor, scale: Tensor, shift: Tensor) -> Tensor:
+    """AdaLN: LayerNorm(x) * (1 + scale) + shift, all in fp32, returned in x.dtype.
+    x: [B, N, D]; scale, shift: [B, D] (fp32)."""
+    normed = F.layer_norm(x.float(), (x.shape[-1],), eps=LN_EPS)
+    return (normed * (broadcast_cond(scale, x).float() + 1.0) + broadcast_cond(shift, x).float()).to(x.dtype)
+
+
+def gated_add(x: Tensor, out: Tensor, gate: Tensor) -> Tensor:
+    """Gated residual x + gate * out in fp32, returned in x.dtype. gate: [B, D]."""
+    return (x.float() + broadcast_cond(gate, x).float() * out.float()).to(x.dtype)
+
+
+def linear(backend: Backend, w: Weights, name: str, x: Tensor) -> Tensor:
+    return backend.linear(x, w[f"{name}.weight"], w.get(f"{name}.bias"), name=name)
+
+
+def modulation(backend: Backend, w: Weights, name: str, temb: Tensor) -> Tensor:
+    """AdaLN parameters from the time embedding: Linear(SiLU(temb)), fp32. temb: [B, time_dim] → [B, k * dim]."""
+    return backend.linear(F.silu(temb.float()), w[f"{name}.weight"], w[f"{name}.bias"], name=name)
+
+
+def text_embedding(backend: Backend, w: Weights, name: str, x: Tensor) -> Tensor:
+    """Linear projection then LayerNorm with affine (text tokens, pooled text, audio latents)."""
+    h = linear(backend, w, f"{name}.in_layer", x)
+    return F.layer_norm(h, (h.shape[-1],), w[f"{name}.norm.weight"].to(h.dtype), w[f"{name}.norm.bias"].to(h.dtype))
+
+
+def time_embedding(backend: Backend, w: Weights, name: str, timestep: Tensor, dim: int) -> Tensor:
+    """timestep [B] → fp32 [B, time_dim] through the sinusoid and a SiLU MLP."""
+    h = linear(backend, w, f"{name}.timestep_embedder.linear_1", timestep_embedding(timestep, dim))
+    return linear(backend, w, f"{name}.timestep_embedder.linear_2", F.silu(h))
+
+
+def feed_forward(backend: Backend, w: Weights, name: str, x: Tensor) -> Tensor:
+    h = linear(backend, w, f"{name}.net.0.proj", x)
+    return linear(backend, w, f"{name}.net.2", F.gelu(h))
+
+
+def attention(
+    backend: Backend,
+    w: Weights,
+    name: str,
+    x: Tensor,
+    context: Tensor | None,
+    num_heads: int,
+    *,
+    site: str,
+    rope_q: tuple[Tensor, Tensor] | None = None,
+    rope_k: tuple[Tensor, Tensor] | None = None,
+    mask: Tensor | None = None,
+) -> Tensor:
+    """Multi-head attention with per-head RMSNorm on q and k, optional RoPE, and an output projection.
+    x: [B, Nq, D]; context: [B, Nk, Dkv] (None = self-attention); mask: bool [B, Nk] (True = attend)."""
+    kv = x if context is None else context
+    q = linear(backend, w, f"{name}.to_query", x).unflatten(-1, (num_heads, -1))
+    k = linear(backend, w, f"{name}.to_key", kv).unflatten(-1, (num_heads, -1))
+    v = linear(backend, w, f"{name}.to_value", kv).unflatten(-1, (num_heads, -1))
+    head_dim = q.shape[-1]
+    # eps=None: torch picks finfo(dtype).eps, as nn.RMSNorm(eps=None) does in the reference model.
+    q = F.rms_norm(q, (head_dim,), w[f"{name}.query_norm.weight"].to(q.dtype))
+    k = F.rms_norm(k, (head_dim,), w[f"{name}.key_norm.weight"].to(k.dtype))
+    if rope_q is not None:
+        q = apply_rope(q, *rope_q)
+    if rope_k is not None:
+        k = apply_rope(k, *rope_k)
+    out = backend.attention(q, k, v, site=site, mask=mask)  # [B, Nq, H, Dh]
+    return linear(backend, w, f"{name}.out_layer", out.flatten(-2))
