@@ -1,0 +1,154 @@
+"""`k6fast` command line: generate, make-tiny, switches."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from . import __version__
+
+
+class CliError(Exception):
+    """A user error: printed as `error: ...` with exit status 2, no traceback."""
+
+
+def _size(text: str) -> tuple[int, int]:
+    try:
+        width, height = (int(v) for v in text.lower().split("x"))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected WIDTHxHEIGHT such as 864x480, found {text!r}") from None
+    return width, height
+
+
+def _load_options(arm: str | None):
+    from .switches import load_options
+
+    return load_options(arm=arm)
+
+
+def _add_model_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", required=True, help="Hub id or local Diffusers-layout checkpoint directory")
+    p.add_argument("--arm", help="named arm (switches/arms/NAME.env) or path to an .env file; env vars override it")
+    p.add_argument("--device", help="cuda, cuda:N or cpu (default: cuda when available)")
+    p.add_argument("--dtype", choices=["bf16", "fp16", "fp32"], help="compute dtype (default: bf16 GPU, fp32 CPU)")
+
+
+def _dtype(name: str | None):
+    import torch
+
+    return {None: None, "bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[name]
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    import PIL.Image
+    from tqdm import tqdm
+
+    from .output import sidecar_path, write_result
+    from .pipeline import Pipeline, Request, validate_geometry
+
+    out = Path(args.out)
+    if out.suffix.lower() != ".mp4":
+        raise CliError(f"--out {out}: expected a path ending in .mp4")
+    if not out.parent.is_dir():
+        raise CliError(f"--out {out}: the directory {out.parent} does not exist")
+    width, height = args.size
+    validate_geometry(width, height, args.frames)  # before minutes of loading
+    image = None
+    if args.image:
+        try:
+            image = PIL.Image.open(args.image)
+            image.load()
+        except (OSError, PIL.UnidentifiedImageError) as exc:
+            raise CliError(f"--image {args.image}: not a readable image ({exc})") from exc
+    options = _load_options(args.arm)
+    pipe = Pipeline(args.model, options, device=args.device, dtype=_dtype(args.dtype))
+    request = Request(
+        prompt=args.prompt,
+        width=width,
+        height=height,
+        frames=args.frames,
+        steps=args.steps,
+        guidance=args.guidance,
+        seed=args.seed,
+        negative_prompt=args.negative_prompt,
+        image=image,
+        audio=not args.no_audio,
+    )
+    steps, _ = pipe.resolve(request)
+    print(
+        f"k6fast {__version__}: {pipe.ckpt.variant} on {pipe.device} ({str(pipe.dtype).removeprefix('torch.')}), "
+        f"{width}x{height}x{args.frames}, {steps} steps, arm {options.arm_name} [{options.arm_hash()}], "
+        f"loaded in {pipe.load_seconds:.1f} s",
+        file=sys.stderr,
+    )
+    with tqdm(total=steps, desc="denoise", unit="step", file=sys.stderr) as bar:
+        result = pipe.generate(request, on_step=lambda event: bar.update(1))
+    write_result(result, out, options, request, args.model, pipe.ckpt.variant)
+    print(result.telemetry.summary(), file=sys.stderr)
+    print(f"wrote {out} and {sidecar_path(out)}", file=sys.stderr)
+    return 0
+
+
+def cmd_make_tiny(args: argparse.Namespace) -> int:
+    from .tiny import make_tiny
+
+    path = make_tiny(args.dir, variant=args.variant, seed=args.seed)
+    print(f"wrote a tiny random-weight {args.variant} checkpoint to {path}")
+    return 0
+
+
+def cmd_switches(args: argparse.Namespace) -> int:
+    from .switches import readme_table, render_table
+
+    print(readme_table() if args.markdown else render_table(_load_options(args.arm)))
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="k6fast", description="Fast Kandinsky 6 video+audio generation")
+    parser.add_argument("--version", action="version", version=f"k6fast {__version__}")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    p = sub.add_parser("generate", help="generate one clip with sound")
+    _add_model_args(p)
+    p.add_argument("--prompt", required=True)
+    p.add_argument("--image", help="reference image for the first frame (image-to-video)")
+    p.add_argument("--size", type=_size, default=(864, 480), help="WIDTHxHEIGHT, multiples of 16 (default 864x480)")
+    p.add_argument("--frames", type=int, default=121, help="frame count 4k+1 at 24 fps (default 121)")
+    p.add_argument("--steps", type=int, help="denoising steps (default: 10 distilled, 50 base)")
+    p.add_argument("--guidance", type=float, help="CFG scale (default: 1.0 distilled — required — 5.0 base)")
+    p.add_argument("--seed", type=int, default=42)
+    p.add_argument("--negative-prompt", help="negative prompt for CFG (base checkpoints)")
+    p.add_argument("--no-audio", action="store_true", help="denoise video only")
+    p.add_argument("--out", required=True, help="output .mp4 path")
+    p.set_defaults(func=cmd_generate)
+
+    p = sub.add_parser("make-tiny", help="write a tiny random-weight checkpoint (tests, first runs)")
+    p.add_argument("dir")
+    p.add_argument("--variant", choices=["distill", "base"], default="distill")
+    p.add_argument("--seed", type=int, default=0)
+    p.set_defaults(func=cmd_make_tiny)
+
+    p = sub.add_parser("switches", help="list the K6_* switches and their current values")
+    p.add_argument("--markdown", action="store_true", help="the table README.md carries (defaults)")
+    p.add_argument("--arm", help="show values with this arm applied")
+    p.set_defaults(func=cmd_switches)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    from .checkpoint import CheckpointError
+    from .pipeline import RequestError
+    from .switches import SwitchError
+
+    args = build_parser().parse_args(argv)
+    try:
+        return args.func(args)
+    except (CliError, CheckpointError, RequestError, SwitchError, FileExistsError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

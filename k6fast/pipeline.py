@@ -1,0 +1,224 @@
+"""One request, top to bottom: text → denoise → video decode → audio decode. The pipeline owns which model holds
+the device in each phase: the text encoders are loaded for the text phase and dropped before denoising.
+
+`Pipeline.generate` returns frames and audio in memory; writing the MP4 (with provenance) is `output.py`'s job.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import PIL.Image
+import torch
+from diffusers.utils.torch_utils import randn_tensor
+
+from .checkpoint import Checkpoint, open_checkpoint
+from .dit.model import K6DiT
+from .dit.weights import load_tensors
+from .sampler import StepEvent, sample
+from .switches import Options, validate_cache_steps
+from .telemetry import Telemetry
+from .text import DEFAULT_NEGATIVE_PROMPT, encode_prompts
+from .vae import decode_audio, decode_video, encode_image, load_audio_decoder, load_video_vae
+
+W1 = (864, 480, 121)  # width, height, frames: the headline workload
+FPS = 24.0
+SPATIAL_MULTIPLE = 16  # VAE 8 x patch 2
+TEMPORAL_STRIDE = 4
+
+
+class RequestError(ValueError):
+    """The request cannot run as asked; the message says what was expected."""
+
+
+def _nearest_multiples(value: int, multiple: int) -> str:
+    low = max(multiple, value // multiple * multiple)
+    high = low + multiple
+    return f"{low} or {high}" if low != value else str(value)
+
+
+def validate_geometry(width: int, height: int, frames: int) -> None:
+    """Sizes must be multiples of 16 and frame counts 4k+1; the error gives the nearest valid values."""
+    problems = []
+    for name, value in (("width", width), ("height", height)):
+        if value < SPATIAL_MULTIPLE or value % SPATIAL_MULTIPLE:
+            problems.append(
+                f"{name} {value} is not a positive multiple of {SPATIAL_MULTIPLE} "
+                f"(nearest valid: {_nearest_multiples(value, SPATIAL_MULTIPLE)})"
+            )
+    if frames < 1 or (frames - 1) % TEMPORAL_STRIDE:
+        low = max(1, (frames - 1) // TEMPORAL_STRIDE * TEMPORAL_STRIDE + 1)
+        problems.append(f"frame count {frames} is not of the form 4k+1 (nearest valid: {low} or {low + 4})")
+    if problems:
+        raise RequestError("; ".join(problems))
+
+
+@dataclass(frozen=True)
+class Request:
+    prompt: str
+    width: int = W1[0]
+    height: int = W1[1]
+    frames: int = W1[2]
+    steps: int | None = None  # None = the checkpoint's default
+    guidance: float | None = None
+    seed: int = 42
+    negative_prompt: str | None = None
+    image: PIL.Image.Image | None = field(default=None, compare=False)
+    audio: bool = True
+    fps: float = FPS
+
+
+@dataclass
+class Result:
+    frames: np.ndarray  # float32 [F, H, W, 3] in [0, 1]
+    audio: np.ndarray | None  # float32 [N] mono, raw decoder output (not normalised)
+    sample_rate: int
+    fps: float
+    steps: int
+    guidance: float
+    telemetry: Telemetry
+
+
+def audio_length(latent_frames: int, fps: float, sample_rate: int, hop: int) -> int:
+    """Audio latent steps covering the video: ceil(frames / fps * sample_rate / hop)."""
+    return math.ceil(((latent_frames - 1) * TEMPORAL_STRIDE + 1) / fps * sample_rate / hop)
+
+
+class Pipeline:
+    """Loads a checkpoint once and serves requests. DiT and decoders stay loaded; text encoders per request."""
+
+    def __init__(
+        self,
+        model: str | Path | Checkpoint,
+        options: Options,
+        device: str | torch.device | None = None,
+        dtype: torch.dtype | None = None,
+    ):
+        self.ckpt = model if isinstance(model, Checkpoint) else open_checkpoint(model)
+        self.options = options
+        self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+        self.dtype = dtype or (torch.bfloat16 if self.device.type == "cuda" else torch.float32)
+        self.load_seconds = 0.0
+        telemetry = Telemetry(device=str(self.device))
+        with telemetry.phase("load"):
+            weights = load_tensors(list(self.ckpt.transformer_files), self.device, self.dtype)
+            self.dit = K6DiT(self.ckpt.dit, weights)
+            self.vae = load_video_vae(self.ckpt.root, self.device, self.dtype)
+            self.audio_vae, self.vocoder = load_audio_decoder(self.ckpt.root, self.device, self.dtype)
+            self.scheduler = self._load_scheduler()
+        self.load_seconds = telemetry.phases["load"]
+
+    def _load_scheduler(self):
+        from diffusers import FlowMatchEulerDiscreteScheduler, PiflowScheduler
+
+        cls = PiflowScheduler if self.ckpt.distilled else FlowMatchEulerDiscreteScheduler
+        return cls.from_pretrained(self.ckpt.root / "scheduler")
+
+    @property
+    def sample_rate(self) -> int:
+        return int(self.audio_vae.config.sample_rate)
+
+    def resolve(self, request: Request) -> tuple[int, float]:
+        """Validate the request against the checkpoint; returns (steps, guidance)."""
+        validate_geometry(request.width, request.height, request.frames)
+        if not request.prompt or not request.prompt.strip():
+            raise RequestError("the prompt is empty; expected a description of the video and its sound")
+        steps = request.steps if request.steps is not None else self.ckpt.default_steps
+        guidance = request.guidance if request.guidance is not None else self.ckpt.default_guidance
+        if steps < 1:
+            raise RequestError(f"steps must be >= 1, found {steps}")
+        if self.ckpt.distilled and guidance != 1.0:
+            raise RequestError(
+                f"guidance {guidance} is not allowed with a distilled (PiFlow) checkpoint: it was distilled "
+                "without classifier-free guidance, so guidance must be exactly 1.0"
+            )
+        if guidance < 1.0:
+            raise RequestError(f"guidance must be >= 1.0 (1.0 = no CFG), found {guidance}")
+        if request.image is not None and (
+            not self.ckpt.dit.visual_cond or self.ckpt.dit.visual_token_type_num_embeddings < 2
+        ):
+            raise RequestError("this checkpoint has no image conditioning (visual_cond / token types missing)")
+        try:
+            validate_cache_steps(self.options.piflow_cache_steps, steps)
+        except ValueError as exc:
+            raise RequestError(str(exc)) from exc
+        return steps, guidance
+
+    @torch.no_grad()
+    def generate(
+        self,
+        request: Request,
+        on_step: Callable[[StepEvent], None] | None = None,
+        should_stop: Callable[[], bool] | None = None,
+        initial_noise: tuple[torch.Tensor, torch.Tensor | None] | None = None,
+    ) -> Result:
+        """Run one request. `initial_noise` (video [1,T,H,W,C], audio [1,L,C]) replaces the seeded draw (tests)."""
+        steps, guidance = self.resolve(request)
+        cfg, device, dtype = self.ckpt.dit, self.device, self.dtype
+        telemetry = Telemetry(device=str(device))
+        if device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(device)
+        # Noise comes from a CPU generator so that a seed gives the same clip on every device; the draw order
+        # (image posterior, video, audio) is the reference pipeline's.
+        generator = torch.Generator("cpu").manual_seed(request.seed)
+
+        with telemetry.phase("text_encode"):
+            negative = None
+            if guidance > 1.0:
+                negative = request.negative_prompt or DEFAULT_NEGATIVE_PROMPT
+            cond, uncond = encode_prompts(self.ckpt.root, request.prompt, negative, device, dtype)
+
+        first_frame = None
+        if request.image is not None:
+            with telemetry.phase("image_encode"):
+                first_frame = encode_image(self.vae, request.image, request.height, request.width, generator, dtype)
+
+        latent_frames = (request.frames - 1) // TEMPORAL_STRIDE + 1
+        shape = (1, latent_frames, request.height // 8, request.width // 8, cfg.in_visual_dim)
+        audio_len = audio_length(latent_frames, request.fps, self.sample_rate, self.audio_vae.latent_hop_length)
+        if initial_noise is not None:
+            latents = initial_noise[0].to(device=device, dtype=dtype)
+            audio_latents = initial_noise[1].to(device=device, dtype=dtype) if request.audio else None
+        else:
+            latents = randn_tensor(shape, generator=generator, device=device, dtype=dtype)
+            audio_latents = None
+            if request.audio:
+                audio_shape = (1, audio_len, cfg.in_audio_dim)
+                audio_latents = randn_tensor(audio_shape, generator=generator, device=device, dtype=dtype)
+
+        def step_hook(event: StepEvent) -> None:
+            telemetry.step_seconds.append(event.seconds)
+            telemetry.cached_steps += not event.dit_called
+            if on_step is not None:
+                on_step(event)
+
+        with telemetry.phase("denoise"):
+            out = sample(
+                self.dit,
+                self.scheduler,
+                num_steps=steps,
+                guidance=guidance,
+                cond=cond,
+                uncond=uncond,
+                latents=latents,
+                audio_latents=audio_latents,
+                first_frame=first_frame,
+                visual_cond=cfg.visual_cond,
+                patch=cfg.patch_size,
+                cache_steps=self.options.piflow_cache_steps,
+                on_step=step_hook,
+                should_stop=should_stop,
+            )
+        telemetry.dit_calls = out.dit_calls
+
+        with telemetry.phase("video_decode"):
+            frames = decode_video(self.vae, out.video)[0].cpu().numpy()
+        audio = None
+        if out.audio is not None:
+            with telemetry.phase("audio_decode"):
+                audio = decode_audio(self.audio_vae, self.vocoder, out.audio)[0].cpu().numpy()
+        return Result(frames, audio, self.sample_rate, request.fps, steps, guidance, telemetry)

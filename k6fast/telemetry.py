@@ -1,0 +1,68 @@
+"""One telemetry object per request: wall time per phase, per-step times, peak GPU memory and peak host RSS.
+
+`generate`, `serve` and `bench` print or record it the same way (`summary()` for people, `as_dict()` for records).
+"""
+
+from __future__ import annotations
+
+import resource
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+
+import torch
+
+
+def peak_host_rss_bytes() -> int:
+    """Peak resident set size of this process (Linux reports ru_maxrss in KiB)."""
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+@dataclass
+class Telemetry:
+    device: str = "cpu"
+    phases: dict[str, float] = field(default_factory=dict)  # seconds
+    step_seconds: list[float] = field(default_factory=list)
+    dit_calls: int = 0
+    cached_steps: int = 0
+    peak_vram_bytes: int = 0
+
+    @contextmanager
+    def phase(self, name: str) -> Iterator[None]:
+        cuda = self.device.startswith("cuda") and torch.cuda.is_available()
+        if cuda:
+            torch.cuda.synchronize()
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
+            if cuda:
+                torch.cuda.synchronize()
+                self.peak_vram_bytes = max(self.peak_vram_bytes, torch.cuda.max_memory_allocated())
+            self.phases[name] = self.phases.get(name, 0.0) + time.perf_counter() - start
+
+    def as_dict(self) -> dict:
+        return {
+            "device": self.device,
+            "phases_s": {k: round(v, 6) for k, v in self.phases.items()},
+            "step_s": [round(s, 6) for s in self.step_seconds],
+            "dit_calls": self.dit_calls,
+            "cached_steps": self.cached_steps,
+            "peak_vram_bytes": self.peak_vram_bytes,
+            "peak_host_rss_bytes": peak_host_rss_bytes(),
+        }
+
+    def summary(self) -> str:
+        steps = len(self.step_seconds)
+        lines = [f"{'phase':<14}{'seconds':>10}"]
+        lines += [f"{name:<14}{seconds:>10.2f}" for name, seconds in self.phases.items()]
+        lines.append(f"{'total':<14}{sum(self.phases.values()):>10.2f}")
+        lines.append(
+            f"denoising: {steps} steps, {steps - self.cached_steps} DiT steps ({self.dit_calls} DiT calls), "
+            f"{self.cached_steps} cached"
+        )
+        if self.peak_vram_bytes:
+            lines.append(f"peak GPU memory: {self.peak_vram_bytes / 2**30:.2f} GiB")
+        lines.append(f"peak host RSS: {peak_host_rss_bytes() / 2**30:.2f} GiB")
+        return "\n".join(lines)

@@ -1,0 +1,56 @@
+"""Decoders (and the reference-image encoder): diffusers' HunyuanVideo VAE with tiling, MMAudio VAE + vocoder."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import PIL.Image
+import torch
+from torch import Tensor
+
+
+def load_video_vae(root: Path, device: torch.device, dtype: torch.dtype):
+    from diffusers import AutoencoderKLHunyuanVideo
+
+    vae = AutoencoderKLHunyuanVideo.from_pretrained(root / "vae", dtype=dtype).to(device).eval()
+    # Tiles bound the decode's peak memory at real sizes; below the tile size (e.g. the tiny model) it decodes whole.
+    vae.enable_tiling()
+    return vae
+
+
+def load_audio_decoder(root: Path, device: torch.device, dtype: torch.dtype):
+    from diffusers import MMAudioVAE, MMAudioVocoder
+
+    audio_vae = MMAudioVAE.from_pretrained(root / "audio_vae", dtype=dtype).to(device).eval()
+    vocoder = MMAudioVocoder.from_pretrained(root / "vocoder", dtype=dtype).to(device).eval()
+    return audio_vae, vocoder
+
+
+@torch.no_grad()
+def encode_image(
+    vae, image: PIL.Image.Image, height: int, width: int, generator: torch.Generator | None, dtype: torch.dtype
+) -> Tensor:
+    """Reference image → first-frame latent [1, H/8, W/8, C] scaled by the VAE's scaling factor. The image is
+    resized and centre-cropped to height x width; the latent is sampled from the posterior with `generator`, as the
+    reference pipeline does."""
+    from diffusers.video_processor import VideoProcessor
+
+    processor = VideoProcessor(vae_scale_factor=vae.config.spatial_compression_ratio)
+    pixels = processor.preprocess(image.convert("RGB"), height=height, width=width, resize_mode="crop")
+    pixels = pixels.to(device=vae.device, dtype=vae.dtype).unsqueeze(2)  # [1, 3, 1, H, W]
+    latent = vae.encode(pixels).latent_dist.sample(generator) * vae.config.scaling_factor
+    return latent[:, :, 0].permute(0, 2, 3, 1).to(dtype)
+
+
+@torch.no_grad()
+def decode_video(vae, latents: Tensor) -> Tensor:
+    """latents: [B, T, H, W, C] (scaled) → frames fp32 [B, F, 8H, 8W, 3] in [0, 1], F = 4(T-1)+1."""
+    video = vae.decode(latents.permute(0, 4, 1, 2, 3).to(vae.dtype) / vae.config.scaling_factor).sample
+    return (video.float() / 2 + 0.5).clamp(0, 1).permute(0, 2, 3, 4, 1)
+
+
+@torch.no_grad()
+def decode_audio(audio_vae, vocoder, latents: Tensor) -> Tensor:
+    """latents: [B, L, C] (scaled) → mono waveform fp32 [B, N] at the audio VAE's sample rate."""
+    mel = audio_vae.decode(latents.permute(0, 2, 1).to(audio_vae.dtype) / audio_vae.config.scaling_factor).sample
+    return vocoder(mel.to(vocoder.dtype)).sample[:, 0].float()
