@@ -9,6 +9,7 @@ import warnings
 from pathlib import Path
 
 import pytest
+
 from k6fast.switches import (
     README_MARKERS,
     SWITCHES,
