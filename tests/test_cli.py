@@ -1,0 +1,90 @@
+"""The command line end to end on the tiny checkpoint: make-tiny, generate (MP4 + sidecar), switches, bad input."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from k6fast.cli import main
+from k6fast.media import probe_mp4
+from k6fast.switches import SWITCHES, check_readme
+
+ROOT = Path(__file__).resolve().parents[1]
+GEN = ["generate", "--prompt", "A cat purrs on a windowsill", "--size", "32x32", "--frames", "9", "--steps", "3"]
+
+
+def test_readme_switch_table_is_current() -> None:
+    problem = check_readme((ROOT / "README.md").read_text())
+    assert problem is None, f"{problem}\nregenerate it with: k6fast switches --markdown"
+
+
+def test_generate_writes_a_playable_clip_with_provenance(tiny_distill, tmp_path, capsys) -> None:
+    out = tmp_path / "clip.mp4"
+    assert main([*GEN, "--model", str(tiny_distill), "--out", str(out)]) == 0
+    info = probe_mp4(out)
+    assert (info.video_codec, info.pix_fmt, info.frame_count) == ("h264", "yuv420p", 9)
+    assert info.audio_codec == "aac" and info.audio_channels == 1 and info.audio_sample_rate == 44100
+    sidecar = json.loads((tmp_path / "clip.mp4.json").read_text())
+    assert sidecar["provenance"]["arm_hash"] == info.metadata["k6fast_arm_hash"]
+    assert json.loads(info.metadata["k6fast_switches"]) == sidecar["provenance"]["switches"]
+    assert sidecar["request"]["steps"] == 3 and sidecar["telemetry"]["dit_calls"] == 3
+    err = capsys.readouterr().err
+    for phase in ("text_encode", "denoise", "video_decode", "audio_decode", "mux"):
+        assert phase in err
+
+
+def test_reference_arm_equals_every_switch_explicitly_off(tiny_distill, tmp_path, monkeypatch) -> None:
+    a, b = tmp_path / "arm.mp4", tmp_path / "env.mp4"
+    for switch in SWITCHES:
+        monkeypatch.delenv(switch.name, raising=False)
+    assert main([*GEN, "--model", str(tiny_distill), "--arm", "reference", "--out", str(a)]) == 0
+    for switch in SWITCHES:
+        if switch.affects_output:
+            monkeypatch.setenv(switch.name, switch.format(switch.default))
+    assert main([*GEN, "--model", str(tiny_distill), "--out", str(b)]) == 0
+    assert a.read_bytes() == b.read_bytes()
+    arm_side, env_side = (json.loads(p.with_name(p.name + ".json").read_text()) for p in (a, b))
+    assert arm_side["provenance"]["arm"] == "reference"
+    assert arm_side["provenance"]["arm_hash"] == env_side["provenance"]["arm_hash"]
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--size", "100x64"], "width 100 is not a positive multiple of 16 (nearest valid: 96 or 112)"),
+        (["--frames", "10"], "frame count 10 is not of the form 4k+1 (nearest valid: 9 or 13)"),
+        (["--guidance", "3.0"], "guidance must be exactly 1.0"),
+        (["--out", "clip.avi"], "expected a path ending in .mp4"),
+    ],
+)
+def test_bad_input_is_refused_clearly(tiny_distill, tmp_path, capsys, args, message) -> None:
+    argv = [*GEN, "--model", str(tiny_distill), "--out", str(tmp_path / "x.mp4"), *args]
+    if args[0] == "--out":
+        argv = [*GEN, "--model", str(tiny_distill), "--out", str(tmp_path / args[1])]
+    assert main(argv) == 2
+    assert message in capsys.readouterr().err
+    assert not list(tmp_path.glob("*.mp4"))
+
+
+def test_missing_checkpoint_component_names_the_folder(tiny_distill, tmp_path, capsys) -> None:
+    import shutil
+
+    broken = tmp_path / "broken"
+    shutil.copytree(tiny_distill, broken)
+    shutil.rmtree(broken / "vocoder")
+    assert main([*GEN, "--model", str(broken), "--out", str(tmp_path / "x.mp4")]) == 2
+    assert "vocoder" in capsys.readouterr().err
+
+
+def test_invalid_switch_value_stops_start_up(tiny_distill, tmp_path, monkeypatch, capsys) -> None:
+    monkeypatch.setenv("K6_PIFLOW_CACHE_STEPS", "abc")
+    assert main([*GEN, "--model", str(tiny_distill), "--out", str(tmp_path / "x.mp4")]) == 2
+    assert "K6_PIFLOW_CACHE_STEPS" in capsys.readouterr().err
+
+
+def test_switches_command_lists_every_switch(capsys) -> None:
+    assert main(["switches"]) == 0
+    out = capsys.readouterr().out
+    assert all(s.name in out for s in SWITCHES)

@@ -1,0 +1,71 @@
+"""The PiFlow step cache (K6_PIFLOW_CACHE_STEPS): skipped DiT calls, bit-identical latents up to the cached step."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from diffusers import FlowMatchEulerDiscreteScheduler, PiflowScheduler
+
+from k6fast.pipeline import Pipeline, Request, RequestError
+from k6fast.switches import Options
+
+REQUEST = Request(prompt="Rain on a tin roof, thunder far away", width=32, height=32, frames=5, steps=10, seed=3)
+
+
+class CountingDiT:
+    def __init__(self, dit):
+        self.dit = dit
+        self.calls = 0
+
+    def __call__(self, **kwargs):
+        self.calls += 1
+        return self.dit(**kwargs)
+
+
+def _run(path, options: Options, request: Request, monkeypatch, scheduler_cls=PiflowScheduler):
+    """Generate and record the latents the scheduler sees before every step."""
+    pipe = Pipeline(path, options, device="cpu")
+    pipe.dit = CountingDiT(pipe.dit)
+    seen: list[torch.Tensor] = []
+    original = scheduler_cls.step
+
+    def recording_step(self, model_output, timestep, sample, return_dict=True):
+        if sample.ndim == 5:  # the video scheduler; the audio one gets [B, L, C]
+            seen.append(sample.clone())
+        return original(self, model_output, timestep, sample, return_dict=return_dict)
+
+    monkeypatch.setattr(scheduler_cls, "step", recording_step)
+    result = pipe.generate(request)
+    monkeypatch.setattr(scheduler_cls, "step", original)
+    return pipe.dit.calls, seen, result
+
+
+def test_cached_step_skips_the_dit_and_keeps_earlier_latents(tiny_distill, monkeypatch) -> None:
+    ref_calls, ref_latents, ref = _run(tiny_distill, Options(), REQUEST, monkeypatch)
+    cached = Options().replace(piflow_cache_steps=(8,))
+    calls, latents, result = _run(tiny_distill, cached, REQUEST, monkeypatch)
+    assert ref_calls == 10 and calls == 9
+    assert len(latents) == len(ref_latents) == 10
+    for step in range(9):  # the latents entering steps 0..8 were made before any cached prediction was used
+        assert torch.equal(latents[step], ref_latents[step]), f"latents before step {step} differ"
+    assert not torch.equal(latents[9], ref_latents[9])
+    assert "9 DiT steps" in result.telemetry.summary() and "10 DiT steps" in ref.telemetry.summary()
+    assert result.telemetry.cached_steps == 1
+
+
+def test_cache_with_cfg_reuses_both_branches(tiny_checkpoints, monkeypatch) -> None:
+    request = Request(prompt="A dog barks twice", width=32, height=32, frames=5, steps=4, guidance=5.0, seed=1)
+    cached = Options().replace(piflow_cache_steps=(2, 3))
+    calls, _, result = _run(tiny_checkpoints["base"], cached, request, monkeypatch, FlowMatchEulerDiscreteScheduler)
+    assert calls == 4  # two called steps x (cond + uncond)
+    assert result.telemetry.dit_calls == 4
+
+
+@pytest.mark.parametrize(
+    ("steps", "message"),
+    [((0,), "step 0 cannot be cached"), ((10,), "outside the schedule"), ((3, 12), "outside the schedule")],
+)
+def test_invalid_cache_steps_are_refused(tiny_distill, steps, message) -> None:
+    pipe = Pipeline(tiny_distill, Options().replace(piflow_cache_steps=steps), device="cpu")
+    with pytest.raises(RequestError, match=message):
+        pipe.resolve(REQUEST)
