@@ -62,7 +62,10 @@ def cmd_generate(args: argparse.Namespace) -> int:
         except (OSError, PIL.UnidentifiedImageError) as exc:
             raise CliError(f"--image {args.image}: not a readable image ({exc})") from exc
     options = _load_options(args.arm)
-    pipe = Pipeline(args.model, options, device=args.device, dtype=_dtype(args.dtype))
+    pipe = Pipeline(
+        args.model, options, device=args.device, dtype=_dtype(args.dtype), plan_geometry=(width, height, args.frames)
+    )
+    print(pipe.runtime.plan.describe(), file=sys.stderr)
     request = Request(
         prompt=args.prompt,
         width=width,
@@ -98,6 +101,17 @@ def cmd_make_tiny(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_make_synthetic(args: argparse.Namespace) -> int:
+    from .synthetic import make_synthetic
+
+    try:
+        path = make_synthetic(args.dir, preset=args.preset, blocks=args.blocks, seed=args.seed)
+    except ValueError as exc:
+        raise CliError(str(exc)) from exc
+    print(f"wrote a synthetic random-weight {args.preset} checkpoint (real tensor shapes) to {path}")
+    return 0
+
+
 def cmd_switches(args: argparse.Namespace) -> int:
     from .switches import readme_table, render_table
 
@@ -130,6 +144,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0)
     p.set_defaults(func=cmd_make_tiny)
 
+    p = sub.add_parser("make-synthetic", help="write a random-weight checkpoint with the real Pro/Lite shapes")
+    p.add_argument("dir")
+    p.add_argument("--preset", choices=["pro-distill", "pro", "lite-distill", "lite"], default="pro-distill")
+    p.add_argument("--blocks", type=int, help="fused blocks to write (default: the full depth, 60 for Pro)")
+    p.add_argument("--seed", type=int, default=0)
+    p.set_defaults(func=cmd_make_synthetic)
+
     p = sub.add_parser("switches", help="list the K6_* switches and their current values")
     p.add_argument("--markdown", action="store_true", help="the table README.md carries (defaults)")
     p.add_argument("--arm", help="show values with this arm applied")
@@ -139,13 +160,14 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     from .checkpoint import CheckpointError
+    from .dit.residency import ResidencyError
     from .pipeline import RequestError
     from .switches import SwitchError
 
     args = build_parser().parse_args(argv)
     try:
         return args.func(args)
-    except (CliError, CheckpointError, RequestError, SwitchError, FileExistsError) as exc:
+    except (CliError, CheckpointError, RequestError, SwitchError, ResidencyError, FileExistsError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
 

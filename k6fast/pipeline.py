@@ -17,8 +17,7 @@ import torch
 from diffusers.utils.torch_utils import randn_tensor
 
 from .checkpoint import Checkpoint, open_checkpoint
-from .dit.model import K6DiT
-from .dit.weights import load_tensors
+from .dit.runtime import build_dit, device_budget
 from .sampler import StepEvent, sample
 from .switches import Options, validate_cache_steps
 from .telemetry import Telemetry
@@ -97,7 +96,10 @@ class Pipeline:
         options: Options,
         device: str | torch.device | None = None,
         dtype: torch.dtype | None = None,
+        plan_geometry: tuple[int, int, int] = W1,
     ):
+        """plan_geometry: the largest (width, height, frames) this pipeline will serve; it sizes the activations
+        the residency planner reserves."""
         self.ckpt = model if isinstance(model, Checkpoint) else open_checkpoint(model)
         self.options = options
         self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
@@ -105,8 +107,16 @@ class Pipeline:
         self.load_seconds = 0.0
         telemetry = Telemetry(device=str(self.device))
         with telemetry.phase("load"):
-            weights = load_tensors(list(self.ckpt.transformer_files), self.device, self.dtype)
-            self.dit = K6DiT(self.ckpt.dit, weights)
+            self.runtime = build_dit(
+                self.ckpt,
+                self.device,
+                self.dtype,
+                budget_bytes=device_budget(self.device, options.vram_budget_gb),
+                tokens=self._tokens(*plan_geometry),
+                prefetch=options.prefetch_blocks,
+                max_resident=None if options.max_resident_blocks < 0 else options.max_resident_blocks,
+            )
+            self.dit = self.runtime.dit
             self.vae = load_video_vae(self.ckpt.root, self.device, self.dtype)
             self.audio_vae, self.vocoder = load_audio_decoder(self.ckpt.root, self.device, self.dtype)
             self.scheduler = self._load_scheduler()
@@ -117,6 +127,15 @@ class Pipeline:
 
         cls = PiflowScheduler if self.ckpt.distilled else FlowMatchEulerDiscreteScheduler
         return cls.from_pretrained(self.ckpt.root / "scheduler")
+
+    def _tokens(self, width: int, height: int, frames: int) -> tuple[int, int]:
+        """(video, audio) DiT tokens of a geometry, counting the image tail frame."""
+        latent_frames = (frames - 1) // TEMPORAL_STRIDE + 1
+        video = (latent_frames + 1) * (height // SPATIAL_MULTIPLE) * (width // SPATIAL_MULTIPLE)
+        return video, audio_length(latent_frames, FPS, 44_100, 1024)
+
+    def close(self) -> None:
+        self.runtime.close()
 
     @property
     def sample_rate(self) -> int:
@@ -191,6 +210,8 @@ class Pipeline:
                 audio_latents = randn_tensor(audio_shape, generator=generator, device=device, dtype=dtype)
 
         def step_hook(event: StepEvent) -> None:
+            if self.runtime.streamer is not None:
+                telemetry.add_stream_step(self.runtime.streamer.collect_timings())
             telemetry.step_seconds.append(event.seconds)
             telemetry.cached_steps += not event.dit_called
             if on_step is not None:

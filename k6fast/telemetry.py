@@ -27,6 +27,27 @@ class Telemetry:
     dit_calls: int = 0
     cached_steps: int = 0
     peak_vram_bytes: int = 0
+    stream_steps: list[dict] = field(default_factory=list)  # per denoising step: streamed blocks' copy/compute
+
+    def add_stream_step(self, timings: list) -> None:
+        """Aggregate one step's `BlockTiming`s: copy, compute and exposed seconds, hidden share of the copies."""
+        if not timings:
+            return
+        copy = sum(t.copy_s for t in timings)
+        exposed = sum(t.exposed_s for t in timings)
+        self.stream_steps.append(
+            {
+                "blocks": len(timings),
+                "copy_s": round(copy, 6),
+                "compute_s": round(sum(t.compute_s for t in timings), 6),
+                "exposed_s": round(exposed, 6),
+                "hidden_share": round(1 - exposed / copy, 4) if copy > 0 else None,
+                "per_block": [
+                    {"block": t.block, "copy_s": t.copy_s, "compute_s": t.compute_s, "exposed_s": t.exposed_s}
+                    for t in timings
+                ],
+            }
+        )
 
     @contextmanager
     def phase(self, name: str) -> Iterator[None]:
@@ -50,6 +71,7 @@ class Telemetry:
             "dit_calls": self.dit_calls,
             "cached_steps": self.cached_steps,
             "peak_vram_bytes": self.peak_vram_bytes,
+            "stream_steps": self.stream_steps,
             "peak_host_rss_bytes": peak_host_rss_bytes(),
         }
 
@@ -62,6 +84,11 @@ class Telemetry:
             f"denoising: {steps} steps, {steps - self.cached_steps} DiT steps ({self.dit_calls} DiT calls), "
             f"{self.cached_steps} cached"
         )
+        if self.stream_steps:
+            copy = sum(s["copy_s"] for s in self.stream_steps)
+            exposed = sum(s["exposed_s"] for s in self.stream_steps)
+            share = f"{100 * (1 - exposed / copy):.1f}%" if copy > 0 else "n/a"
+            lines.append(f"streaming: copies {copy:.2f} s, exposed {exposed:.3f} s, hidden {share}")
         if self.peak_vram_bytes:
             lines.append(f"peak GPU memory: {self.peak_vram_bytes / 2**30:.2f} GiB")
         lines.append(f"peak host RSS: {peak_host_rss_bytes() / 2**30:.2f} GiB")

@@ -40,7 +40,41 @@ DATA_DIR = Switch(
     affects_output=False,
 )
 
-SWITCHES: tuple[Switch, ...] = (PIFLOW_CACHE_STEPS, AUDIO_NORM, API_KEY, DATA_DIR)
+VRAM_BUDGET_GB = Switch(
+    name="K6_VRAM_BUDGET_GB",
+    kind="float",
+    default=0.0,
+    doc="GPU memory k6fast may use, in GiB (enforced on bigger cards); 0 = the whole card",
+    min=0.0,
+    affects_output=False,
+)
+PREFETCH_BLOCKS = Switch(
+    name="K6_PREFETCH_BLOCKS",
+    kind="int",
+    default=1,
+    doc="how many streamed DiT blocks are copied ahead of the one computing",
+    min=1,
+    max=8,
+    affects_output=False,
+)
+MAX_RESIDENT_BLOCKS = Switch(
+    name="K6_MAX_RESIDENT_BLOCKS",
+    kind="int",
+    default=-1,
+    doc="cap on fused blocks kept resident (-1 = as many as the budget holds); lets a shallow model stream",
+    min=-1,
+    affects_output=False,
+)
+
+SWITCHES: tuple[Switch, ...] = (
+    PIFLOW_CACHE_STEPS,
+    AUDIO_NORM,
+    VRAM_BUDGET_GB,
+    PREFETCH_BLOCKS,
+    MAX_RESIDENT_BLOCKS,
+    API_KEY,
+    DATA_DIR,
+)
 SWITCHES_BY_NAME: dict[str, Switch] = index_switches(SWITCHES)
 
 

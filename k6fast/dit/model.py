@@ -8,6 +8,7 @@ quantize blocks without touching the maths.
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
+from typing import Protocol
 
 import torch
 import torch.nn.functional as F
@@ -20,9 +21,33 @@ from .ops import linear, modulate, modulation, text_embedding, time_embedding
 from .rope import rope_1d, rope_3d
 from .weights import PrefixView
 
-# Called before each fused block with the block index; returns that block's weights (relative names). The
-# resident runtime returns a view; the streaming runtime returns the slot the block was copied into.
-BlockWeights = Callable[[int], Mapping[str, Tensor]]
+
+class BlockSource(Protocol):
+    """Where fused blocks' weights come from. `get(i)` before block i runs returns its weights (relative names);
+    `release(i)` after its compute was issued lets the source reuse the memory. Resident sources return views;
+    the streaming runtime returns the device slot the block was copied into."""
+
+    def begin_forward(self) -> None: ...
+
+    def get(self, block: int) -> Mapping[str, Tensor]: ...
+
+    def release(self, block: int) -> None: ...
+
+
+class ResidentBlocks:
+    """Every fused block already on the device, addressed in the full weight mapping."""
+
+    def __init__(self, weights: Mapping[str, Tensor]):
+        self.weights = weights
+
+    def begin_forward(self) -> None:
+        return None
+
+    def get(self, block: int) -> Mapping[str, Tensor]:
+        return PrefixView(self.weights, f"visual_transformer_blocks.{block}.")
+
+    def release(self, block: int) -> None:
+        return None
 
 
 def patchify(x: Tensor, patch: tuple[int, int, int]) -> Tensor:
@@ -43,20 +68,20 @@ def unpatchify(x: Tensor, patch: tuple[int, int, int]) -> Tensor:
 
 class K6DiT:
     """The Kandinsky 6 transformer. `weights` maps full checkpoint names to tensors already on the compute device
-    (modulation/time layers fp32, the rest the compute dtype); `block_weights` overrides where fused blocks come from.
-    """
+    (modulation/time layers fp32, the rest the compute dtype); `blocks` says where fused blocks come from (default:
+    `weights` itself)."""
 
     def __init__(
         self,
         cfg: DiTConfig,
         weights: Mapping[str, Tensor],
         backend: Backend | None = None,
-        block_weights: BlockWeights | None = None,
+        blocks: BlockSource | None = None,
     ):
         self.cfg = cfg
         self.weights = weights
         self.backend = backend or ExactBackend()
-        self.block_weights = block_weights or (lambda i: PrefixView(weights, f"visual_transformer_blocks.{i}."))
+        self.blocks = blocks or ResidentBlocks(weights)
         self.dtype = weights["visual_embeddings.in_layer.weight"].dtype
         # Called with the block index before each fused block runs (the attention policy uses it).
         self.on_block: Callable[[int], None] | None = None
@@ -136,10 +161,12 @@ class K6DiT:
             rope_a = rope_1d(positions, cfg.head_dim_a, cfg.audio_freqs_scaling)
 
         inputs = FusedBlockInputs(text_v, text_a, temb_v, temb_a, rope_v, rope_a, encoder_attention_mask)
+        self.blocks.begin_forward()
         for i in range(cfg.num_visual_blocks):
             if self.on_block is not None:
                 self.on_block(i)
-            vis, aud = fused_block(be, cfg, self.block_weights(i), vis, aud, inputs)
+            vis, aud = fused_block(be, cfg, self.blocks.get(i), vis, aud, inputs)
+            self.blocks.release(i)
 
         video_out = self._video_head(vis.reshape(-1, *grid, vis.shape[-1]), temb_v)
         audio_out = self._audio_head(aud, temb_a) if aud is not None else None

@@ -1,0 +1,88 @@
+"""The residency planner: from the VRAM budget and the geometry, what stays on the device and what streams."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+GiB = 2**30
+# Peak activation bytes of one fused block per (video token x model_dim) for k6fast's exact BF16 block, counted
+# from its tensors: the fp32 AdaLN temporaries (x.float(), the normalised copy, the affine result: 12 bytes) and the
+# feed-forward's 4x-wide hidden state and GELU output (16 bytes) on top of the bf16 stream, with a margin.
+ACTIVATION_BYTES_PER_TOKEN_DIM = 32
+# What the allocator, cuBLAS/cuDNN workspaces and the CUDA context take outside our tensors.
+RESERVE_BYTES = 2 * GiB
+
+
+class ResidencyError(ValueError):
+    """The VRAM budget cannot hold what the DiT needs even when streaming."""
+
+
+@dataclass(frozen=True)
+class ResidencyPlan:
+    budget_bytes: int
+    fixed_bytes: int  # embeddings, text blocks, heads: always resident
+    block_bytes: int  # one fused block
+    num_blocks: int
+    resident_blocks: int  # blocks 0..resident_blocks-1 stay on the device
+    slots: int  # device buffers the other blocks stream through (0 when nothing streams)
+    activation_bytes: int
+
+    @property
+    def streamed_blocks(self) -> int:
+        return self.num_blocks - self.resident_blocks
+
+    @property
+    def weight_bytes(self) -> int:
+        return self.fixed_bytes + self.resident_blocks * self.block_bytes + self.slots * self.block_bytes
+
+    def describe(self) -> str:
+        gib = lambda n: f"{n / GiB:.2f} GiB"  # noqa: E731
+        lines = [
+            f"residency plan (budget {gib(self.budget_bytes)}):",
+            f"  resident: embeddings/text blocks/heads {gib(self.fixed_bytes)} + {self.resident_blocks} of "
+            f"{self.num_blocks} fused blocks x {gib(self.block_bytes)}",
+        ]
+        if self.streamed_blocks:
+            lines.append(
+                f"  streamed: {self.streamed_blocks} blocks through {self.slots} device slots "
+                f"({gib(self.slots * self.block_bytes)}), prefetched {self.slots - 1} ahead"
+            )
+        lines.append(f"  activations (estimate) {gib(self.activation_bytes)}, reserve {gib(RESERVE_BYTES)}")
+        return "\n".join(lines)
+
+
+def activation_estimate(video_tokens: int, audio_tokens: int, model_dim: int, model_dim_a: int) -> int:
+    return ACTIVATION_BYTES_PER_TOKEN_DIM * (video_tokens * model_dim + audio_tokens * model_dim_a)
+
+
+def plan_residency(
+    *,
+    budget_bytes: int,
+    fixed_bytes: int,
+    block_bytes: int,
+    num_blocks: int,
+    activation_bytes: int,
+    prefetch: int = 1,
+    max_resident: int | None = None,
+) -> ResidencyPlan:
+    """As many fused blocks resident as fit after the fixed weights, activations, reserve and `prefetch + 1`
+    streaming slots; `max_resident` caps them (so a reduced-depth synthetic model streams the full model's share).
+    Raises ValueError when not even the streaming minimum fits."""
+    if prefetch < 1:
+        raise ValueError(f"prefetch distance must be >= 1 block, found {prefetch}")
+    free = budget_bytes - fixed_bytes - activation_bytes - RESERVE_BYTES
+    slots = prefetch + 1
+    if free >= num_blocks * block_bytes and (max_resident is None or max_resident >= num_blocks):
+        return ResidencyPlan(budget_bytes, fixed_bytes, block_bytes, num_blocks, num_blocks, 0, activation_bytes)
+    if free < slots * block_bytes:
+        need = fixed_bytes + activation_bytes + RESERVE_BYTES + slots * block_bytes
+        raise ResidencyError(
+            f"the VRAM budget of {budget_bytes / GiB:.1f} GiB cannot hold the DiT's fixed weights "
+            f"({fixed_bytes / GiB:.1f} GiB), {slots} streaming slots and the activations of this geometry "
+            f"({activation_bytes / GiB:.1f} GiB): at least {need / GiB:.1f} GiB is needed"
+        )
+    resident = min(num_blocks - 1, (free - slots * block_bytes) // block_bytes)
+    if max_resident is not None:
+        resident = min(resident, max_resident)
+    slots = min(slots, num_blocks - resident)
+    return ResidencyPlan(budget_bytes, fixed_bytes, block_bytes, num_blocks, int(resident), slots, activation_bytes)

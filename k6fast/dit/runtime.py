@@ -1,0 +1,127 @@
+"""Builds the DiT for a device: fixed weights and the planned resident blocks uploaded once, the rest streamed."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from ..checkpoint import Checkpoint
+from .backend import Backend
+from .model import K6DiT
+from .residency import GiB, ResidencyPlan, activation_estimate, plan_residency
+from .weight_stream import BlockStreamer, FileReader, TensorLocation, index_safetensors, upload
+
+BLOCK_PREFIX = "visual_transformer_blocks."
+
+
+class MixedBlocks:
+    """Blocks below `resident` from device memory, the others from the streamer."""
+
+    def __init__(self, resident: dict[int, Mapping[str, Tensor]], streamer: BlockStreamer | None):
+        self.resident = resident
+        self.streamer = streamer
+
+    def begin_forward(self) -> None:
+        if self.streamer is not None:
+            self.streamer.begin_forward()
+
+    def get(self, block: int) -> Mapping[str, Tensor]:
+        if block in self.resident:
+            return self.resident[block]
+        return self.streamer.get(block)
+
+    def release(self, block: int) -> None:
+        if block not in self.resident:
+            self.streamer.release(block)
+
+
+def block_of(name: str) -> int | None:
+    if not name.startswith(BLOCK_PREFIX):
+        return None
+    return int(name[len(BLOCK_PREFIX) :].split(".", 1)[0])
+
+
+def footprint(index: Mapping[str, TensorLocation], num_blocks: int, compute: torch.dtype) -> tuple[int, int]:
+    """(fixed bytes, largest fused block's bytes) as held on the device."""
+    from .weight_stream import target_dtype
+
+    fixed, blocks = 0, [0] * num_blocks
+    for name, loc in index.items():
+        elems = loc.nbytes // loc.dtype.itemsize
+        held = elems * target_dtype(name, loc.dtype, compute).itemsize
+        b = block_of(name)
+        if b is None:
+            fixed += held
+        else:
+            blocks[b] += loc.nbytes  # slots hold stored bytes; fp32 copies of modulation are transient
+    return fixed, max(blocks)
+
+
+@dataclass
+class DiTRuntime:
+    dit: K6DiT
+    plan: ResidencyPlan
+    streamer: BlockStreamer | None
+    reader: FileReader
+
+    def close(self) -> None:
+        if self.streamer is not None:
+            self.streamer.close()
+        self.reader.close()
+
+
+def build_dit(
+    ckpt: Checkpoint,
+    device: torch.device,
+    dtype: torch.dtype,
+    *,
+    budget_bytes: int,
+    tokens: tuple[int, int],
+    prefetch: int = 1,
+    max_resident: int | None = None,
+    backend: Backend | None = None,
+) -> DiTRuntime:
+    """tokens: (video, audio) token counts of the largest geometry this runtime must serve (sizes activations)."""
+    cfg = ckpt.dit
+    index = index_safetensors(list(ckpt.transformer_files))
+    fixed_bytes, block_bytes = footprint(index, cfg.num_visual_blocks, dtype)
+    plan = plan_residency(
+        budget_bytes=budget_bytes,
+        fixed_bytes=fixed_bytes,
+        block_bytes=block_bytes,
+        num_blocks=cfg.num_visual_blocks,
+        activation_bytes=activation_estimate(tokens[0], tokens[1], cfg.model_dim, cfg.model_dim_a),
+        prefetch=prefetch,
+        max_resident=max_resident,
+    )
+    reader = FileReader({loc.file for loc in index.values()})
+    resident_names = [
+        loc for name, loc in sorted(index.items()) if (b := block_of(name)) is None or b < plan.resident_blocks
+    ]
+    weights = upload(reader, resident_names, device, dtype)
+    resident = {
+        i: {k[len(f"{BLOCK_PREFIX}{i}.") :]: v for k, v in weights.items() if block_of(k) == i}
+        for i in range(plan.resident_blocks)
+    }
+    streamer = None
+    if plan.streamed_blocks:
+        streamer = BlockStreamer(index, reader, cfg.num_visual_blocks, plan.resident_blocks, plan.slots, device, dtype)
+    dit = K6DiT(cfg, weights, backend=backend, blocks=MixedBlocks(resident, streamer))
+    return DiTRuntime(dit, plan, streamer, reader)
+
+
+def device_budget(device: torch.device, budget_gb: float) -> int:
+    """The VRAM budget in bytes: the switch's value, or the whole card when 0. On a bigger card the budget is
+    enforced through the caching allocator so that an H200 behaves like a 32 GB card."""
+    if device.type != "cuda":
+        return int(budget_gb * GiB) if budget_gb > 0 else 1 << 62
+    total = torch.cuda.get_device_properties(device).total_memory
+    if budget_gb <= 0:
+        return total
+    budget = int(budget_gb * GiB)
+    if budget < total:
+        torch.cuda.set_per_process_memory_fraction(budget / total, device)
+    return min(budget, total)

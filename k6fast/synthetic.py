@@ -1,0 +1,217 @@
+"""`k6fast make-synthetic`: a random-weight checkpoint with the real Kandinsky 6 tensor names and shapes, for measuring
+speed and memory where the real weights are not available.
+
+The transformer is the real thing in everything but values: the Pro (or Lite) config, every tensor name and shape,
+bf16, sharded like the release, with `--blocks` lowering the depth to fit a disk. The video VAE, audio VAE and
+vocoder use diffusers' default (release) configurations. The text encoders keep the real output widths (Qwen2.5-VL
+3584, CLIP 768) but only one layer each, since their cost is not what these checkpoints measure; they are flagged
+in `synthetic.json` so no figure from them is mistaken for the real text phase.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+import torch
+from safetensors.torch import save_file
+
+from .dit.config import DiTConfig, expected_shapes
+
+PRESETS: dict[str, dict] = {
+    "pro-distill": dict(
+        model_dim=4096, ff_dim=16384, time_dim=1024, num_text_blocks=4, num_visual_blocks=60,
+        axes_dims=(32, 48, 48), model_dim_a=2048, ff_dim_a=7168, time_dim_a=1024, n_grid=10,
+    ),
+    "pro": dict(
+        model_dim=4096, ff_dim=16384, time_dim=1024, num_text_blocks=4, num_visual_blocks=60,
+        axes_dims=(32, 48, 48), model_dim_a=2048, ff_dim_a=7168, time_dim_a=1024, n_grid=1,
+    ),
+    "lite-distill": dict(
+        model_dim=1792, ff_dim=7168, time_dim=512, num_text_blocks=2, num_visual_blocks=32,
+        axes_dims=(16, 24, 24), model_dim_a=896, ff_dim_a=3584, time_dim_a=512, n_grid=10,
+    ),
+    "lite": dict(
+        model_dim=1792, ff_dim=7168, time_dim=512, num_text_blocks=2, num_visual_blocks=32,
+        axes_dims=(16, 24, 24), model_dim_a=896, ff_dim_a=3584, time_dim_a=512, n_grid=1,
+    ),
+}  # fmt: skip
+SHARD_BYTES = 5 * 2**30
+QWEN_HIDDEN, CLIP_HIDDEN = 3584, 768
+
+
+def transformer_config(preset: str, blocks: int | None) -> dict:
+    if preset not in PRESETS:
+        raise ValueError(f"unknown preset {preset!r}; expected one of {sorted(PRESETS)}")
+    p = dict(PRESETS[preset])
+    n_grid = p.pop("n_grid")
+    if blocks is not None:
+        if not 1 <= blocks <= p["num_visual_blocks"]:
+            raise ValueError(f"--blocks must be in 1..{p['num_visual_blocks']} for {preset}, found {blocks}")
+        p["num_visual_blocks"] = blocks
+    return {
+        "_class_name": "Kandinsky6Transformer3DModel",
+        "_diffusers_version": "0.42.1",
+        "in_visual_dim": 16,
+        "out_visual_dim": 16 * n_grid,
+        "in_audio_dim": 40,
+        "out_audio_dim": 40 * n_grid,
+        "in_text_dim": QWEN_HIDDEN,
+        "in_text_dim2": CLIP_HIDDEN,
+        "patch_size": [1, 2, 2],
+        "axes_dims_a": None,
+        "audio_freqs_scaling": 0.144,
+        "scale_factor": [1.0, 2.0, 2.0],
+        "visual_cond": True,
+        "text_token_padding": True,
+        "ca_rope": True,
+        "cross_gates": True,
+        "fix_modulation": True,
+        "visual_token_type_num_embeddings": 2,
+        **{k: list(v) if isinstance(v, tuple) else v for k, v in p.items()},
+    }
+
+
+def _init_tensor(name: str, shape: tuple[int, ...], generator: torch.Generator, device: str) -> torch.Tensor:
+    """Values at the scale of a freshly initialised model: nn.Linear's uniform(±1/sqrt(fan_in)) as a normal with
+    the same variance, zero biases, unit norm weights, small embeddings."""
+    if name.endswith(".bias"):
+        return torch.zeros(shape, dtype=torch.bfloat16)
+    if "norm" in name:
+        return torch.ones(shape, dtype=torch.bfloat16)
+    std = 0.02 if len(shape) == 1 or "embeddings.weight" in name else 1.0 / math.sqrt(3 * shape[-1])
+    t = torch.randn(shape, generator=generator, device=device, dtype=torch.float32) * std
+    return t.to(torch.bfloat16).cpu()
+
+
+def _write_transformer(folder: Path, config: dict, seed: int) -> int:
+    folder.mkdir(parents=True)
+    (folder / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    shapes = expected_shapes(DiTConfig.from_dict(config))
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    generator = torch.Generator(device).manual_seed(seed)
+    # Group into shards of about SHARD_BYTES, in name order, holding one shard in host memory at a time.
+    groups: list[list[str]] = [[]]
+    size = 0
+    for name in sorted(shapes):
+        nbytes = 2 * math.prod(shapes[name])
+        if groups[-1] and size + nbytes > SHARD_BYTES:
+            groups.append([])
+            size = 0
+        groups[-1].append(name)
+        size += nbytes
+    weight_map, total = {}, 0
+    for i, names in enumerate(groups):
+        file = f"diffusion_pytorch_model-{i + 1:05d}-of-{len(groups):05d}.safetensors"
+        tensors = {name: _init_tensor(name, shapes[name], generator, device) for name in names}
+        save_file(tensors, str(folder / file), metadata={"format": "pt"})
+        total += sum(t.numel() * 2 for t in tensors.values())
+        weight_map.update({name: file for name in names})
+        del tensors
+    index = {"metadata": {"total_size": total}, "weight_map": weight_map}
+    (folder / "diffusion_pytorch_model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
+    return total
+
+
+def _write_small_components(root: Path, distilled: bool, seed: int) -> None:
+    from diffusers import (
+        AutoencoderKLHunyuanVideo,
+        FlowMatchEulerDiscreteScheduler,
+        MMAudioVAE,
+        MMAudioVocoder,
+        PiflowScheduler,
+    )
+    from transformers import CLIPTextConfig, CLIPTextModel, Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
+
+    from .tiny import QWEN_SPECIAL_TOKENS, build_clip_tokenizer, build_qwen_processor
+
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        processor, clip_tokenizer = build_qwen_processor(), build_clip_tokenizer()
+        processor.save_pretrained(root / "tokenizer")
+        clip_tokenizer.save_pretrained(root / "tokenizer_2")
+        ids = {t: processor.tokenizer.convert_tokens_to_ids(t) for t in QWEN_SPECIAL_TOKENS}
+        qwen = Qwen2_5_VLForConditionalGeneration(
+            Qwen2_5_VLConfig(
+                text_config={
+                    "vocab_size": len(processor.tokenizer), "hidden_size": QWEN_HIDDEN, "intermediate_size": 1024,
+                    "num_hidden_layers": 1, "num_attention_heads": 28, "num_key_value_heads": 4,
+                    "max_position_embeddings": 8192, "rms_norm_eps": 1e-6,
+                    "rope_parameters": {"rope_type": "default", "rope_theta": 1e6, "mrope_section": [16, 24, 24]},
+                    "bos_token_id": ids["<|endoftext|>"], "eos_token_id": ids["<|im_end|>"],
+                    "pad_token_id": ids["<|endoftext|>"],
+                },
+                vision_config={
+                    "depth": 1, "hidden_size": 32, "intermediate_size": 64, "num_heads": 2,
+                    "out_hidden_size": QWEN_HIDDEN, "fullatt_block_indexes": [0],
+                },
+                image_token_id=ids["<|image_pad|>"], video_token_id=ids["<|video_pad|>"],
+                vision_start_token_id=ids["<|vision_start|>"], vision_end_token_id=ids["<|vision_end|>"],
+            )
+        )  # fmt: skip
+        qwen.to(torch.bfloat16).save_pretrained(root / "text_encoder")
+        clip = CLIPTextModel(
+            CLIPTextConfig(
+                vocab_size=len(clip_tokenizer), hidden_size=CLIP_HIDDEN, intermediate_size=1024,
+                projection_dim=CLIP_HIDDEN, num_hidden_layers=1, num_attention_heads=12, max_position_embeddings=77,
+                bos_token_id=clip_tokenizer.bos_token_id, eos_token_id=clip_tokenizer.eos_token_id,
+                pad_token_id=clip_tokenizer.pad_token_id,
+            )
+        )  # fmt: skip
+        clip.to(torch.bfloat16).save_pretrained(root / "text_encoder_2")
+        AutoencoderKLHunyuanVideo().to(torch.bfloat16).save_pretrained(root / "vae")
+        MMAudioVAE(scaling_factor=0.417 if distilled else 0.5302).to(torch.bfloat16).save_pretrained(root / "audio_vae")
+        MMAudioVocoder().to(torch.bfloat16).save_pretrained(root / "vocoder")
+    scheduler = PiflowScheduler() if distilled else FlowMatchEulerDiscreteScheduler(shift=5.0)
+    scheduler.save_pretrained(root / "scheduler")
+
+
+def make_synthetic(out_dir: str | Path, preset: str = "pro-distill", blocks: int | None = None, seed: int = 0) -> Path:
+    """Write the synthetic checkpoint to `out_dir` (built beside it, then renamed; a non-empty dir is refused)."""
+    out_dir = Path(out_dir)
+    if out_dir.exists() and (not out_dir.is_dir() or any(out_dir.iterdir())):
+        raise FileExistsError(f"expected a missing or empty directory for the synthetic checkpoint: {out_dir}")
+    config = transformer_config(preset, blocks)
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.tmp-", dir=out_dir.parent))
+    try:
+        distilled = preset.endswith("distill")
+        total = _write_transformer(tmp / "transformer", config, seed)
+        _write_small_components(tmp, distilled, seed)
+        model_index = {
+            "_class_name": "Kandinsky6TI2VAPipeline",
+            "_diffusers_version": "0.42.1",
+            "transformer": ["diffusers", "Kandinsky6Transformer3DModel"],
+            "vae": ["diffusers", "AutoencoderKLHunyuanVideo"],
+            "text_encoder": ["transformers", "Qwen2_5_VLForConditionalGeneration"],
+            "tokenizer": ["transformers", "Qwen2_5_VLProcessor"],
+            "text_encoder_2": ["transformers", "CLIPTextModel"],
+            "tokenizer_2": ["transformers", "CLIPTokenizer"],
+            "scheduler": ["diffusers", "PiflowScheduler" if distilled else "FlowMatchEulerDiscreteScheduler"],
+            "audio_vae": ["diffusers", "MMAudioVAE"],
+            "vocoder": ["diffusers", "MMAudioVocoder"],
+        }
+        (tmp / "model_index.json").write_text(json.dumps(model_index, indent=2) + "\n")
+        note = {
+            "synthetic": True,
+            "preset": preset,
+            "num_visual_blocks": config["num_visual_blocks"],
+            "full_depth_blocks": PRESETS[preset]["num_visual_blocks"],
+            "transformer_bytes": total,
+            "seed": seed,
+            "text_encoders": "real output widths, one layer each: not representative of the text phase's cost",
+        }
+        (tmp / "synthetic.json").write_text(json.dumps(note, indent=2) + "\n")
+        for folder, _, files in os.walk(tmp):
+            os.chmod(folder, 0o755)
+            for name in files:
+                os.chmod(os.path.join(folder, name), 0o644)
+        os.replace(tmp, out_dir)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return out_dir

@@ -1,0 +1,103 @@
+"""The streaming runtime on CPU: reader, planner, slot rotation; streamed output bit-identical to resident."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from safetensors import safe_open
+
+from k6fast.checkpoint import open_checkpoint
+from k6fast.dit.residency import RESERVE_BYTES, GiB, plan_residency
+from k6fast.dit.runtime import build_dit
+from k6fast.dit.weight_stream import FileReader, index_safetensors
+
+
+def _inputs(cfg, seed: int = 0):
+    g = torch.Generator().manual_seed(seed)
+    return dict(
+        hidden_states=torch.randn(1, 3, 4, 6, cfg.visual_in_channels, generator=g),
+        encoder_hidden_states=torch.randn(1, 5, cfg.in_text_dim, generator=g),
+        pooled_projections=torch.randn(1, cfg.in_text_dim2, generator=g),
+        timestep=torch.tensor([500.0]),
+        audio_hidden_states=torch.randn(1, 4, cfg.in_audio_dim, generator=g),
+    )
+
+
+def _runtime(ckpt, **kwargs):
+    return build_dit(ckpt, torch.device("cpu"), torch.float32, budget_bytes=1 << 40, tokens=(100, 10), **kwargs)
+
+
+def test_reader_returns_the_file_bytes(tiny_distill) -> None:
+    ckpt = open_checkpoint(tiny_distill)
+    index = index_safetensors(ckpt.transformer_files)
+    reader = FileReader({loc.file for loc in index.values()})
+    try:
+        for file in ckpt.transformer_files:
+            with safe_open(str(file), framework="pt") as f:
+                for name in f.keys():  # noqa: SIM118
+                    loc = index[name]
+                    buf = torch.empty(loc.nbytes + 16, dtype=torch.uint8)
+                    reader.read_into(buf, [(loc, 16)])
+                    got = buf[16:].view(loc.dtype).view(loc.shape)
+                    assert torch.equal(got, f.get_tensor(name))
+    finally:
+        reader.close()
+
+
+@pytest.mark.parametrize(("max_resident", "prefetch"), [(0, 1), (1, 1), (0, 2)])
+def test_streamed_forward_is_bit_identical_to_resident(tiny_distill, max_resident: int, prefetch: int) -> None:
+    ckpt = open_checkpoint(tiny_distill)
+    resident = _runtime(ckpt)
+    streamed = _runtime(ckpt, max_resident=max_resident, prefetch=prefetch)
+    try:
+        assert resident.streamer is None and streamed.streamer is not None
+        assert streamed.plan.resident_blocks == max_resident
+        for seed in range(3):  # several forwards: the slots rotate through the cycle
+            kwargs = _inputs(ckpt.dit, seed)
+            a, b = resident.dit(**kwargs), streamed.dit(**kwargs)
+            assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1])
+    finally:
+        resident.close()
+        streamed.close()
+
+
+def test_an_interrupted_forward_does_not_desynchronise_the_stream(tiny_distill) -> None:
+    ckpt = open_checkpoint(tiny_distill)
+    resident, streamed = _runtime(ckpt), _runtime(ckpt, max_resident=0)
+    try:
+        blocks = streamed.dit.blocks
+        blocks.begin_forward()
+        blocks.get(0)
+        blocks.release(0)  # stop after one of two streamed blocks, as a cancelled request would
+        kwargs = _inputs(ckpt.dit, 5)
+        assert torch.equal(resident.dit(**kwargs)[0], streamed.dit(**kwargs)[0])
+        with pytest.raises(RuntimeError, match="requested"):
+            streamed.dit.blocks.streamer.get(1)  # out of order: the stream holds block 0 next
+    finally:
+        resident.close()
+        streamed.close()
+
+
+def test_planner_keeps_what_fits_and_streams_the_rest() -> None:
+    block, fixed, act = GiB, 2 * GiB, 6 * GiB
+    plan = plan_residency(budget_bytes=32 * GiB, fixed_bytes=fixed, block_bytes=block, num_blocks=60,
+                          activation_bytes=act)  # fmt: skip
+    # 32 - 2 fixed - 6 activations - reserve = 22 GiB: 2 slots and 20 resident blocks.
+    assert plan.slots == 2 and plan.resident_blocks == (32 * GiB - fixed - act - RESERVE_BYTES) // block - 2
+    assert plan.weight_bytes + act + RESERVE_BYTES <= 32 * GiB
+    assert "streamed: 40 blocks through 2 device slots" in plan.describe()
+    everything = plan_residency(budget_bytes=139 * GiB, fixed_bytes=fixed, block_bytes=block, num_blocks=60,
+                                activation_bytes=act)  # fmt: skip
+    assert everything.resident_blocks == 60 and everything.slots == 0
+    capped = plan_residency(budget_bytes=139 * GiB, fixed_bytes=fixed, block_bytes=block, num_blocks=12,
+                            activation_bytes=act, max_resident=4, prefetch=2)  # fmt: skip
+    assert capped.resident_blocks == 4 and capped.slots == 3 and capped.streamed_blocks == 8
+
+
+def test_planner_refuses_a_budget_too_small_to_stream() -> None:
+    with pytest.raises(ValueError, match="cannot hold.*at least"):
+        plan_residency(budget_bytes=8 * GiB, fixed_bytes=2 * GiB, block_bytes=GiB, num_blocks=60,
+                       activation_bytes=6 * GiB)  # fmt: skip
+    with pytest.raises(ValueError, match="prefetch"):
+        plan_residency(budget_bytes=80 * GiB, fixed_bytes=0, block_bytes=GiB, num_blocks=4, activation_bytes=0,
+                       prefetch=0)  # fmt: skip
