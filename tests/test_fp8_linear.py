@@ -1,0 +1,331 @@
+"""kernels/fp8_linear.py: row-wise FP8 quantization, the FP8 linear, and the FP16-accumulate GEMM.
+
+Three tiers: CPU tests of the references and of the public ops' CPU path; `interpret` tests of the Triton kernels
+at tiny shapes (run in a subprocess with TRITON_INTERPRET=1, so the setting never leaks into this process); `gpu`
+tests at the W1 shapes: M = 50220 tokens, (K, N) = (4096, 4096), (4096, 16384), (16384, 4096).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from k6fast.kernels import fp8_linear as fp8_module
+from k6fast.kernels.adaln import layernorm_modulate
+from k6fast.kernels.fp8_linear import (
+    E4M3_MAX,
+    fp8_linear,
+    fp8_linear_ref,
+    fp16acc_linear,
+    fp16acc_linear_ref,
+    fp16acc_linear_triton,
+    quantize_rows_fp8,
+    quantize_rows_fp8_ref,
+    quantize_rows_fp8_triton,
+    quantize_weight_fp8,
+)
+
+INTERPRETING = os.environ.get("TRITON_INTERPRET") == "1"
+needs_interpreter = pytest.mark.skipif(
+    not INTERPRETING, reason="runs under TRITON_INTERPRET=1 (test_triton_kernels_under_interpreter spawns that run)"
+)
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+
+# e4m3 keeps 3 mantissa bits: ≈2.5% RMS relative rounding error per operand, ≈3.5% for the product of two quantized
+# operands over incoherent sums (CPU measurement on the DiT-like data below). 3% would be below that floor.
+FP8_REL_L2_VS_BF16 = 0.045
+
+
+def dit_like(m: int, k: int, n: int, device: str = "cpu", seed: int = 0):
+    """x [m, k] bf16 activations with a few outlier channels (×30), w [n, k] bf16 ~ N(0, 0.02²), bias [n] bf16."""
+    g = torch.Generator(device=device).manual_seed(seed)
+    x = torch.randn(m, k, generator=g, device=device)
+    x[:, torch.randperm(k, generator=g, device=device)[: max(1, k // 512)]] *= 30.0
+    w = torch.randn(n, k, generator=g, device=device) * 0.02
+    bias = torch.randn(n, generator=g, device=device) * 0.1
+    return x.bfloat16(), w.bfloat16(), bias.bfloat16()
+
+
+def rel_l2(a: torch.Tensor, b: torch.Tensor) -> float:
+    a, b = a.double(), b.double()
+    return ((a - b).norm() / b.norm()).item()
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# CPU: references and the public ops' CPU path
+# ---------------------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("shape", [(1, 96), (218, 1792), (2, 3, 48), (5, 4096)])
+def test_quantize_rows_ref_round_trip(shape):
+    x = torch.randn(shape).bfloat16() * 3
+    q, s = quantize_rows_fp8_ref(x)
+    assert q.dtype == torch.float8_e4m3fn and q.shape == x.shape and s.shape == (*shape[:-1], 1)
+    amax = x.float().abs().amax(-1, keepdim=True)
+    torch.testing.assert_close(s, amax / E4M3_MAX, rtol=0, atol=0)
+    assert (q.float().abs().amax(-1, keepdim=True) == E4M3_MAX).all(), "each row's absmax maps to 448"
+    # Round to nearest: within half an e4m3 step (2^-4 relative) of x, or of the subnormal spacing 2^-9 · scale.
+    err = (q.float() * s - x.float()).abs()
+    assert (err <= torch.maximum(x.float().abs() * 2.0**-4, s * 2.0**-10) * 1.0001).all()
+
+
+def test_quantize_rows_zero_row_stays_finite():
+    x = torch.zeros(2, 64, dtype=torch.bfloat16)
+    x[1] = 1.0
+    q, s = quantize_rows_fp8(x)
+    assert torch.isfinite(s).all() and s[0, 0] > 0 and (q[0].float() == 0).all() and (q[1].float() == 448).all()
+
+
+def test_quantize_weight_layout():
+    w = torch.randn(48, 96).bfloat16()
+    wq, s = quantize_weight_fp8(w)
+    q_rows, s_rows = quantize_rows_fp8_ref(w)
+    assert wq.shape == (48, 96) and wq.is_contiguous() and s.shape == (1, 48)
+    assert torch.equal(wq.view(torch.uint8), q_rows.view(torch.uint8)) and torch.equal(s, s_rows.reshape(1, 48))
+
+
+def test_fp8_linear_ref_is_the_dequantized_product():
+    x, w, bias = dit_like(37, 256, 64)
+    wq, ws = quantize_weight_fp8(w)
+    xq, xs = quantize_rows_fp8_ref(x)
+    expected = ((xq.float() * xs) @ (wq.float() * ws.reshape(-1, 1)).t() + bias.float()).bfloat16()
+    assert torch.equal(fp8_linear_ref(x, wq, ws, bias), expected)
+    assert torch.equal(fp8_linear_ref((xq, xs), wq, ws, bias), expected)
+
+
+def test_fp8_quantization_error_on_dit_like_inputs():
+    x, w, _ = dit_like(512, 4096, 256)
+    wq, ws = quantize_weight_fp8(w)
+    err = rel_l2(fp8_linear_ref(x, wq, ws, out_dtype=torch.float32), x.float() @ w.float().t())
+    assert 0.01 < err <= FP8_REL_L2_VS_BF16, f"relative L2 vs the bf16 product {err:.4f}"
+
+
+def test_fp8_linear_on_cpu_runs_the_reference(caplog):
+    fp8_module._log_reference_once.cache_clear()
+    x, w, bias = dit_like(2 * 109, 96, 48)
+    x = x.reshape(2, 109, 96)
+    wq, ws = quantize_weight_fp8(w)
+    with caplog.at_level(logging.INFO, logger=fp8_module.__name__):
+        y = fp8_linear(x, wq, ws, bias)
+        fp8_linear(x, wq, ws, bias)
+    assert y.shape == (2, 109, 48) and torch.equal(y, fp8_linear_ref(x, wq, ws, bias))
+    messages = [r.getMessage() for r in caplog.records]
+    assert sum(m.startswith("fp8_linear on cpu runs the PyTorch reference") for m in messages) == 1, messages
+
+
+def test_fp8_linear_takes_the_fused_norm_output():
+    x, w, _ = dit_like(218, 96, 32)
+    scale, shift = torch.randn(2, 96).unbind(0)
+    wq, ws = quantize_weight_fp8(w)
+    fused = fp8_linear(layernorm_modulate(x, scale, shift, out_fp8=True), wq, ws)
+    unfused = fp8_linear(layernorm_modulate(x, scale, shift), wq, ws)
+    assert torch.equal(fused, unfused)
+
+
+def test_fp16acc_ref_is_fp32_product_of_fp16_operands():
+    x, w, bias = dit_like(37, 96, 48)
+    expected = (x.half().float() @ w.half().float().t() + bias.float()).bfloat16()
+    assert torch.equal(fp16acc_linear_ref(x, w, bias), expected)
+    assert torch.equal(fp16acc_linear(x, w.half(), bias), expected)
+    assert fp16acc_linear(x.reshape(1, 37, 96), w).shape == (1, 37, 48)
+
+
+@pytest.mark.parametrize(
+    ("call", "message"),
+    [
+        (
+            lambda x, wq, ws, b: fp8_linear(x[:, :40].contiguous(), wq[:, :40].contiguous(), ws),
+            "multiples of 16, found K=40",
+        ),
+        (lambda x, wq, ws, b: fp8_linear(x, wq, ws.reshape(48, 1)), r"w_scale of shape \(1, 48\) or \(48,\)"),
+        (lambda x, wq, ws, b: fp8_linear(x, wq, ws, b.float()), r"expected bias \(48,\) torch.bfloat16"),
+        (lambda x, wq, ws, b: fp8_linear(x, wq, ws, b, torch.float32), "bias needs out_dtype bfloat16 or float16"),
+        (lambda x, wq, ws, b: fp8_linear(x[:, :64].contiguous(), wq, ws), r"expected x \[..., 96\]"),
+        (lambda x, wq, ws, b: fp8_linear((x, x.float()[:, :1]), wq, ws), "expected float8_e4m3fn operands"),
+        (lambda x, wq, ws, b: fp16acc_linear(x, x, k_chunk=48), "expected k_chunk 32 or 64, found 48"),
+        (lambda x, wq, ws, b: fp16acc_linear(x.float(), x), "expected bf16/fp16 x and w"),
+        (lambda x, wq, ws, b: quantize_rows_fp8(x.t()), "expected a contiguous tensor"),
+    ],
+)
+def test_errors_say_expected_and_found(call, message):
+    x, w, bias = dit_like(8, 96, 48)
+    wq, ws = quantize_weight_fp8(w)
+    with pytest.raises(ValueError, match=message):
+        call(x, wq, ws, bias)
+
+
+def test_custom_ops_pass_opcheck():
+    x, w, bias = dit_like(8, 96, 48)
+    wq, ws = quantize_weight_fp8(w)
+    xq, xs = quantize_rows_fp8(x)
+    ops = torch.ops.k6fast
+    torch.library.opcheck(ops.quantize_rows_fp8.default, (x,))
+    # opcheck's schema test compares float8 inputs with an op PyTorch's CPU backend lacks for float8; the fake-tensor
+    # and AOT-dispatch tests are the ones torch.compile depends on.
+    torch.library.opcheck(
+        ops.fp8_rowwise_mm.default,
+        (xq, xs, wq, ws, bias, torch.bfloat16, False),
+        test_utils=("test_faketensor", "test_autograd_registration", "test_aot_dispatch_dynamic"),
+    )
+    torch.library.opcheck(ops.fp16acc_linear.default, (x, w, bias, torch.bfloat16, 32))
+
+
+def test_torch_compile_traces_without_graph_breaks():
+    x, w, bias = dit_like(8, 96, 48)
+    wq, ws = quantize_weight_fp8(w)
+
+    def layer(x):
+        return fp8_linear(x, wq, ws, bias) + fp16acc_linear(x, w, bias)
+
+    torch.testing.assert_close(torch.compile(layer, backend="aot_eager", fullgraph=True)(x), layer(x), rtol=0, atol=0)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Interpreter: the Triton kernels at tiny shapes (fp8 rounding and bf16 dots are wrong in the interpreter; fp16
+# dots and fp32 arithmetic are right, so the quantization scales and the fp16-accumulate GEMM are checked here).
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def _assert_e4m3_close_interpreted(actual: torch.Tensor, expected: torch.Tensor) -> None:
+    """Within one e4m3 step, except where the reference is a power of two: the interpreter drops the exponent carry
+    when rounding up crosses a power of two (1.97 becomes 1, not 2). The GPU tests compare every byte."""
+    a, e = actual.float(), expected.float()
+    mantissa, exponent = torch.frexp(torch.maximum(a.abs(), e.abs()))
+    step = torch.ldexp(torch.ones_like(a), exponent - 4).clamp_min(2.0**-9)
+    compared = torch.frexp(e)[0].abs() != 0.5
+    assert compared.float().mean() > 0.5, "too few elements left to compare"
+    assert ((a - e).abs() <= step)[compared].all()
+
+
+@pytest.mark.interpret
+def test_triton_kernels_under_interpreter():
+    if INTERPRETING:
+        pytest.skip("already running under TRITON_INTERPRET=1")
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    cmd = [sys.executable, "-m", "pytest", __file__, "-m", "interpret", "-q", "-p", "no:cacheprovider"]
+    run = subprocess.run(cmd, env=env, cwd=Path(__file__).parents[1], capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stdout[-6000:] + run.stderr[-3000:]
+
+
+@pytest.mark.interpret
+@needs_interpreter
+@pytest.mark.parametrize("shape", [(1, 96), (3, 1792), (2, 5, 48), (2, 20000)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_quantize_rows_kernel_interpreted(shape, dtype):
+    # (2, 20000): rows longer than one block take the two-sweep path.
+    x = (torch.randn(shape) * 3).to(dtype)
+    x[..., 0, :] = 0.0  # an all-zero row
+    q, s = quantize_rows_fp8_triton(x)
+    q_ref, s_ref = quantize_rows_fp8_ref(x)
+    assert torch.equal(s, s_ref), "absmax and IEEE division (div_rn) are exact"
+    _assert_e4m3_close_interpreted(q, q_ref)
+
+
+@pytest.mark.interpret
+@needs_interpreter
+@pytest.mark.parametrize(("m", "k", "n"), [(1, 64, 32), (37, 160, 48), (40, 80, 64)])
+@pytest.mark.parametrize("k_chunk", [32, 64])
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_fp16acc_kernel_interpreted(m, k, n, k_chunk, with_bias):
+    # m not a multiple of the tile (wrapped rows), K = 80 not a multiple of either chunk (masked tail).
+    x, w, bias = dit_like(m, k, n)
+    bias = bias if with_bias else None
+    y = fp16acc_linear_triton(x, w, bias, out_dtype=torch.float32, k_chunk=k_chunk)
+    expected = fp16acc_linear_ref(x, w, bias, out_dtype=torch.float32)
+    assert rel_l2(y, expected) <= 2e-3, "fp16 rounding inside 32/64-wide chunks only"
+    y_bf16 = fp16acc_linear_triton(x, w.half(), bias, k_chunk=k_chunk)
+    assert y_bf16.dtype == torch.bfloat16 and rel_l2(y_bf16, expected) <= 1e-2
+
+
+@pytest.mark.interpret
+@needs_interpreter
+def test_fp16acc_accumulates_in_fp32_across_chunks_interpreted():
+    # Each 32-wide chunk sums to 2048 (exact in fp16); the total 65536 is past fp16's 65504, so it is exact only if
+    # chunks are added in fp32.
+    x = torch.full((16, 1024), 8.0, dtype=torch.bfloat16)
+    w = torch.full((16, 1024), 8.0, dtype=torch.float16)
+    y = fp16acc_linear_triton(x, w, out_dtype=torch.float32, k_chunk=32)
+    assert (y == 65536.0).all()
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# GPU: W1 shapes
+# ---------------------------------------------------------------------------------------------------------------
+
+W1_M = 50220
+W1_SHAPES = [(4096, 4096), (4096, 16384), (16384, 4096)]  # (K, N)
+
+
+def _checked_rows(m: int, device: str) -> torch.Tensor:
+    """The first 2048 rows and the last 300 (which include the partial last tile): references on every row of a
+    50220 × 16384 product would cost more memory and time than the kernels themselves."""
+    return torch.cat([torch.arange(2048), torch.arange(m - 300, m)]).to(device)
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("k", [4096, 16384, 20000])
+def test_quantize_rows_gpu_matches_reference_bit_for_bit(k):
+    x, _, _ = dit_like(W1_M if k != 20000 else 300, k, 16, device="cuda")
+    q, s = quantize_rows_fp8(x)
+    q_ref, s_ref = quantize_rows_fp8_ref(x)
+    assert torch.equal(s, s_ref)
+    mismatched = (q.view(torch.uint8) != q_ref.view(torch.uint8)).sum().item()
+    assert mismatched == 0, f"{mismatched} of {q.numel()} e4m3 bytes differ (both sides round fp32 to nearest-even)"
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize(("k", "n"), W1_SHAPES)
+def test_fp8_linear_gpu(k, n):
+    x, w, bias = dit_like(W1_M, k, n, device="cuda")
+    wq, ws = quantize_weight_fp8(w)
+    rows = _checked_rows(W1_M, "cuda")
+    y = fp8_linear(x, wq, ws, bias)[rows]
+    xq, xs = quantize_rows_fp8(x[rows])
+    exact_quantized = fp8_linear_ref((xq, xs), wq, ws, bias, out_dtype=torch.float32)
+    assert rel_l2(y, exact_quantized) <= 5e-3, "the GEMM must compute the quantized product (bf16 output rounding)"
+    err = rel_l2(y, F.linear(x[rows], w, bias))
+    assert err <= FP8_REL_L2_VS_BF16, f"relative L2 vs the bf16 product {err:.4f}"
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_fp8_linear_from_fused_norm_gpu():
+    x, w, _ = dit_like(W1_M, 4096, 4096, device="cuda")
+    scale, shift = (torch.randn(2, 4096, device="cuda") * 0.5).unbind(0)
+    wq, ws = quantize_weight_fp8(w)
+    fused = fp8_linear(layernorm_modulate(x, scale, shift, out_fp8=True), wq, ws)
+    unfused = fp8_linear(layernorm_modulate(x, scale, shift), wq, ws)
+    assert rel_l2(fused, unfused) <= 1e-3
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize(("k", "n"), W1_SHAPES)
+@pytest.mark.parametrize("k_chunk", [32, 64])
+def test_fp16acc_linear_gpu(k, n, k_chunk):
+    if k_chunk == 64 and (k, n) != (4096, 4096):
+        pytest.skip("k_chunk=64 checked at one shape; each (shape, chunk) costs an autotuning run")
+    x, w, bias = dit_like(W1_M, k, n, device="cuda")
+    rows = _checked_rows(W1_M, "cuda")
+    y = fp16acc_linear(x, w.half(), bias, k_chunk=k_chunk)[rows]
+    exact = fp16acc_linear_ref(x[rows], w, bias, out_dtype=torch.float32)
+    err_kernel, err_cublas = rel_l2(y, exact), rel_l2(F.linear(x[rows], w, bias), exact)
+    # Flash-attention rule with an allowance for the fp16 chunk sums (≈3e-4 relative L2 in a CPU emulation).
+    assert err_kernel <= 2 * err_cublas + 1e-3, f"fp16acc {err_kernel:.2e} vs cuBLAS bf16 {err_cublas:.2e}"
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_fp16acc_accumulates_in_fp32_across_chunks_gpu():
+    x = torch.full((256, 1024), 8.0, dtype=torch.bfloat16, device="cuda")
+    w = torch.full((128, 1024), 8.0, dtype=torch.float16, device="cuda")
+    assert (fp16acc_linear(x, w, out_dtype=torch.float32) == 65536.0).all()
