@@ -17,7 +17,7 @@ import torch
 from diffusers.utils.torch_utils import randn_tensor
 
 from .checkpoint import Checkpoint, open_checkpoint
-from .dit.runtime import build_dit, device_budget
+from .dit.runtime import build_dit, device_budget, resolve_device
 from .sampler import StepEvent, sample
 from .switches import Options, validate_cache_steps
 from .telemetry import Telemetry
@@ -102,7 +102,7 @@ class Pipeline:
         the residency planner reserves."""
         self.ckpt = model if isinstance(model, Checkpoint) else open_checkpoint(model)
         self.options = options
-        self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+        self.device = resolve_device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
         self.dtype = dtype or (torch.bfloat16 if self.device.type == "cuda" else torch.float32)
         self.load_seconds = 0.0
         telemetry = Telemetry(device=str(self.device))

@@ -19,6 +19,19 @@ def peak_host_rss_bytes() -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
+def anon_rss_bytes() -> int:
+    """Current anonymous resident memory (RssAnon): what this process holds that the kernel cannot drop, unlike
+    page cache behind a read-only mapping or pread."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("RssAnon:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        return 0
+    return 0
+
+
 @dataclass
 class Telemetry:
     device: str = "cpu"

@@ -101,3 +101,27 @@ def test_planner_refuses_a_budget_too_small_to_stream() -> None:
     with pytest.raises(ValueError, match="prefetch"):
         plan_residency(budget_bytes=80 * GiB, fixed_bytes=0, block_bytes=GiB, num_blocks=4, activation_bytes=0,
                        prefetch=0)  # fmt: skip
+
+
+def test_bf16_streamed_forward_matches_resident_and_fp32(tiny_distill) -> None:
+    # The GPU path runs bf16 with fp32 modulation/time/pooled layers; this checks the dtype plumbing on CPU.
+    ckpt = open_checkpoint(tiny_distill)
+    kw = dict(budget_bytes=1 << 40, tokens=(100, 10))
+    fp32 = build_dit(ckpt, torch.device("cpu"), torch.float32, **kw)
+    bf16 = build_dit(ckpt, torch.device("cpu"), torch.bfloat16, **kw)
+    streamed = build_dit(ckpt, torch.device("cpu"), torch.bfloat16, max_resident=0, **kw)
+    try:
+        assert bf16.dit.weights["video_time_embeddings.timestep_embedder.linear_1.weight"].dtype == torch.float32
+        assert bf16.dit.weights["video_pooled_text_embeddings.in_layer.weight"].dtype == torch.float32
+        assert bf16.dit.weights["visual_embeddings.in_layer.weight"].dtype == torch.bfloat16
+        kwargs = {k: v.to(torch.bfloat16) if v.is_floating_point() and k != "timestep" else v
+                  for k, v in _inputs(ckpt.dit, 2).items()}  # fmt: skip
+        ref = fp32.dit(**_inputs(ckpt.dit, 2))
+        a, b = bf16.dit(**kwargs), streamed.dit(**kwargs)
+        assert a[0].dtype == torch.bfloat16
+        assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1])
+        for got, want in zip(a, ref, strict=True):
+            assert ((got.float() - want).norm() / want.norm()).item() < 0.05
+    finally:
+        for rt in (fp32, bf16, streamed):
+            rt.close()

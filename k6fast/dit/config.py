@@ -201,8 +201,9 @@ def expected_shapes(cfg: DiTConfig) -> dict[str, tuple[int, ...]]:
 
 
 def is_fp32_tensor(name: str) -> bool:
-    """Layers k6fast keeps in float32 whatever the compute dtype: every AdaLN modulation projection and both time
-    embeddings. They are tiny (one row of activations per sample) and their outputs scale every residual update,
-    so bf16 rounding there would be paid in every block. (diffusers' `_keep_in_fp32_modules` name match misses the
-    `*_time_embeddings` and `visual_modulation`/`text_modulation` layers; k6fast keeps them all.)"""
-    return "modulation." in name or "_time_embeddings." in name
+    """Layers k6fast keeps in float32 whatever the compute dtype: every AdaLN modulation projection, both time
+    embeddings and the pooled-text projections added to them. They see one row of activations per sample and their
+    outputs scale every residual update, so bf16 rounding there would be paid in every block. (diffusers'
+    `_keep_in_fp32_modules` name match misses `*_time_embeddings` and `visual_modulation`/`text_modulation`;
+    k6fast keeps them all.)"""
+    return "modulation." in name or "_time_embeddings." in name or "_pooled_text_embeddings." in name

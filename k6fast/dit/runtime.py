@@ -86,6 +86,7 @@ def build_dit(
 ) -> DiTRuntime:
     """tokens: (video, audio) token counts of the largest geometry this runtime must serve (sizes activations)."""
     cfg = ckpt.dit
+    device = resolve_device(device)
     index = index_safetensors(list(ckpt.transformer_files))
     fixed_bytes, block_bytes = footprint(index, cfg.num_visual_blocks, dtype)
     plan = plan_residency(
@@ -113,9 +114,18 @@ def build_dit(
     return DiTRuntime(dit, plan, streamer, reader)
 
 
+def resolve_device(device: torch.device | str) -> torch.device:
+    """`cuda` → `cuda:N` (the current device): CUDA memory and stream APIs need an explicit index."""
+    device = torch.device(device)
+    if device.type == "cuda" and device.index is None:
+        return torch.device("cuda", torch.cuda.current_device())
+    return device
+
+
 def device_budget(device: torch.device, budget_gb: float) -> int:
     """The VRAM budget in bytes: the switch's value, or the whole card when 0. On a bigger card the budget is
     enforced through the caching allocator so that an H200 behaves like a 32 GB card."""
+    device = resolve_device(device)
     if device.type != "cuda":
         return int(budget_gb * GiB) if budget_gb > 0 else 1 << 62
     total = torch.cuda.get_device_properties(device).total_memory
