@@ -155,6 +155,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--markdown", action="store_true", help="the table README.md carries (defaults)")
     p.add_argument("--arm", help="show values with this arm applied")
     p.set_defaults(func=cmd_switches)
+
+    from .server.cli import register as register_serve
+
+    register_serve(sub)
     return parser
 
 
@@ -162,12 +166,13 @@ def main(argv: list[str] | None = None) -> int:
     from .checkpoint import CheckpointError
     from .dit.residency import ResidencyError
     from .pipeline import RequestError
+    from .server.cli import ServeError
     from .switches import SwitchError
 
     args = build_parser().parse_args(argv)
     try:
         return args.func(args)
-    except (CliError, CheckpointError, RequestError, SwitchError, ResidencyError, FileExistsError) as exc:
+    except (CliError, CheckpointError, RequestError, SwitchError, ResidencyError, ServeError, FileExistsError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
 

@@ -17,7 +17,8 @@ import torch
 from diffusers.utils.torch_utils import randn_tensor
 
 from .checkpoint import Checkpoint, open_checkpoint
-from .dit.runtime import build_dit, device_budget, resolve_device
+from .dit.residency import RESERVE_BYTES
+from .dit.runtime import DiTRuntime, build_dit, device_budget, resolve_device
 from .sampler import StepEvent, sample
 from .switches import Options, validate_cache_steps
 from .telemetry import Telemetry
@@ -82,6 +83,11 @@ class Result:
     telemetry: Telemetry
 
 
+def component_bytes(folder: Path) -> int:
+    """Bytes of a component's weight files (its size on the device at the checkpoint's dtype)."""
+    return sum(f.stat().st_size for f in folder.glob("*.safetensors"))
+
+
 def audio_length(latent_frames: int, fps: float, sample_rate: int, hop: int) -> int:
     """Audio latent steps covering the video: ceil(frames / fps * sample_rate / hop)."""
     return math.ceil(((latent_frames - 1) * TEMPORAL_STRIDE + 1) / fps * sample_rate / hop)
@@ -106,17 +112,20 @@ class Pipeline:
         self.dtype = dtype or (torch.bfloat16 if self.device.type == "cuda" else torch.float32)
         self.load_seconds = 0.0
         telemetry = Telemetry(device=str(self.device))
+        self.budget_bytes = device_budget(self.device, options.vram_budget_gb)
+        self._dit_args = dict(
+            budget_bytes=self.budget_bytes,
+            tokens=self._tokens(*plan_geometry),
+            prefetch=options.prefetch_blocks,
+            max_resident=None if options.max_resident_blocks < 0 else options.max_resident_blocks,
+        )
+        self.runtime: DiTRuntime | None = None
         with telemetry.phase("load"):
-            self.runtime = build_dit(
-                self.ckpt,
-                self.device,
-                self.dtype,
-                budget_bytes=device_budget(self.device, options.vram_budget_gb),
-                tokens=self._tokens(*plan_geometry),
-                prefetch=options.prefetch_blocks,
-                max_resident=None if options.max_resident_blocks < 0 else options.max_resident_blocks,
-            )
-            self.dit = self.runtime.dit
+            self._load_dit()
+            # The text phase loads Qwen2.5-VL and CLIP next to what stays on the device; when the DiT's resident
+            # weights and the text encoders do not fit the budget together, the DiT leaves for the text phase.
+            text_bytes = sum(component_bytes(self.ckpt.root / name) for name in ("text_encoder", "text_encoder_2"))
+            self.dit_leaves_for_text = self.runtime.plan.weight_bytes + text_bytes + RESERVE_BYTES > self.budget_bytes
             self.vae = load_video_vae(self.ckpt.root, self.device, self.dtype)
             self.audio_vae, self.vocoder = load_audio_decoder(self.ckpt.root, self.device, self.dtype)
             self.scheduler = self._load_scheduler()
@@ -134,8 +143,20 @@ class Pipeline:
         video = (latent_frames + 1) * (height // SPATIAL_MULTIPLE) * (width // SPATIAL_MULTIPLE)
         return video, audio_length(latent_frames, FPS, 44_100, 1024)
 
+    def _load_dit(self) -> None:
+        if self.runtime is None:
+            self.runtime = build_dit(self.ckpt, self.device, self.dtype, **self._dit_args)
+            self.dit = self.runtime.dit
+
+    def _drop_dit(self) -> None:
+        if self.runtime is not None:
+            self.runtime.close()
+            self.runtime = self.dit = None
+            if self.device.type == "cuda":
+                torch.cuda.empty_cache()
+
     def close(self) -> None:
-        self.runtime.close()
+        self._drop_dit()
 
     @property
     def sample_rate(self) -> int:
@@ -185,11 +206,17 @@ class Pipeline:
         # (image posterior, video, audio) is the reference pipeline's.
         generator = torch.Generator("cpu").manual_seed(request.seed)
 
+        if self.dit_leaves_for_text:
+            self._drop_dit()
         with telemetry.phase("text_encode"):
             negative = None
             if guidance > 1.0:
                 negative = request.negative_prompt or DEFAULT_NEGATIVE_PROMPT
             cond, uncond = encode_prompts(self.ckpt.root, request.prompt, negative, device, dtype)
+
+        if self.runtime is None:
+            with telemetry.phase("dit_load"):
+                self._load_dit()
 
         first_frame = None
         if request.image is not None:

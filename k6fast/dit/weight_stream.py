@@ -36,7 +36,11 @@ _DTYPES = {
     "I64": torch.int64,
 }
 ALIGN = 256  # device slot offsets: every tensor view starts on a 256-byte boundary
-READ_THREADS = 4  # parallel preads: one thread's copy out of the page cache tops out well below PCIe speed
+# Parallel preads in chunks: one thread's copy out of the page cache tops out far below PCIe speed (≈ 16 GB/s with
+# 4 threads reading whole tensors, measured on the H200 host), and a 134 MB feed-forward matrix read by one
+# thread would serialise the block behind it.
+READ_THREADS = max(2, min(8, os.cpu_count() or 2))
+READ_CHUNK = 16 << 20
 
 
 @dataclass(frozen=True)
@@ -86,15 +90,20 @@ class FileReader:
         """buffer: uint8 host tensor; pieces: (location, offset in buffer). Blocks until every piece is read."""
         view = memoryview(buffer.numpy())
 
-        def read(loc: TensorLocation, at: int) -> None:
-            done = 0
-            while done < loc.nbytes:
-                n = os.preadv(self._fds[loc.file], [view[at + done : at + loc.nbytes]], loc.offset + done)
+        def read(loc: TensorLocation, at: int, start: int, end: int) -> None:
+            done = start
+            while done < end:
+                n = os.preadv(self._fds[loc.file], [view[at + done : at + end]], loc.offset + done)
                 if n <= 0:
                     raise OSError(f"{loc.file}: short read of {loc.name} at byte {loc.offset + done}")
                 done += n
 
-        for future in [self._pool.submit(read, loc, at) for loc, at in pieces]:
+        futures = [
+            self._pool.submit(read, loc, at, start, min(start + READ_CHUNK, loc.nbytes))
+            for loc, at in pieces
+            for start in range(0, max(loc.nbytes, 1), READ_CHUNK)
+        ]
+        for future in futures:
             future.result()
 
     def close(self) -> None:

@@ -1,0 +1,185 @@
+"""`k6fast serve`: the OpenAI-compatible video server on uvicorn (also `python -m k6fast.server`).
+
+The socket is bound and the data directory checked before anything loads, so a taken port or a busy data directory
+fails at once with exit status 2; the model then loads in the background while `/health` answers 503. If loading
+fails, the server stops with exit status 1.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import socket
+import sys
+from pathlib import Path
+
+from .config import DEFAULT_DATA_DIR, ServerConfig, fmt_size
+
+log = logging.getLogger("k6fast.server")
+
+
+class ServeError(Exception):
+    """A user error: printed as `error: ...` with exit status 2."""
+
+
+def _size(text: str) -> tuple[int, int]:
+    try:
+        width, height = (int(v) for v in text.lower().split("x"))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected WIDTHxHEIGHT such as 864x480, found {text!r}") from None
+    return width, height
+
+
+def add_serve_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", required=True, help="Hub id or local Diffusers-layout checkpoint directory")
+    p.add_argument("--arm", help="named arm (switches/arms/NAME.env) or path to an .env file; env vars override it")
+    p.add_argument("--device", help="cuda, cuda:N or cpu (default: cuda when available)")
+    p.add_argument("--dtype", choices=["bf16", "fp16", "fp32"], help="compute dtype (default: bf16 GPU, fp32 CPU)")
+    p.add_argument("--host", default="127.0.0.1", help="address to listen on (default: loopback only)")
+    p.add_argument("--port", type=int, default=8094, help="port (default 8094; 0 = any free port, logged)")
+    p.add_argument("--data-dir", type=Path, help=f"jobs and videos (default: K6_DATA_DIR, else ./{DEFAULT_DATA_DIR})")
+    p.add_argument("--served-model-name", help="the `model` clients send (default: the checkpoint folder's name)")
+    p.add_argument("--max-queue", type=int, default=16, help="queued jobs before POST answers 429 (default 16)")
+    p.add_argument("--max-size", type=_size, default=(1280, 720), help="largest WIDTHxHEIGHT, either orientation")
+    p.add_argument("--max-frames", type=int, default=241, help="longest clip in frames (default 241 = 10 s)")
+    p.add_argument("--max-steps", type=int, default=100, help="most denoising steps per job (default 100)")
+    p.add_argument("--default-size", type=_size, default=(864, 480), help="size when a request gives none")
+    p.add_argument("--default-seconds", default="5", help="seconds when a request gives none (default 5: 121 frames)")
+    p.add_argument("--ttl-hours", type=float, default=24.0, help="finished jobs and their files live this long")
+    p.add_argument("--max-upload-mb", type=float, default=20.0, help="largest input_reference image (default 20)")
+    p.add_argument("--poll-after-ms", type=int, default=1000, help="the openai-poll-after-ms hint (default 1000)")
+    p.add_argument("--max-attempts", type=int, default=3, help="starts of a job across crashes before it fails")
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    """Add `serve` to the `k6fast` command line."""
+    p = subparsers.add_parser("serve", help="serve the OpenAI-compatible /v1/videos API (FastAPI + uvicorn)")
+    add_serve_arguments(p)
+    p.set_defaults(func=cmd_serve)
+
+
+def served_name(model: str) -> str:
+    path = Path(model).expanduser()
+    return path.resolve().name if path.is_dir() else model
+
+
+def _is_hub_id(model: str) -> bool:
+    """`organisation/name` that is not a local path: resolving it may download, so it happens in the background."""
+    return not Path(model).expanduser().exists() and model.count("/") == 1 and not model.startswith((".", "/", "~"))
+
+
+def config_from_args(args: argparse.Namespace, data_dir_default: Path | None) -> ServerConfig:
+    from .errors import ApiError
+    from .validation import frames_for_seconds
+
+    try:
+        config = ServerConfig(
+            model=args.model,
+            served_model_name=args.served_model_name or served_name(args.model),
+            data_dir=Path(args.data_dir or data_dir_default or DEFAULT_DATA_DIR).expanduser(),
+            host=args.host,
+            port=args.port,
+            device=args.device,
+            dtype=args.dtype,
+            max_queue=args.max_queue,
+            max_size=args.max_size,
+            max_frames=args.max_frames,
+            max_steps=args.max_steps,
+            default_size=args.default_size,
+            default_seconds=args.default_seconds,
+            ttl_seconds=args.ttl_hours * 3600.0,
+            max_upload_bytes=int(args.max_upload_mb * 2**20),
+            poll_after_ms=args.poll_after_ms,
+            max_attempts=args.max_attempts,
+        )
+        frames = frames_for_seconds(config.default_seconds)
+    except (ValueError, ApiError) as exc:
+        raise ServeError(str(exc)) from None
+    if frames > config.max_frames:
+        raise ServeError(f"--default-seconds {config.default_seconds} gives {frames} frames, over --max-frames")
+    return config
+
+
+def _listen(host: str, port: int) -> socket.socket:
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+    except OSError as exc:
+        sock.close()
+        raise ServeError(f"cannot listen on {host}:{port} ({exc.strerror or exc}); expected a free port") from None
+    return sock
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    from ..checkpoint import open_checkpoint
+    from ..switches import load_options
+    from .jobs import DataDirBusy, DataDirLock
+
+    options = load_options(arm=args.arm)
+    config = config_from_args(args, options.data_dir)
+    if not _is_hub_id(config.model):
+        open_checkpoint(config.model)  # configs and safetensors headers only: a broken checkpoint fails now
+    config.data_dir.mkdir(parents=True, exist_ok=True)
+    probe = DataDirLock(config.data_dir)
+    try:
+        probe.acquire()
+    except DataDirBusy as exc:
+        raise ServeError(str(exc)) from None
+    probe.release()
+    sock = _listen(config.host, config.port)
+
+    if not logging.getLogger("k6fast").handlers:
+        handler = logging.StreamHandler()
+        handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+        logging.getLogger("k6fast").addHandler(handler)
+        logging.getLogger("k6fast").setLevel(logging.INFO)
+
+    import uvicorn
+
+    from .app import create_app
+
+    outcome = {"exit": 0}
+    server: uvicorn.Server | None = None
+
+    def on_load_error(exc: BaseException) -> None:
+        outcome["exit"] = 1
+        if server is not None:
+            server.should_exit = True
+
+    app = create_app(config, options, on_load_error=on_load_error)
+    server = uvicorn.Server(uvicorn.Config(app, log_level="info", timeout_graceful_shutdown=10))
+    host, port = sock.getsockname()[:2]
+    log.info(
+        "serving %s as %r on http://%s:%d/v1 (data dir %s, arm %s [%s], %s, max size %s)",
+        config.model,
+        config.served_model_name,
+        host,
+        port,
+        config.data_dir,
+        options.arm_name,
+        options.arm_hash(),
+        "API key required" if options.api_key else "no API key",
+        fmt_size(config.max_size),
+    )
+    server.run(sockets=[sock])
+    if not server.started:
+        return 1
+    return outcome["exit"]
+
+
+def main(argv: list[str] | None = None) -> int:
+    from ..checkpoint import CheckpointError
+    from ..switches import SwitchError
+
+    parser = argparse.ArgumentParser(
+        prog="python -m k6fast.server", description="k6fast serve: an OpenAI-compatible /v1/videos server"
+    )
+    add_serve_arguments(parser)
+    args = parser.parse_args(argv)
+    try:
+        return cmd_serve(args)
+    except (ServeError, CheckpointError, SwitchError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2

@@ -1,0 +1,52 @@
+"""Errors in OpenAI's shape: `{"error": {"message", "type", "param", "code"}}` with a matching HTTP status.
+
+The types are OpenAI's (`invalid_request_error`, `authentication_error`, `rate_limit_error`, `server_error`), so the
+official SDK raises its usual exception classes (BadRequestError, NotFoundError, RateLimitError, ...).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+
+class ApiError(Exception):
+    """A request the server answers with an error; the message says what was expected and what was found."""
+
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        *,
+        param: str | None = None,
+        code: str | None = None,
+        type: str | None = None,
+        headers: dict[str, str] | None = None,
+    ):
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.param = param
+        self.code = code
+        self.type = type or _default_type(status)
+        self.headers = headers or {}
+
+    def body(self) -> dict[str, Any]:
+        return error_body(self.message, self.type, self.param, self.code)
+
+
+def _default_type(status: int) -> str:
+    if status == 401:
+        return "authentication_error"
+    if status == 429:
+        return "rate_limit_error"
+    if status >= 500:
+        return "server_error"
+    return "invalid_request_error"
+
+
+def error_body(message: str, type: str, param: str | None = None, code: str | None = None) -> dict[str, Any]:
+    return {"error": {"message": message, "type": type, "param": param, "code": code}}
+
+
+def bad_param(param: str, message: str, code: str = "invalid_value") -> ApiError:
+    return ApiError(400, message, param=param, code=code)
