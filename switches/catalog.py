@@ -65,6 +65,13 @@ MAX_RESIDENT_BLOCKS = Switch(
     min=-1,
     affects_output=False,
 )
+LPIPS_BACKBONE = Switch(
+    name="K6_LPIPS_BACKBONE",
+    kind="path",
+    default="",
+    doc="AlexNet weights for the quality gate's LPIPS (empty = the torch hub cache)",
+    affects_output=False,
+)
 
 SWITCHES: tuple[Switch, ...] = (
     PIFLOW_CACHE_STEPS,
@@ -74,6 +81,7 @@ SWITCHES: tuple[Switch, ...] = (
     MAX_RESIDENT_BLOCKS,
     API_KEY,
     DATA_DIR,
+    LPIPS_BACKBONE,
 )
 SWITCHES_BY_NAME: dict[str, Switch] = index_switches(SWITCHES)
 
