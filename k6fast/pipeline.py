@@ -17,6 +17,7 @@ import torch
 from diffusers.utils.torch_utils import randn_tensor
 
 from .checkpoint import Checkpoint, open_checkpoint
+from .dit.backend import SwitchedBackend, configure_inductor_cache
 from .dit.residency import RESERVE_BYTES
 from .dit.runtime import DiTRuntime, build_dit, device_budget, resolve_device
 from .sampler import StepEvent, sample
@@ -118,7 +119,11 @@ class Pipeline:
             tokens=self._tokens(*plan_geometry),
             prefetch=options.prefetch_blocks,
             max_resident=None if options.max_resident_blocks < 0 else options.max_resident_blocks,
+            backend=SwitchedBackend(options, self.device),
+            compile_blocks=options.compile,
         )
+        if options.compile and options.inductor_cache_dir:
+            configure_inductor_cache(options.inductor_cache_dir)
         self.runtime: DiTRuntime | None = None
         with telemetry.phase("load"):
             self._load_dit()

@@ -113,6 +113,8 @@ def sample(
             model_input = torch.cat([latents, torch.zeros_like(latents), mask], dim=-1)
 
         called = i not in cache_steps
+        if called and hasattr(dit, "begin_step"):
+            dit.begin_step(i)
         if called:
             timestep = t.expand(batch)
             common = dict(

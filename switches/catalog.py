@@ -65,6 +65,69 @@ MAX_RESIDENT_BLOCKS = Switch(
     min=-1,
     affects_output=False,
 )
+ATTN = Switch(
+    name="K6_ATTN",
+    kind="enum",
+    default="exact",
+    choices=("exact", "k6", "sage"),
+    doc="attention backend for the quantized call sites: exact SDPA, k6fast's INT8/FP8 kernel, or sageattention",
+    lossy=True,
+)
+EXACT_ATTN_BLOCKS = Switch(
+    name="K6_EXACT_ATTN_BLOCKS",
+    kind="int",
+    default=0,
+    doc="with a quantized K6_ATTN: the first and last N fused blocks keep exact attention",
+    min=0,
+)
+EXACT_ATTN_STEPS = Switch(
+    name="K6_EXACT_ATTN_STEPS",
+    kind="int",
+    default=0,
+    doc="with a quantized K6_ATTN: the first N denoising steps keep exact attention",
+    min=0,
+)
+QUANT_ATTN_SITES = Switch(
+    name="K6_QUANT_ATTN_SITES",
+    kind="enum",
+    default="video_self",
+    choices=("video_self", "self", "all"),
+    doc="which call sites a quantized K6_ATTN covers: video self-attention, both self-attentions, or all six",
+)
+GEMM = Switch(
+    name="K6_GEMM",
+    kind="enum",
+    default="bf16",
+    choices=("bf16", "fp16acc", "fp8"),
+    doc="linear layers: cuBLAS bf16, Triton fp16-accumulate (GeForce gain only), or fp8 e4m3 row-wise",
+    lossy=True,
+)
+GEMM_MIN_ROWS = Switch(
+    name="K6_GEMM_MIN_ROWS",
+    kind="int",
+    default=2048,
+    doc="with K6_GEMM other than bf16: layers with fewer rows than this stay bf16",
+    min=1,
+)
+FUSED_ELEMENTWISE = Switch(
+    name="K6_FUSED_ELEMENTWISE",
+    kind="bool",
+    default=False,
+    doc="one-pass Triton kernels for LayerNorm+AdaLN and the gated residual (fp32 math, bf16 out)",
+)
+COMPILE = Switch(
+    name="K6_COMPILE",
+    kind="bool",
+    default=False,
+    doc="torch.compile each fused block (the first request compiles; later ones reuse the Inductor cache)",
+)
+INDUCTOR_CACHE_DIR = Switch(
+    name="K6_INDUCTOR_CACHE_DIR",
+    kind="path",
+    default="",
+    doc="where torch.compile keeps its cache, so a second start compiles nothing (empty = Inductor's default)",
+    affects_output=False,
+)
 LPIPS_BACKBONE = Switch(
     name="K6_LPIPS_BACKBONE",
     kind="path",
@@ -75,12 +138,21 @@ LPIPS_BACKBONE = Switch(
 
 SWITCHES: tuple[Switch, ...] = (
     PIFLOW_CACHE_STEPS,
+    ATTN,
+    EXACT_ATTN_BLOCKS,
+    EXACT_ATTN_STEPS,
+    QUANT_ATTN_SITES,
+    GEMM,
+    GEMM_MIN_ROWS,
+    FUSED_ELEMENTWISE,
+    COMPILE,
     AUDIO_NORM,
     VRAM_BUDGET_GB,
     PREFETCH_BLOCKS,
     MAX_RESIDENT_BLOCKS,
     API_KEY,
     DATA_DIR,
+    INDUCTOR_CACHE_DIR,
     LPIPS_BACKBONE,
 )
 SWITCHES_BY_NAME: dict[str, Switch] = index_switches(SWITCHES)

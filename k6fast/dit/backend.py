@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from typing import Protocol
 
+import torch
 import torch.nn.functional as F
 from torch import Tensor
 
@@ -30,6 +31,14 @@ class Backend(Protocol):
 
     def attention(self, q: Tensor, k: Tensor, v: Tensor, *, site: str, mask: Tensor | None) -> Tensor: ...
 
+    def modulate(self, x: Tensor, scale: Tensor, shift: Tensor) -> Tensor: ...
+
+    def gated_add(self, x: Tensor, out: Tensor, gate: Tensor) -> Tensor: ...
+
+    def begin_step(self, step: int) -> None: ...
+
+    def begin_block(self, block: int, num_blocks: int) -> None: ...
+
 
 def sdpa(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None) -> Tensor:
     """q: [B, Nq, H, D], k/v: [B, Nk, H, D], mask: bool [B, Nk] or None → [B, Nq, H, D]."""
@@ -38,11 +47,93 @@ def sdpa(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None) -> Tensor:
     return out.transpose(1, 2)
 
 
+def broadcast_cond(cond: Tensor, x: Tensor) -> Tensor:
+    """A per-sample vector [B, D] viewed to broadcast over x's token axes [B, ..., D]."""
+    return cond.reshape(cond.shape[0], *([1] * (x.ndim - 2)), cond.shape[-1])
+
+
+def modulate_ref(x: Tensor, scale: Tensor, shift: Tensor) -> Tensor:
+    """AdaLN: LayerNorm(x) * (1 + scale) + shift, all in fp32, returned in x.dtype (the reference model's maths).
+    x: [B, N, D]; scale, shift: [B, D] (fp32)."""
+    normed = F.layer_norm(x.float(), (x.shape[-1],), eps=LN_EPS)
+    return (normed * (broadcast_cond(scale, x).float() + 1.0) + broadcast_cond(shift, x).float()).to(x.dtype)
+
+
+def gated_add_ref(x: Tensor, out: Tensor, gate: Tensor) -> Tensor:
+    """Gated residual x + gate * out in fp32, returned in x.dtype. gate: [B, D]."""
+    return (x.float() + broadcast_cond(gate, x).float() * out.float()).to(x.dtype)
+
+
+LN_EPS = 1e-5  # nn.LayerNorm's default, as in the reference model
+
+
 class ExactBackend:
-    """cuBLAS/CPU GEMMs in the weights' dtype and PyTorch SDPA: the reference every fast path is checked against."""
+    """The reference every fast path is checked against: GEMMs in the weights' dtype (cuBLAS on GPU), PyTorch SDPA,
+    and the elementwise AdaLN maths as multi-pass fp32 torch ops."""
 
     def linear(self, x: Tensor, weight: Tensor, bias: Tensor | None, *, name: str) -> Tensor:
         return F.linear(x, weight, bias)
 
     def attention(self, q: Tensor, k: Tensor, v: Tensor, *, site: str, mask: Tensor | None) -> Tensor:
         return sdpa(q, k, v, mask)
+
+    def modulate(self, x: Tensor, scale: Tensor, shift: Tensor) -> Tensor:
+        return modulate_ref(x, scale, shift)
+
+    def gated_add(self, x: Tensor, out: Tensor, gate: Tensor) -> Tensor:
+        return gated_add_ref(x, out, gate)
+
+    def begin_step(self, step: int) -> None:
+        return None
+
+    def begin_block(self, block: int, num_blocks: int) -> None:
+        return None
+
+
+class SwitchedBackend(ExactBackend):
+    """The backend the switches configure: attention and linear dispatch per call site and layer, optional fused
+    elementwise kernels. With every switch off it computes what `ExactBackend` computes (exact attention picks the
+    fastest SDPA backend for the architecture)."""
+
+    def __init__(self, options, device: torch.device):
+        from .attention import AttentionDispatch
+        from .linear import LinearDispatch
+
+        self.attn = AttentionDispatch(options, device)
+        self.gemm = LinearDispatch(options)
+        self.fused = options.fused_elementwise
+
+    def linear(self, x: Tensor, weight: Tensor, bias: Tensor | None, *, name: str) -> Tensor:
+        return self.gemm(x, weight, bias, name=name)
+
+    def attention(self, q: Tensor, k: Tensor, v: Tensor, *, site: str, mask: Tensor | None) -> Tensor:
+        return self.attn(q, k, v, site=site, mask=mask)
+
+    def modulate(self, x: Tensor, scale: Tensor, shift: Tensor) -> Tensor:
+        if self.fused and x.is_cuda:
+            from ..kernels.adaln import layernorm_modulate
+
+            return layernorm_modulate(x, scale, shift, eps=LN_EPS)
+        return modulate_ref(x, scale, shift)
+
+    def gated_add(self, x: Tensor, out: Tensor, gate: Tensor) -> Tensor:
+        if self.fused and x.is_cuda:
+            from ..kernels.adaln import gated_residual
+
+            return gated_residual(x, out.contiguous(), gate)
+        return gated_add_ref(x, out, gate)
+
+    def begin_step(self, step: int) -> None:
+        self.attn.begin_step(step)
+
+    def begin_block(self, block: int, num_blocks: int) -> None:
+        self.attn.begin_block(block, num_blocks)
+
+
+def configure_inductor_cache(path) -> None:
+    """Point torch.compile's caches at a kept directory, so a second start compiles nothing. Inductor reads its
+    cache location from this variable when it first compiles; k6fast sets it just before building compiled blocks
+    (never at import)."""
+    import os
+
+    os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(path)

@@ -7,7 +7,7 @@ quantize blocks without touching the maths.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from typing import Protocol
 
 import torch
@@ -83,8 +83,15 @@ class K6DiT:
         self.backend = backend or ExactBackend()
         self.blocks = blocks or ResidentBlocks(weights)
         self.dtype = weights["visual_embeddings.in_layer.weight"].dtype
-        # Called with the block index before each fused block runs (the attention policy uses it).
-        self.on_block: Callable[[int], None] | None = None
+        self._fused_block = fused_block
+
+    def compile_blocks(self) -> None:
+        """torch.compile the fused block (one graph for all blocks: weights are inputs, not constants)."""
+        self._fused_block = torch.compile(fused_block, dynamic=False)
+
+    def begin_step(self, step: int) -> None:
+        """The sampler announces each denoising step (the attention policy keeps the first steps exact)."""
+        self.backend.begin_step(step)
 
     def _text_branch(
         self, prefix: str, text: Tensor, pooled: Tensor, timestep: Tensor, dims: tuple[int, int], mask: Tensor | None
@@ -163,9 +170,8 @@ class K6DiT:
         inputs = FusedBlockInputs(text_v, text_a, temb_v, temb_a, rope_v, rope_a, encoder_attention_mask)
         self.blocks.begin_forward()
         for i in range(cfg.num_visual_blocks):
-            if self.on_block is not None:
-                self.on_block(i)
-            vis, aud = fused_block(be, cfg, self.blocks.get(i), vis, aud, inputs)
+            be.begin_block(i, cfg.num_visual_blocks)
+            vis, aud = self._fused_block(be, cfg, self.blocks.get(i), vis, aud, inputs)
             self.blocks.release(i)
 
         video_out = self._video_head(vis.reshape(-1, *grid, vis.shape[-1]), temb_v)
@@ -175,13 +181,13 @@ class K6DiT:
     def _video_head(self, vis: Tensor, temb: Tensor) -> Tensor:
         be, w = self.backend, self.weights
         shift, scale = modulation(be, w, "out_layer.modulation.out_layer", temb).chunk(2, dim=-1)
-        x = modulate(vis, scale, shift)
+        x = modulate(be, vis, scale, shift)
         return unpatchify(linear(be, w, "out_layer.out_layer", x), self.cfg.patch_size)
 
     def _audio_head(self, aud: Tensor, temb: Tensor) -> Tensor:
         be, w = self.backend, self.weights
         shift, scale = modulation(be, w, "audio_out_layer.modulation.out_layer", temb).chunk(2, dim=-1)
-        x = modulate(aud, scale, shift)
+        x = modulate(be, aud, scale, shift)
         # The reference audio head normalises again after the AdaLN affine (the weights were trained so).
         x = F.layer_norm(x, (x.shape[-1],), eps=1e-5)
         return linear(be, w, "audio_out_layer.out_layer", x)

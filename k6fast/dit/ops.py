@@ -17,8 +17,6 @@ from torch import Tensor
 from .backend import Backend
 from .rope import apply_rope
 
-LN_EPS = 1e-5  # nn.LayerNorm's default, as in the reference model
-
 Weights = Mapping[str, Tensor]
 
 
@@ -31,21 +29,13 @@ def timestep_embedding(timestep: Tensor, dim: int, max_period: float = 10000.0) 
     return torch.cat([torch.cos(args), torch.sin(args)], dim=-1)
 
 
-def broadcast_cond(cond: Tensor, x: Tensor) -> Tensor:
-    """A per-sample vector [B, D] viewed to broadcast over x's token axes [B, ..., D]."""
-    return cond.reshape(cond.shape[0], *([1] * (x.ndim - 2)), cond.shape[-1])
+def modulate(backend: Backend, x: Tensor, scale: Tensor, shift: Tensor) -> Tensor:
+    """AdaLN modulation through the backend (fused kernel or the fp32 torch reference)."""
+    return backend.modulate(x, scale, shift)
 
 
-def modulate(x: Tensor, scale: Tensor, shift: Tensor) -> Tensor:
-    """AdaLN: LayerNorm(x) * (1 + scale) + shift, all in fp32, returned in x.dtype.
-    x: [B, N, D]; scale, shift: [B, D] (fp32)."""
-    normed = F.layer_norm(x.float(), (x.shape[-1],), eps=LN_EPS)
-    return (normed * (broadcast_cond(scale, x).float() + 1.0) + broadcast_cond(shift, x).float()).to(x.dtype)
-
-
-def gated_add(x: Tensor, out: Tensor, gate: Tensor) -> Tensor:
-    """Gated residual x + gate * out in fp32, returned in x.dtype. gate: [B, D]."""
-    return (x.float() + broadcast_cond(gate, x).float() * out.float()).to(x.dtype)
+def gated_add(backend: Backend, x: Tensor, out: Tensor, gate: Tensor) -> Tensor:
+    return backend.gated_add(x, out, gate)
 
 
 def linear(backend: Backend, w: Weights, name: str, x: Tensor) -> Tensor:

@@ -83,6 +83,7 @@ def build_dit(
     prefetch: int = 1,
     max_resident: int | None = None,
     backend: Backend | None = None,
+    compile_blocks: bool = False,
 ) -> DiTRuntime:
     """tokens: (video, audio) token counts of the largest geometry this runtime must serve (sizes activations)."""
     cfg = ckpt.dit
@@ -111,6 +112,8 @@ def build_dit(
     if plan.streamed_blocks:
         streamer = BlockStreamer(index, reader, cfg.num_visual_blocks, plan.resident_blocks, plan.slots, device, dtype)
     dit = K6DiT(cfg, weights, backend=backend, blocks=MixedBlocks(resident, streamer))
+    if compile_blocks:
+        dit.compile_blocks()
     return DiTRuntime(dit, plan, streamer, reader)
 
 

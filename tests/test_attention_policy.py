@@ -1,0 +1,110 @@
+"""The attention and GEMM policies end to end on a small DiT (head_dim 64, as Lite) on CPU: exact blocks and steps
+really run the exact backend (counted), masked calls go exact, a missing sageattention stops start-up."""
+
+from __future__ import annotations
+
+import sys
+
+import pytest
+import torch
+from diffusers import Kandinsky6Transformer3DModel
+
+from k6fast.dit.attention import AttentionDispatch
+from k6fast.dit.backend import SwitchedBackend
+from k6fast.dit.config import DiTConfig
+from k6fast.dit.linear import LinearDispatch
+from k6fast.dit.model import K6DiT
+from k6fast.switches import Options, SwitchError
+
+CONFIG = dict(
+    in_visual_dim=4, out_visual_dim=4, in_text_dim=24, in_text_dim2=20, time_dim=16, model_dim=128, ff_dim=64,
+    num_text_blocks=1, num_visual_blocks=4, axes_dims=(16, 24, 24), in_audio_dim=6, out_audio_dim=6,
+    model_dim_a=128, time_dim_a=16, ff_dim_a=48, audio_freqs_scaling=0.144, ca_rope=True, cross_gates=True,
+    fix_modulation=True, visual_token_type_num_embeddings=2,
+)  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def model():
+    torch.manual_seed(0)
+    ref = Kandinsky6Transformer3DModel(**CONFIG).eval()
+    with torch.no_grad():
+        for p in ref.parameters():
+            p.copy_(torch.randn_like(p) * 0.2)
+    return DiTConfig.from_dict(dict(ref.config)), {k: v.clone() for k, v in ref.state_dict().items()}
+
+
+def _inputs(cfg: DiTConfig, masked: bool = False) -> dict:
+    g = torch.Generator().manual_seed(1)
+    kw = dict(
+        hidden_states=torch.randn(1, 2, 4, 4, cfg.visual_in_channels, generator=g),
+        encoder_hidden_states=torch.randn(1, 5, cfg.in_text_dim, generator=g),
+        pooled_projections=torch.randn(1, cfg.in_text_dim2, generator=g),
+        timestep=torch.tensor([600.0]),
+        audio_hidden_states=torch.randn(1, 3, cfg.in_audio_dim, generator=g),
+    )
+    if masked:
+        kw["encoder_attention_mask"] = torch.tensor([[True, True, True, False, False]])
+    return kw
+
+
+def test_exact_blocks_and_steps_run_exact(model) -> None:
+    cfg, weights = model
+    options = Options().replace(attn="k6", exact_attn_blocks=1, exact_attn_steps=1)
+    backend = SwitchedBackend(options, torch.device("cpu"))
+    dit = K6DiT(cfg, weights, backend=backend)
+    counts = backend.attn.counts
+    dit.begin_step(0)
+    dit(**_inputs(cfg))
+    assert counts[("k6", "video_self")] == 0 and counts[("exact", "video_self")] == 4  # step 0 is exact
+    counts.clear()
+    dit.begin_step(1)
+    quantized = dit(**_inputs(cfg))
+    # Blocks 1 and 2 are quantized; blocks 0 and 3 (first and last) stay exact; other sites are exact by default.
+    assert counts[("k6", "video_self")] == 2 and counts[("exact", "video_self")] == 2
+    assert counts[("exact", "audio_self")] == 4 and counts[("exact", "text_self")] == 2
+    exact = K6DiT(cfg, weights, backend=SwitchedBackend(Options(), torch.device("cpu")))(**_inputs(cfg))
+    rel = ((quantized[0] - exact[0]).norm() / exact[0].norm()).item()
+    assert 0 < rel < 0.05  # lossy, but close: INT8 QK and quantized PV on two of four blocks
+
+
+def test_all_sites_but_masked_calls_stay_exact(model) -> None:
+    cfg, weights = model
+    backend = SwitchedBackend(Options().replace(attn="k6", quant_attn_sites="all"), torch.device("cpu"))
+    K6DiT(cfg, weights, backend=backend)(**_inputs(cfg, masked=True))
+    counts = backend.attn.counts
+    for site in ("video_self", "audio_self", "video_audio", "audio_video"):
+        assert counts[("k6", site)] == 4, site
+    for site in ("video_text", "audio_text"):  # masked: always exact
+        assert counts[("exact", site)] == 4 and counts[("k6", site)] == 0, site
+
+
+def test_reference_backend_is_all_exact(model) -> None:
+    cfg, weights = model
+    backend = SwitchedBackend(Options(), torch.device("cpu"))
+    K6DiT(cfg, weights, backend=backend)(**_inputs(cfg))
+    assert all(kind == "exact" for kind, _ in backend.attn.counts)
+    assert backend.gemm.counts["bf16"] > 0 and set(backend.gemm.counts) == {"bf16"}
+
+
+def test_sage_without_its_package_is_a_start_up_error(monkeypatch) -> None:
+    monkeypatch.setitem(sys.modules, "sageattention", None)  # makes `import sageattention` raise ImportError
+    with pytest.raises(SwitchError, match="K6_ATTN='sage'.*sageattention"):
+        AttentionDispatch(Options().replace(attn="sage"), torch.device("cpu"))
+
+
+@pytest.mark.parametrize(
+    ("name", "rows", "shape", "fast"),
+    [
+        ("video_dec_block.self_attention.to_query", 50220, (4096, 4096), True),
+        ("video_dec_block.feed_forward.net.0.proj", 50220, (16384, 4096), True),
+        ("audio_dec_block.self_attention.to_query", 218, (2048, 2048), False),  # below the row threshold
+        ("video_dec_block.visual_modulation.out_layer", 50220, (36864, 1024), False),  # always exact
+        ("video_time_embeddings.timestep_embedder.linear_1", 50220, (1024, 4096), False),
+        ("out_layer.out_layer", 50220, (640, 4096), True),
+        ("odd", 50220, (100, 4096), False),  # N not a multiple of 16
+    ],
+)
+def test_gemm_policy(name: str, rows: int, shape: tuple[int, int], fast: bool) -> None:
+    assert LinearDispatch(Options().replace(gemm="fp8")).use_fast(rows, shape, name) is fast
+    assert LinearDispatch(Options()).use_fast(rows, shape, name) is False
