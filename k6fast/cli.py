@@ -156,11 +156,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--arm", help="show values with this arm applied")
     p.set_defaults(func=cmd_switches)
 
+    from .bench.cli import register as register_bench
     from .quality_gate.command import register as register_gate
     from .server.cli import register as register_serve
 
     register_serve(sub)
     register_gate(sub)
+    register_bench(sub)
     return parser
 
 

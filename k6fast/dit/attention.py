@@ -57,8 +57,7 @@ class AttentionDispatch:
         self.exact_blocks = options.exact_attn_blocks
         self.exact_steps = options.exact_attn_steps
         self.step = 0
-        self.block = 0
-        self.num_blocks = 0
+        self.block_quantized = False  # the policy's verdict for the block running now
         self.counts: Counter[tuple[str, str]] = Counter()  # (backend, site) → calls
         self._backends = exact_sdpa_backends(device)
         self._sage = None
@@ -75,21 +74,33 @@ class AttentionDispatch:
     def begin_step(self, step: int) -> None:
         self.step = step
 
+    def quantizes_block(self, block: int, num_blocks: int) -> bool:
+        """Whether a quantized backend may run in this block at the current step (first/last blocks and first
+        steps stay exact)."""
+        if self.kind == "exact" or self.step < self.exact_steps:
+            return False
+        return self.exact_blocks <= block < num_blocks - self.exact_blocks
+
     def begin_block(self, block: int, num_blocks: int) -> None:
-        self.block, self.num_blocks = block, num_blocks
+        self.block_quantized = self.quantizes_block(block, num_blocks)
 
     def quantized_here(self, site: str, masked: bool, head_dim: int) -> bool:
-        if self.kind == "exact" or masked or site not in self.sites or self.step < self.exact_steps:
+        if not self.block_quantized or masked or site not in self.sites:
             return False
         if self.kind == "k6" and head_dim not in SUPPORTED_HEAD_DIMS:
             _log_once(f"K6_ATTN=k6: head_dim {head_dim} is not one of {SUPPORTED_HEAD_DIMS}; running exact attention")
             return False
-        return self.exact_blocks <= self.block < self.num_blocks - self.exact_blocks
+        return True
+
+    def _count(self, kind: str, site: str) -> None:
+        # Counting is Python state: inside a compiled block it would become a guard and force recompiles.
+        if not torch.compiler.is_compiling():
+            self.counts[(kind, site)] += 1
 
     def __call__(self, q: Tensor, k: Tensor, v: Tensor, *, site: str, mask: Tensor | None) -> Tensor:
         """q: [B, Nq, H, D], k/v: [B, Nk, H, D], mask: bool [B, Nk] or None → [B, Nq, H, D]."""
         if self.quantized_here(site, mask is not None, q.shape[-1]):
-            self.counts[(self.kind, site)] += 1
+            self._count(self.kind, site)
             if self.kind == "sage":
                 return self._sage(q, k, v, tensor_layout="NHD", is_causal=False)
             from ..kernels.quant_attention import quant_attention
@@ -98,7 +109,7 @@ class AttentionDispatch:
             dt = q.dtype if q.dtype in (torch.bfloat16, torch.float16) else torch.bfloat16
             q_, k_, v_ = (t.transpose(1, 2).to(dt).contiguous() for t in (q, k, v))
             return quant_attention(q_, k_, v_).transpose(1, 2).to(q.dtype)
-        self.counts[("exact", site)] += 1
+        self._count("exact", site)
         attn_mask = None if mask is None else mask[:, None, None, :]
         from torch.nn.attention import sdpa_kernel
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from collections import Counter
 
+import torch
 import torch.nn.functional as F
 from torch import Tensor
 
@@ -32,10 +33,13 @@ class LinearDispatch:
 
     def __call__(self, x: Tensor, weight: Tensor, bias: Tensor | None, *, name: str) -> Tensor:
         """x: [..., K]; weight: [N, K]; bias: [N] or None → [..., N] in x.dtype."""
+        counting = not torch.compiler.is_compiling()  # Python state would become a compile guard
         if not (x.is_cuda and self.use_fast(x.numel() // x.shape[-1], tuple(weight.shape), name)):
-            self.counts["bf16"] += 1
+            if counting:
+                self.counts["bf16"] += 1
             return F.linear(x, weight, bias)
-        self.counts[self.kind] += 1
+        if counting:
+            self.counts[self.kind] += 1
         flat = x.reshape(-1, x.shape[-1]).contiguous()
         if self.kind == "fp8":
             from ..kernels.fp8_linear import fp8_linear, quantize_weight_fp8

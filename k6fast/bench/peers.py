@@ -1,0 +1,250 @@
+"""Peer arms: diffusers' own Kandinsky 6 code, timed in the same session, on the same checkpoint, geometry, seed,
+steps and guidance as the k6fast arms.
+
+- `diffusers`: `Kandinsky6TI2VAPipeline` with every component resident on the device.
+- `diffusers-offload`: the transformer under diffusers' group offloading (`enable_group_offload(onload_device,
+  offload_device="cpu", offload_type="block_level", num_blocks_per_group=1, use_stream=True)`, each block copied in
+  on a side stream one block ahead); the text encoders live on the CPU and are moved to the device for the text
+  phase only (what `enable_model_cpu_offload` would do for them); the decoders stay resident (small).
+
+Both enable the video VAE's tiling, as k6fast does: an untiled W1 decode is not what anyone runs. For
+`--component dit|block` a peer times `Kandinsky6Transformer3DModel` alone (loaded with `from_pretrained`), fed the
+same synthetic tensors as the k6fast arm.
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from .visit import VisitSpec, peak_vram, reset_peak, sync, time_call
+from .workload import audio_tokens, block_inputs, dit_inputs
+
+PEER_ARMS = ("diffusers", "diffusers-offload")
+GROUP_OFFLOAD = {"offload_type": "block_level", "num_blocks_per_group": 1, "use_stream": True}
+
+
+def is_peer(arm: str) -> bool:
+    return arm in PEER_ARMS
+
+
+def peer_runner(spec: VisitSpec):
+    if not is_peer(spec.arm):
+        raise ValueError(f"arm {spec.arm!r} is not a peer arm; expected one of {', '.join(PEER_ARMS)}")
+    offload = spec.arm == "diffusers-offload"
+    device = spec.resolved_device()
+    if offload and device.type != "cuda":
+        raise ValueError(
+            f"the diffusers-offload arm streams blocks with CUDA streams and needs a CUDA device, found {device}"
+        )
+    cls = {"pipeline": PeerPipeline, "dit": PeerTransformer, "block": PeerBlock}[spec.component]
+    return cls(spec, offload)
+
+
+def _quiet_diffusers() -> None:
+    from diffusers.utils import logging as diffusers_logging
+    from transformers.utils import logging as transformers_logging
+
+    diffusers_logging.set_verbosity_error()  # unexpected-key warnings of the one-block load
+    diffusers_logging.disable_progress_bar()
+    transformers_logging.disable_progress_bar()
+
+
+class _Peer:
+    def __init__(self, spec: VisitSpec, offload: bool):
+        from ..checkpoint import open_checkpoint
+
+        self.spec, self.offload = spec, offload
+        self.device, self.dtype = spec.resolved_device(), spec.resolved_dtype()
+        self.ckpt = open_checkpoint(spec.model)
+        _quiet_diffusers()
+
+    def _place(self, model: torch.nn.Module) -> None:
+        if self.offload:
+            model.enable_group_offload(onload_device=self.device, offload_device=torch.device("cpu"), **GROUP_OFFLOAD)
+        else:
+            model.to(self.device)
+
+    def describe(self) -> dict[str, Any]:
+        import diffusers
+
+        from .. import __version__
+        from ..switches.provenance import git_state
+
+        commit, dirty = git_state()
+        return {
+            "k6fast_version": __version__,
+            "git_commit": commit,
+            "git_dirty": dirty,
+            "arm": self.spec.arm,
+            "arm_hash": None,
+            "switches": None,
+            "peer": {
+                "library": "diffusers",
+                "version": diffusers.__version__,
+                "group_offload": dict(GROUP_OFFLOAD, offload_device="cpu") if self.offload else None,
+                "text_encoders": "cpu, moved to the device for the text phase" if self.offload else "resident",
+                "vae_tiling": self.spec.component == "pipeline",
+            },
+        }
+
+
+class PeerTransformer(_Peer):
+    """`Kandinsky6Transformer3DModel.from_pretrained(ckpt/transformer)`: one forward per request."""
+
+    def load(self) -> None:
+        from diffusers import Kandinsky6Transformer3DModel
+
+        self.model = Kandinsky6Transformer3DModel.from_pretrained(
+            Path(self.ckpt.root) / "transformer", dtype=self.dtype
+        ).eval()
+        self._place(self.model)
+        audio_len = audio_tokens(self.ckpt.root, self.spec.geometry)
+        self.inputs = dit_inputs(self.ckpt.dit, self.spec.geometry, audio_len, self.device, self.dtype, self.spec.seed)
+
+    def run(self) -> dict[str, Any]:
+        return time_call(self.device, "dit_forward", lambda: self.model(**self.inputs, return_dict=False))
+
+
+class PeerBlock(_Peer):
+    """`visual_transformer_blocks[0]` of a transformer loaded with one fused block (the others are not read)."""
+
+    def load(self) -> None:
+        from diffusers import Kandinsky6Transformer3DModel
+
+        model = Kandinsky6Transformer3DModel.from_pretrained(
+            Path(self.ckpt.root) / "transformer", dtype=self.dtype, num_visual_blocks=1
+        ).eval()
+        self._place(model)
+        self.model = model
+        geometry, cfg = self.spec.geometry, self.ckpt.dit
+        audio_len = audio_tokens(self.ckpt.root, geometry)
+        inp = block_inputs(cfg, geometry, audio_len, self.device, self.dtype, self.spec.seed)
+        with torch.no_grad():
+            pt, ph, pw = cfg.patch_size
+            grid = (geometry.latent_frames // pt, geometry.height // 8 // ph, geometry.width // 8 // pw)
+            positions = tuple(torch.arange(n, device=self.device) for n in grid)
+            # diffusers' rope layout differs from k6fast's; its own modules build it.
+            visual_rope = model.visual_rope_embeddings(positions, model.scale_factor).flatten(0, 2)
+            audio_rope = model.audio_rope_embeddings(torch.arange(audio_len, device=self.device))
+        s = inp.shared
+        temb = (s.temb_v.to(self.dtype), s.temb_a.to(self.dtype))
+        self.args = (inp.vis, inp.aud, s.text_v, s.text_a, temb, visual_rope, audio_rope, None)
+
+    def run(self) -> dict[str, Any]:
+        return time_call(self.device, "block", lambda: self.model.visual_transformer_blocks[0](*self.args))
+
+
+class _PhaseClock:
+    """Times the phases inside diffusers' pipeline call by wrapping the methods it calls; per-step times come from
+    `callback_on_step_end`."""
+
+    def __init__(self, device: torch.device):
+        from ..telemetry import Telemetry
+
+        self.device = device
+        self.telemetry = Telemetry(device=str(device))
+        self.mark = 0.0
+
+    def wrap(self, phase: str, fn):
+        def timed(*args, **kwargs):
+            with self.telemetry.phase(phase):
+                result = fn(*args, **kwargs)
+            if phase == "text_encode":
+                self.mark = time.perf_counter()  # the first step is timed from here
+            return result
+
+        return timed
+
+    def on_step(self, pipe, step: int, timestep, callback_kwargs: dict) -> dict:
+        sync(self.device)
+        now = time.perf_counter()
+        self.telemetry.step_seconds.append(now - self.mark)
+        self.mark = now
+        return {}
+
+
+class PeerPipeline(_Peer):
+    """`Kandinsky6TI2VAPipeline`, text to MP4 (muxed by k6fast's writer, so both sides pay the same mux)."""
+
+    def load(self) -> None:
+        import tempfile
+
+        from diffusers import Kandinsky6TI2VAPipeline
+
+        pipe = Kandinsky6TI2VAPipeline.from_pretrained(self.ckpt.root, dtype=self.dtype)
+        pipe.set_progress_bar_config(disable=True)
+        pipe.vae.enable_tiling()
+        if self.offload:
+            self._place(pipe.transformer)
+            for name in ("vae", "audio_vae", "vocoder"):
+                getattr(pipe, name).to(self.device)
+            encode = pipe.encode_prompt
+
+            def encode_on_device(*args, **kwargs):
+                pipe.text_encoder.to(self.device)
+                pipe.text_encoder_2.to(self.device)
+                try:
+                    return encode(*args, **kwargs)
+                finally:
+                    pipe.text_encoder.to("cpu")
+                    pipe.text_encoder_2.to("cpu")
+
+            pipe.encode_prompt = encode_on_device
+        else:
+            pipe.to(self.device)
+        self.clock = _PhaseClock(self.device)
+        pipe.encode_prompt = self._wrap("text_encode", pipe.encode_prompt)
+        pipe.vae.decode = self._wrap("video_decode", pipe.vae.decode)
+        pipe.audio_vae.decode = self._wrap("audio_decode", pipe.audio_vae.decode)
+        pipe.vocoder.forward = self._wrap("audio_decode", pipe.vocoder.forward)
+        self.pipe = pipe
+        self._tmp = tempfile.TemporaryDirectory(prefix="k6fast-bench-peer-")
+        self._count = 0
+
+    def _wrap(self, phase: str, fn):
+        # Looked up per call: each request gets a fresh clock.
+        def timed(*args, **kwargs):
+            return self.clock.wrap(phase, fn)(*args, **kwargs)
+
+        return timed
+
+    def run(self) -> dict[str, Any]:
+        spec = self.spec
+        self.clock = clock = _PhaseClock(self.device)
+        reset_peak(self.device)
+        start = time.perf_counter()
+        out = self.pipe(
+            prompt=spec.prompt,
+            height=spec.height,
+            width=spec.width,
+            num_frames=spec.frames,
+            num_inference_steps=spec.steps,
+            guidance_scale=spec.guidance,
+            # A CPU generator draws the same noise as k6fast's for the same seed.
+            generator=torch.Generator("cpu").manual_seed(spec.seed),
+            output_type="np",
+            callback_on_step_end=clock.on_step,
+        )
+        telemetry = clock.telemetry
+        telemetry.phases["denoise"] = sum(telemetry.step_seconds)
+        telemetry.dit_calls = spec.steps * (2 if spec.guidance > 1.0 else 1)
+        if spec.mux:
+            from ..media import prepare_audio, write_mp4
+            from ..output import frames_to_uint8
+
+            self._count += 1
+            path = Path(self._tmp.name) / f"request{self._count}.mp4"
+            with telemetry.phase("mux"):
+                audio = None if out.audio is None else prepare_audio(out.audio[0].astype("float32"))
+                frames = frames_to_uint8(out.frames[0])
+                write_mp4(path, frames, 24.0, audio, int(self.pipe.audio_sample_rate))
+        sync(self.device)
+        seconds = time.perf_counter() - start
+        telemetry.peak_vram_bytes = peak_vram(self.device)["allocated"]
+        record = telemetry.as_dict()
+        record["peak_vram_reserved_bytes"] = peak_vram(self.device)["reserved"]
+        return {"seconds": seconds, "telemetry": record}

@@ -1,0 +1,429 @@
+"""One bench visit, run as a fresh process: `python -m k6fast.bench.visit --spec SPEC.json --out ROW.json`.
+
+A visit loads one arm, runs one warm-up (kept in the record, apart: users meet cold starts too), then the timed
+requests, and writes one JSON record: per-request wall time and the request's whole `Telemetry.as_dict()` (phases,
+per-step times and whatever per-block fields the runtime adds), peak VRAM, peak anonymous host RSS (a sampler of
+/proc/self/status RssAnon plus the value at the end), the environment (GPU, driver, library versions, host) and the
+provenance of the arm. The session adds the GPU-idle wait and the contamination verdict to the row.
+
+What a "request" is depends on the component: a whole clip (`pipeline`, text to muxed MP4), one DiT forward
+(`dit`), or one fused block (`block`). Its `seconds` is the figure the session compares.
+"""
+
+from __future__ import annotations
+
+import time
+
+_STARTED = time.perf_counter()  # before the heavy imports, so the record can say what importing cost
+
+import argparse  # noqa: E402 - after the clock above on purpose
+import importlib.metadata  # noqa: E402
+import json  # noqa: E402
+import os  # noqa: E402
+import platform  # noqa: E402
+import socket  # noqa: E402
+import sys  # noqa: E402
+import tempfile  # noqa: E402
+import threading  # noqa: E402
+import traceback  # noqa: E402
+from collections.abc import Callable  # noqa: E402
+from dataclasses import asdict, dataclass  # noqa: E402
+from pathlib import Path  # noqa: E402
+from typing import Any, Protocol  # noqa: E402
+
+import torch  # noqa: E402
+
+from ..telemetry import anon_rss_bytes  # noqa: E402
+from .records import SCHEMA, write_json  # noqa: E402
+from .workload import Geometry, audio_tokens, block_inputs, dit_inputs  # noqa: E402
+
+COMPONENTS = ("pipeline", "dit", "block")
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+VERSIONED = ("torch", "triton", "diffusers", "transformers", "safetensors", "av", "numpy", "k6fast")
+DEFAULT_PROMPT = (
+    "A rain-slicked Tokyo alley at night, camera tracking forward past a glowing neon sign that reads OPEN in red "
+    "letters, reflections rippling in puddles. Audio: steady rain on metal awnings, a distant train."
+)
+
+
+@dataclass(frozen=True)
+class VisitSpec:
+    """Everything one visit needs; written by the session as JSON, read back by the visit process."""
+
+    session: str
+    visit: int  # 0-based index in the session's order
+    position: int  # position within one mirrored pattern (A B B A: 0..3)
+    repeat: int  # which repetition of the pattern
+    arm: str  # arm name, arm file path, or a peer arm name
+    model: str
+    component: str
+    width: int
+    height: int
+    frames: int
+    steps: int
+    guidance: float
+    seed: int = 42
+    prompt: str = DEFAULT_PROMPT
+    requests: int = 1
+    warmup: int = 1
+    device: str | None = None
+    dtype: str | None = None
+    mux: bool = True
+    command: str = ""
+
+    @property
+    def geometry(self) -> Geometry:
+        return Geometry(self.width, self.height, self.frames)
+
+    def resolved_device(self) -> torch.device:
+        from ..dit.runtime import resolve_device
+
+        return resolve_device(self.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+
+    def resolved_dtype(self) -> torch.dtype:
+        if self.dtype is not None:
+            return DTYPES[self.dtype]
+        return torch.bfloat16 if self.resolved_device().type == "cuda" else torch.float32
+
+    @classmethod
+    def from_dict(cls, raw: dict[str, Any]) -> VisitSpec:
+        spec = cls(**raw)
+        if spec.component not in COMPONENTS:
+            raise ValueError(f"component {spec.component!r}: expected one of {', '.join(COMPONENTS)}")
+        if spec.dtype is not None and spec.dtype not in DTYPES:
+            raise ValueError(f"dtype {spec.dtype!r}: expected one of {', '.join(DTYPES)}")
+        if spec.requests < 1 or spec.warmup < 0:
+            raise ValueError(f"expected requests >= 1 and warmup >= 0, found {spec.requests} and {spec.warmup}")
+        return spec
+
+    def as_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+class Runner(Protocol):
+    """One arm at one component: `load` once, then `run` per request."""
+
+    def load(self) -> None: ...
+
+    def run(self) -> dict[str, Any]:
+        """One request: {"seconds": float, "telemetry": Telemetry.as_dict()-shaped dict}."""
+        ...
+
+    def describe(self) -> dict[str, Any]:
+        """Provenance of what ran (k6fast: version, commit, arm, hash, switches; peers: their settings too)."""
+        ...
+
+
+class RssSampler:
+    """Samples RssAnon (anonymous memory: heap, pinned buffers, private copies of mapped pages; what the kernel
+    cannot drop, unlike page cache behind a read-only mapping) in a background thread. `peak` is the largest value
+    seen; short spikes between samples can be missed, so the record also keeps ru_maxrss through Telemetry."""
+
+    def __init__(self, interval_s: float = 0.05):
+        self.interval_s = interval_s
+        self.peak = anon_rss_bytes()
+        self.end = 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="k6fast-bench-rss", daemon=True)
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.interval_s):
+            self.peak = max(self.peak, anon_rss_bytes())
+
+    def __enter__(self) -> RssSampler:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join()
+        self.end = anon_rss_bytes()
+        self.peak = max(self.peak, self.end)
+
+
+def _version(package: str) -> str | None:
+    try:
+        return importlib.metadata.version(package)
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
+def environment(device: torch.device) -> dict[str, Any]:
+    from .gpu import gpu_inventory
+
+    gpus = gpu_inventory()
+    gpu_name = None
+    if device.type == "cuda":
+        gpu_name = torch.cuda.get_device_name(device)
+    return {
+        "device": str(device),
+        "gpu_name": gpu_name,
+        "gpus": gpus,
+        "driver": gpus[0]["driver"] if gpus else None,
+        "cuda": torch.version.cuda,
+        "versions": {name: _version(name) for name in VERSIONED},
+        "python": platform.python_version(),
+        "hostname": socket.gethostname(),
+        "platform": platform.platform(),
+        "cpu_count": os.cpu_count(),
+        "pid": os.getpid(),
+    }
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def reset_peak(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+
+
+def peak_vram(device: torch.device) -> dict[str, int]:
+    if device.type != "cuda":
+        return {"allocated": 0, "reserved": 0}
+    return {"allocated": torch.cuda.max_memory_allocated(device), "reserved": torch.cuda.max_memory_reserved(device)}
+
+
+class K6Pipeline:
+    """k6fast's Pipeline: text to MP4. The MP4 goes to a temporary folder and is deleted (muxing is timed)."""
+
+    def __init__(self, spec: VisitSpec, options):
+        self.spec, self.options = spec, options
+        self.device, self.dtype = spec.resolved_device(), spec.resolved_dtype()
+        self._tmp = tempfile.TemporaryDirectory(prefix="k6fast-bench-")
+        self._count = 0
+
+    def load(self) -> None:
+        from ..pipeline import Pipeline
+
+        g = self.spec.geometry
+        self.pipe = Pipeline(
+            self.spec.model,
+            self.options,
+            device=self.device,
+            dtype=self.dtype,
+            plan_geometry=(g.width, g.height, g.frames),
+        )
+
+    def run(self) -> dict[str, Any]:
+        from ..pipeline import Request
+
+        spec = self.spec
+        request = Request(
+            prompt=spec.prompt,
+            width=spec.width,
+            height=spec.height,
+            frames=spec.frames,
+            steps=spec.steps,
+            guidance=spec.guidance,
+            seed=spec.seed,
+        )
+        start = time.perf_counter()
+        result = self.pipe.generate(request)
+        if spec.mux:
+            from ..output import write_result
+
+            self._count += 1
+            out = Path(self._tmp.name) / f"request{self._count}.mp4"
+            write_result(result, out, self.options, request, spec.model, self.pipe.ckpt.variant)
+        sync(self.device)
+        seconds = time.perf_counter() - start
+        record = result.telemetry.as_dict()
+        record["peak_vram_reserved_bytes"] = peak_vram(self.device)["reserved"]  # generate resets the peaks
+        return {"seconds": seconds, "telemetry": record}
+
+    def describe(self) -> dict[str, Any]:
+        from ..switches import provenance
+
+        return provenance(self.options)
+
+
+def time_call(
+    device: torch.device, phase: str, call: Callable[[], object], on_done: Callable[[Any], None] | None = None
+) -> dict[str, Any]:
+    """Time one synchronised call as a one-step Telemetry (a DiT forward is one step at guidance 1); `on_done`
+    receives the Telemetry after the call, to add what the runtime measured inside it."""
+    from ..telemetry import Telemetry
+
+    telemetry = Telemetry(device=str(device))
+    reset_peak(device)
+    with torch.no_grad(), telemetry.phase(phase):
+        call()
+    seconds = telemetry.phases[phase]
+    telemetry.step_seconds.append(seconds)
+    telemetry.dit_calls = 1 if phase == "dit_forward" else 0
+    if on_done is not None:
+        on_done(telemetry)
+    record = telemetry.as_dict()
+    record["peak_vram_reserved_bytes"] = peak_vram(device)["reserved"]
+    return {"seconds": seconds, "telemetry": record}
+
+
+class K6DiTRunner:
+    """The DiT exactly as the Pipeline builds it (so whatever runtime the Pipeline uses is what is timed), fed
+    synthetic inputs of the request's shapes."""
+
+    def __init__(self, spec: VisitSpec, options):
+        self.spec, self.options = spec, options
+        self.device, self.dtype = spec.resolved_device(), spec.resolved_dtype()
+
+    def load(self) -> None:
+        from ..pipeline import Pipeline
+
+        g = self.spec.geometry
+        # The decoders load too (they take no part in a DiT forward): building the Pipeline is what guarantees
+        # the DiT timed is the one a request runs, residency plan and weight streaming included.
+        self.pipe = Pipeline(
+            self.spec.model,
+            self.options,
+            device=self.device,
+            dtype=self.dtype,
+            plan_geometry=(g.width, g.height, g.frames),
+        )
+        audio_len = audio_tokens(self.pipe.ckpt.root, g)
+        self.inputs = dit_inputs(self.pipe.ckpt.dit, g, audio_len, self.device, self.dtype, self.spec.seed)
+
+    def _stream_timings(self, telemetry) -> None:
+        streamer = self.pipe.runtime.streamer
+        if streamer is not None:
+            telemetry.add_stream_step(streamer.collect_timings())
+
+    def run(self) -> dict[str, Any]:
+        return time_call(self.device, "dit_forward", lambda: self.pipe.dit(**self.inputs), self._stream_timings)
+
+    def describe(self) -> dict[str, Any]:
+        from ..switches import provenance
+
+        return provenance(self.options)
+
+
+class K6BlockRunner:
+    """Fused block 0's weights through `k6fast.dit.blocks.fused_block` with the arm's backend (the switches'
+    attention and GEMM dispatch). Per-block and per-step policies (exact attention on the first blocks and steps)
+    are told this is a middle block of step 1, so the block is timed on the path most blocks take."""
+
+    def __init__(self, spec: VisitSpec, options):
+        self.spec, self.options = spec, options
+        self.device, self.dtype = spec.resolved_device(), spec.resolved_dtype()
+
+    def load(self) -> None:
+        from ..checkpoint import open_checkpoint
+        from ..dit.backend import SwitchedBackend
+        from ..dit.config import expected_shapes
+        from ..dit.weights import PrefixView, load_tensors
+
+        ckpt = open_checkpoint(self.spec.model)
+        prefix = "visual_transformer_blocks.0."
+        names = {name for name in expected_shapes(ckpt.dit) if name.startswith(prefix)}
+        tensors = load_tensors(list(ckpt.transformer_files), self.device, self.dtype, names=names)
+        self.cfg, self.weights = ckpt.dit, PrefixView(tensors, prefix)
+        self.backend = SwitchedBackend(self.options, self.device)
+        self.policy_position = {"step": 1, "block": ckpt.dit.num_visual_blocks // 2}
+        audio_len = audio_tokens(ckpt.root, self.spec.geometry)
+        self.inputs = block_inputs(ckpt.dit, self.spec.geometry, audio_len, self.device, self.dtype, self.spec.seed)
+
+    def run(self) -> dict[str, Any]:
+        from ..dit.blocks import fused_block
+
+        inp = self.inputs
+        self.backend.begin_step(self.policy_position["step"])
+        self.backend.begin_block(self.policy_position["block"], self.cfg.num_visual_blocks)
+        args = (self.backend, self.cfg, self.weights, inp.vis, inp.aud, inp.shared)
+        result = time_call(self.device, "block", lambda: fused_block(*args))
+        result["policy_position"] = self.policy_position
+        return result
+
+    def describe(self) -> dict[str, Any]:
+        from ..switches import provenance
+
+        return provenance(self.options)
+
+
+def make_runner(spec: VisitSpec) -> Runner:
+    from .peers import is_peer, peer_runner
+
+    if is_peer(spec.arm):
+        return peer_runner(spec)
+    from ..switches import load_options
+
+    options = load_options(arm=spec.arm)
+    cls = {"pipeline": K6Pipeline, "dit": K6DiTRunner, "block": K6BlockRunner}[spec.component]
+    return cls(spec, options)
+
+
+def run_visit(spec: VisitSpec) -> dict[str, Any]:
+    """Load the arm, warm up, time the requests; returns the visit's record."""
+    device = spec.resolved_device()
+    ready = time.perf_counter()
+    with RssSampler() as rss:
+        runner = make_runner(spec)
+        load_start = time.perf_counter()
+        runner.load()
+        sync(device)
+        load_s = time.perf_counter() - load_start
+        load_vram = peak_vram(device)
+        warmups = [runner.run() for _ in range(spec.warmup)]
+        requests = [runner.run() for _ in range(spec.requests)]
+    runs = [r["telemetry"] for r in warmups + requests]
+    vram = [load_vram["allocated"]] + [t.get("peak_vram_bytes", 0) for t in runs]
+    reserved = [load_vram["reserved"]] + [t.get("peak_vram_reserved_bytes", 0) for t in runs]
+    return {
+        "schema": SCHEMA,
+        "session": spec.session,
+        "visit": spec.visit,
+        "position": spec.position,
+        "repeat": spec.repeat,
+        "arm": spec.arm,
+        "component": spec.component,
+        "geometry": spec.geometry.label(),
+        "steps": spec.steps,
+        "guidance": spec.guidance,
+        "seed": spec.seed,
+        "dtype": str(spec.resolved_dtype()).removeprefix("torch."),
+        "import_s": ready - _STARTED,
+        "load_s": load_s,
+        "warmup": warmups,
+        "requests": requests,
+        "seconds": [r["seconds"] for r in requests],
+        "peak_vram_bytes": max(vram),
+        "peak_vram_reserved_bytes": max(reserved),
+        "peak_rss_anon_bytes": rss.peak,
+        "rss_anon_end_bytes": rss.end,
+        "environment": environment(device),
+        "provenance": runner.describe(),
+        "argv": sys.argv,
+        "command": spec.command,
+        "spec": spec.as_dict(),
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m k6fast.bench.visit", description=__doc__.splitlines()[0])
+    parser.add_argument("--spec", required=True, help="visit spec JSON written by `k6fast bench`")
+    parser.add_argument("--out", required=True, help="where to write this visit's JSON record")
+    args = parser.parse_args(argv)
+    spec = VisitSpec.from_dict(json.loads(Path(args.spec).read_text()))
+    try:
+        record = run_visit(spec)
+    except Exception as exc:
+        write_json(
+            Path(args.out),
+            {
+                "schema": SCHEMA,
+                "visit": spec.visit,
+                "arm": spec.arm,
+                "error": f"{type(exc).__name__}: {exc}",
+                "traceback": traceback.format_exc(),
+                "argv": sys.argv,
+            },
+        )
+        traceback.print_exc()
+        return 1
+    write_json(Path(args.out), record)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
