@@ -125,3 +125,37 @@ def test_bf16_streamed_forward_matches_resident_and_fp32(tiny_distill) -> None:
     finally:
         for rt in (fp32, bf16, streamed):
             rt.close()
+
+
+def test_text_encoders_stay_loaded_when_the_budget_holds_them(tiny_distill, monkeypatch) -> None:
+    from k6fast import pipeline as pipeline_module
+    from k6fast.pipeline import Pipeline, Request
+    from k6fast.switches import Options
+
+    loads = []
+    original = pipeline_module.TextEncoders.__init__
+
+    def counting_init(self, *args, **kwargs):
+        loads.append(1)
+        original(self, *args, **kwargs)
+
+    monkeypatch.setattr(pipeline_module.TextEncoders, "__init__", counting_init)
+    request = Request(prompt="Bells ring over a harbour", width=32, height=32, frames=5, steps=2)
+    roomy = Pipeline(tiny_distill, Options(), device="cpu")
+    assert roomy.text_resident and not roomy.dit_leaves_for_text
+    a, b = roomy.generate(request), roomy.generate(request)
+    assert len(loads) == 1 and (a.frames == b.frames).all()
+    # A budget that holds the DiT and its activations but not the text encoders beside them: per-request loads.
+    from k6fast.dit.residency import RESERVE_BYTES
+    from k6fast.pipeline import component_bytes
+
+    plan = roomy.runtime.plan
+    text_bytes = sum(component_bytes(tiny_distill / c) for c in ("text_encoder", "text_encoder_2"))
+    budget = plan.weight_bytes + plan.activation_bytes + RESERVE_BYTES + text_bytes // 2
+    tight = Pipeline(tiny_distill, Options().replace(vram_budget_gb=budget / 2**30), device="cpu")
+    loads.clear()
+    tight.generate(request)
+    tight.generate(request)
+    assert not tight.text_resident and len(loads) == 2
+    roomy.close()
+    tight.close()
