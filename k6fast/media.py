@@ -17,8 +17,6 @@ from __future__ import annotations
 
 import contextlib
 import numbers
-import os
-import secrets
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from fractions import Fraction
@@ -28,6 +26,8 @@ from typing import Literal
 import av
 import numpy as np
 from av.video.reformatter import ColorRange, Colorspace
+
+from .atomic import atomic_path
 
 __all__ = ["Mp4Info", "prepare_audio", "probe_mp4", "read_mp4", "write_mp4"]
 
@@ -121,11 +121,8 @@ def write_mp4(
     if path.is_dir():
         raise IsADirectoryError(f"write_mp4: expected a file path, {path} is a directory")
 
-    tmp = path.parent / f".{path.name}.{secrets.token_hex(6)}.tmp"
-    # Created by hand with mode 0o666 so that the umask applies as it would to any new file; mkstemp's 0o600 would
-    # leave the published clip unreadable to a server running as another user.
-    os.close(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666))
-    try:
+    # atomic_path fsyncs the file and the rename: a job recorded as done must still find its clip after a crash.
+    with atomic_path(path) as tmp:
         options = {"movflags": "+faststart+use_metadata_tags"}
         if wave is not None:
             # Edit lists are written in the movie timescale (1000 by default): the audio one, which trims the AAC
@@ -140,14 +137,6 @@ def write_mp4(
                 container.close()
             raise
         container.close()
-        _fsync(tmp)
-        os.replace(tmp, path)
-        # Makes the rename itself durable: a job recorded as done must still find its clip after a crash.
-        _fsync(path.parent)
-    except BaseException:
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(tmp)
-        raise
 
 
 @dataclass(frozen=True)
@@ -475,11 +464,3 @@ def _seconds(pts: int | None, time_base: Fraction | None) -> float | None:
     if pts is None or time_base is None:
         return None
     return float(pts * time_base)
-
-
-def _fsync(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)

@@ -3,13 +3,12 @@
 from __future__ import annotations
 
 import json
-import os
-import tempfile
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
+from .atomic import write_json_atomic
 from .media import prepare_audio, write_mp4
 from .pipeline import Request, Result
 from .switches import Options, provenance
@@ -30,20 +29,6 @@ def mp4_metadata(options: Options) -> dict[str, str]:
         "k6fast_arm_hash": str(prov["arm_hash"]),
         "k6fast_switches": json.dumps(prov["switches"], sort_keys=True),
     }
-
-
-def write_json_atomic(path: Path, data: Any) -> None:
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    try:
-        with os.fdopen(fd, "w") as f:
-            json.dump(data, f, indent=2, sort_keys=True)
-            f.write("\n")
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
 
 
 def sidecar_path(out: Path) -> Path:

@@ -12,14 +12,12 @@ from __future__ import annotations
 
 import json
 import math
-import os
-import shutil
-import tempfile
 from pathlib import Path
 
 import torch
 from safetensors.torch import save_file
 
+from .atomic import build_dir_atomically
 from .dit.config import DiTConfig, expected_shapes
 
 PRESETS: dict[str, dict] = {
@@ -172,14 +170,10 @@ def _write_small_components(root: Path, distilled: bool, seed: int) -> None:
 
 def make_synthetic(out_dir: str | Path, preset: str = "pro-distill", blocks: int | None = None, seed: int = 0) -> Path:
     """Write the synthetic checkpoint to `out_dir` (built beside it, then renamed; a non-empty dir is refused)."""
-    out_dir = Path(out_dir)
-    if out_dir.exists() and (not out_dir.is_dir() or any(out_dir.iterdir())):
-        raise FileExistsError(f"expected a missing or empty directory for the synthetic checkpoint: {out_dir}")
     config = transformer_config(preset, blocks)
-    out_dir.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.tmp-", dir=out_dir.parent))
-    try:
-        distilled = preset.endswith("distill")
+    distilled = preset.endswith("distill")
+
+    def build(tmp: Path) -> None:
         total = _write_transformer(tmp / "transformer", config, seed)
         _write_small_components(tmp, distilled, seed)
         model_index = {
@@ -206,12 +200,5 @@ def make_synthetic(out_dir: str | Path, preset: str = "pro-distill", blocks: int
             "text_encoders": "real output widths, one layer each: not representative of the text phase's cost",
         }
         (tmp / "synthetic.json").write_text(json.dumps(note, indent=2) + "\n")
-        for folder, _, files in os.walk(tmp):
-            os.chmod(folder, 0o755)
-            for name in files:
-                os.chmod(os.path.join(folder, name), 0o644)
-        os.replace(tmp, out_dir)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    return out_dir
+
+    return build_dir_atomically(out_dir, build, "synthetic checkpoint")

@@ -19,10 +19,8 @@ CLIP 24) so that a mixed-up dimension fails loudly instead of passing by coincid
 
 from __future__ import annotations
 
-import os
 import re
 import shutil
-import tempfile
 from collections import Counter
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -30,6 +28,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Literal
 
 import torch
+
+from .atomic import build_dir_atomically
 
 if TYPE_CHECKING:
     from diffusers import Kandinsky6TI2VAPipeline
@@ -115,32 +115,7 @@ def make_tiny(out_dir: str | Path, variant: Variant = "distill", seed: int = 0) 
     build never leaves a half-written checkpoint; an existing non-empty `out_dir` is refused.
     """
     _check_args(variant, seed)
-    out_dir = Path(out_dir)
-    if out_dir.exists():
-        if not out_dir.is_dir():
-            raise FileExistsError(
-                f"expected a missing or empty directory for the tiny checkpoint, found a file: {out_dir}"
-            )
-        if any(out_dir.iterdir()):
-            raise FileExistsError(
-                f"expected a missing or empty directory for the tiny checkpoint, found a non-empty one: {out_dir}"
-            )
-    out_dir.parent.mkdir(parents=True, exist_ok=True)
-
-    tmp_dir = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.tmp-", dir=out_dir.parent))
-    try:
-        _write_checkpoint(tmp_dir, variant, seed)
-        # mkdtemp makes a private (0700) folder and safetensors writes 0600 files; a checkpoint is shared data.
-        for folder, _, files in os.walk(tmp_dir):
-            os.chmod(folder, 0o755)
-            for name in files:
-                os.chmod(os.path.join(folder, name), 0o644)
-        # rename(2) replaces an empty directory atomically; a non-empty one appearing meanwhile makes it fail.
-        os.replace(tmp_dir, out_dir)
-    except BaseException:
-        shutil.rmtree(tmp_dir, ignore_errors=True)
-        raise
-    return out_dir
+    return build_dir_atomically(out_dir, lambda tmp: _write_checkpoint(tmp, variant, seed), "tiny checkpoint")
 
 
 def build_tiny_pipeline(variant: Variant = "distill", seed: int = 0) -> Kandinsky6TI2VAPipeline:

@@ -8,13 +8,11 @@ file it writes (RANDOM_LABEL), so its numbers cannot be mistaken for a measureme
 
 from __future__ import annotations
 
-import os
-import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ..output import write_json_atomic
+from ..atomic import write_bytes_atomic, write_json_atomic
 from .clips import Arm, Geometry, Prompt
 from .lpips_metric import RANDOM_LABEL
 from .scoring import ArmResult
@@ -22,21 +20,6 @@ from .thresholds import METRIC_NAMES, Thresholds
 
 REPORT_JSON = "report.json"
 REPORT_MD = "report.md"
-
-
-def write_bytes_atomic(path: Path, data: bytes) -> None:
-    """Write `data` to a temporary file next to `path`, flush it to disk, then rename it over `path`."""
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        os.chmod(tmp, 0o644)
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
 
 
 def sheet_path(out: Path, arm_label: str, prompt_id: str, seed: int) -> Path:

@@ -12,10 +12,11 @@ import datetime as dt
 import json
 import os
 import re
-import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+from ..atomic import write_json_atomic
 
 SESSION_FILE = "session.json"
 VISITS_FILE = "visits.jsonl"
@@ -24,25 +25,8 @@ SCHEMA = "k6fast-bench-v1"
 _TOPIC_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]*")
 
 
-def write_atomic(path: Path, data: bytes) -> None:
-    """Write `data` to `path` through a temporary file in the same folder and a rename: readers see the old file
-    or the new one, never half of one."""
-    path = Path(path)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        os.chmod(tmp, 0o644)
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-
-
 def write_json(path: Path, data: Any) -> None:
-    write_atomic(path, (json.dumps(data, indent=2, sort_keys=True) + "\n").encode("utf-8"))
+    write_json_atomic(path, data)
 
 
 def append_jsonl(path: Path, row: dict[str, Any]) -> None:

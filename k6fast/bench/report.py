@@ -19,7 +19,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from .records import PLOT_FILE, SessionRecord, load_sessions, write_atomic
+from ..atomic import write_bytes_atomic as write_atomic
+from .records import PLOT_FILE, SessionRecord, load_sessions
 from .stats import Summary, compare, median
 
 MARKER = "<!-- k6fast bench report: everything below this line is generated; edit above it -->"

@@ -30,6 +30,8 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from ..atomic import atomic_path
+
 if TYPE_CHECKING:
     import PIL.Image
 
@@ -379,16 +381,8 @@ class JobFiles:
 
 def write_image(image: PIL.Image.Image, path: Path, format: str, **params: Any) -> None:
     """Save `image` at `path` atomically: a hidden temporary file beside it, fsync, rename."""
-    tmp = path.parent / f".{path.name}.{secrets.token_hex(6)}.tmp"
-    try:
-        with open(tmp, "wb") as f:
-            image.save(f, format=format, **params)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
+    with atomic_path(path) as tmp:
+        image.save(tmp, format=format, **params)
 
 
 class DataDirLock:
