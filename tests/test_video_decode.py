@@ -1,0 +1,349 @@
+"""k6fast.video_decode: the decode against diffusers' own HunyuanVideo VAE decodes (CPU, fp32 unless stated).
+
+Errors are in pixel units (0-255): |a - b| * 255 on frames in [0, 1]. The parity bar is 0.01 px, float rounding;
+what the tests measured on 2 cores is stated next to each bound. Two VAEs: the tiny checkpoint's (channels
+(8, 16, 16, 16), one resnet per level) and a narrow one with the real architecture (two resnets per level, three
+per up block, the mid-block attention) at channels (32, 64, 64, 64).
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import pytest
+import torch
+
+from k6fast import video_decode as vd
+from k6fast.vae import decode_video, load_video_vae
+from k6fast.video_decode import decode_video_fast, plan_video_decode
+
+PARITY_PX = 0.01
+HUGE = 1 << 40  # a budget that holds any decode here
+
+
+def _px(a: torch.Tensor, b: torch.Tensor) -> tuple[float, float]:
+    """(max, mean) absolute difference in pixel units."""
+    d = (a.double() - b.double()).abs() * 255
+    return d.max().item(), d.mean().item()
+
+
+@contextlib.contextmanager
+def _diffusers_mode(vae, *, tiling: bool, framewise: bool, **tiles: int):
+    """Set diffusers' tiling flags for one decode and restore them after."""
+    saved = {k: getattr(vae, k) for k in vars(vae) if k.startswith(("use_", "tile_"))}
+    vae.use_tiling, vae.use_framewise_decoding = tiling, framewise
+    for key, value in tiles.items():
+        setattr(vae, key, value)
+    try:
+        yield
+    finally:
+        for key, value in saved.items():
+            setattr(vae, key, value)
+
+
+def untiled(vae, latents: torch.Tensor) -> torch.Tensor:
+    """diffusers' untiled decode: tiling off AND framewise decoding off (disable_tiling() alone keeps the latter)."""
+    with _diffusers_mode(vae, tiling=False, framewise=False):
+        return decode_video(vae, latents)
+
+
+def _narrow_vae():
+    from diffusers import AutoencoderKLHunyuanVideo
+
+    torch.manual_seed(0)
+    return AutoencoderKLHunyuanVideo(block_out_channels=(32, 64, 64, 64), layers_per_block=2, norm_num_groups=8).eval()
+
+
+def _latents(t: int, h: int, w: int, seed: int = 0, batch: int = 1) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(batch, t, h, w, 16, generator=g)
+
+
+def _smooth_latents(t: int, h: int, w: int) -> torch.Tensor:
+    """A low-frequency pattern: sinusoids of a few cycles per frame, drifting slowly in time."""
+    tt = torch.arange(t).view(t, 1, 1, 1).float()
+    yy = torch.arange(h).view(1, h, 1, 1).float()
+    xx = torch.arange(w).view(1, 1, w, 1).float()
+    cc = torch.arange(16).view(1, 1, 1, 16).float()
+    return (torch.sin(0.35 * xx + 0.9 * cc) + torch.cos(0.3 * yy + 0.5 * cc + 0.2 * tt))[None]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _one_thread():
+    # Many small convolutions per decode: on shared cores, one thread spends a third of the CPU time two do.
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+@pytest.fixture(scope="module")
+def tiny_vae(tiny_distill):
+    return load_video_vae(tiny_distill, torch.device("cpu"), torch.float32)
+
+
+@pytest.fixture(scope="module")
+def narrow_vae():
+    return _narrow_vae()
+
+
+def _case(vae) -> tuple:
+    """(vae, latents [1, 6, 6, 8, 16], untiled frames, exact frames, exact plan, whole-clip GroupNorm statistics)."""
+    latents = _latents(6, 6, 8)
+    ref = untiled(vae, latents)
+    plan = plan_video_decode(vae, (6, 6, 8), budget_bytes=HUGE)
+    frames, moments = vd._decode(vae, latents, plan)
+    return vae, latents, ref, frames, plan, moments
+
+
+@pytest.fixture(scope="module")
+def tiny_case(tiny_vae) -> tuple:
+    return _case(tiny_vae)
+
+
+@pytest.fixture(scope="module")
+def narrow_case(narrow_vae) -> tuple:
+    return _case(narrow_vae)
+
+
+@pytest.fixture(params=["tiny", "narrow"])
+def case(request) -> tuple:
+    return request.getfixturevalue(f"{request.param}_case")
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# What is exact
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def test_whole_decode_matches_diffusers_untiled_within_0_01_px(case) -> None:
+    # Measured: 0.0009 px (narrow), 0.0007 px (tiny).
+    vae, latents, ref, frames, plan, _ = case
+    assert plan.exact and plan.split == plan.num_ops
+    assert frames.shape == ref.shape == (1, 21, 48, 64, 3) and frames.dtype == torch.float32
+    err, _ = _px(frames, ref)
+    assert err < PARITY_PX, f"exact decode differs from diffusers' untiled decode by {err:.4f} px"
+    public = decode_video_fast(vae, latents, budget_bytes=HUGE)
+    assert torch.equal(public, frames)
+
+
+@pytest.mark.parametrize("chunk", [1, 2, 3, 4])  # 4 does not divide the 6 latent frames
+def test_chunked_decode_with_whole_clip_statistics_matches_untiled_within_0_01_px(case, chunk: int) -> None:
+    # The streaming machinery alone (carried frames, first-frame upsampling, replicate padding) is exact: given the
+    # whole-clip GroupNorm statistics, every slab size reproduces the untiled decode. Measured: <= 0.0009 px.
+    vae, latents, ref, _, _, moments = case
+    plan = vd._plan(vae, (6, 6, 8), HUGE, chunk_latent_frames=chunk)
+    assert plan.slab_latent_frames == chunk and plan.split < plan.num_ops and not plan.exact
+    frames, _ = vd._decode(vae, latents, plan, frozen=moments)
+    err, _ = _px(frames, ref)
+    assert err < PARITY_PX, f"slabs of {chunk} with whole-clip statistics: {err:.4f} px from untiled"
+
+
+@pytest.fixture(scope="module")
+def smooth_case(narrow_vae) -> tuple:
+    """(latents [1, 2, 12, 16, 16] of a smooth pattern, untiled frames, whole-clip GroupNorm statistics)."""
+    latents = _smooth_latents(2, 12, 16) * narrow_vae.config.scaling_factor
+    _, moments = vd._decode(narrow_vae, latents, plan_video_decode(narrow_vae, (2, 12, 16), budget_bytes=HUGE))
+    return latents, untiled(narrow_vae, latents), moments
+
+
+def test_spatial_tiles_with_whole_clip_statistics_match_untiled_within_0_01_px(narrow_vae, smooth_case) -> None:
+    # Tiles x slabs, blended across the middle of their overlaps, are exact under whole-clip statistics.
+    # Measured: 0.0010 px.
+    latents, ref, moments = smooth_case
+    plan = vd._plan(narrow_vae, (2, 12, 16), HUGE, split=16, min_grid=2, chunk_latent_frames=1)
+    assert len(plan.tiles) == 4
+    frames, _ = vd._decode(narrow_vae, latents, plan, frozen=moments)
+    err, _ = _px(frames, ref)
+    assert err < PARITY_PX, f"2x2 tiles x 2 slabs with whole-clip statistics: {err:.4f} px from untiled"
+
+
+def test_decoding_a_prefix_is_not_the_prefix_of_the_decode(narrow_case) -> None:
+    # Why streaming cannot be exact by itself: every GroupNorm normalises over the whole clip, so the first 3 latent
+    # frames decoded alone give other pixels than the first 9 frames of the whole decode. Measured: 25.7 px.
+    narrow_vae, latents, whole = narrow_case[:3]
+    prefix = untiled(narrow_vae, latents[:, :3])
+    err, _ = _px(prefix, whole[:, :9])
+    assert err > 1.0
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# What streaming costs: running GroupNorm statistics
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def test_streamed_decode_is_closer_to_untiled_than_diffusers_tiled(narrow_case) -> None:
+    # Running statistics (what a budget-bound decode uses) vs diffusers' framewise decode (17-frame tiles, on by
+    # default). Measured on this random-weight VAE: streamed from the last upsampler, slabs of 1: max 14.9 px,
+    # mean 1.49 px; streamed from right after the mid block: mean 3.5 px; diffusers framewise: max 255 px, mean
+    # 11.2 px. Random weights exaggerate both; a trained VAE sees smoother statistics.
+    narrow_vae, latents, ref = narrow_case[:3]
+    with _diffusers_mode(narrow_vae, tiling=False, framewise=True):
+        tiled = decode_video(narrow_vae, latents)
+    _, tiled_mean = _px(tiled, ref)
+    late = vd._plan(narrow_vae, (6, 6, 8), HUGE, split=15, chunk_latent_frames=1)
+    early = vd._plan(narrow_vae, (6, 6, 8), HUGE, chunk_latent_frames=1)
+    late_max, late_mean = _px(vd._decode(narrow_vae, latents, late)[0], ref)
+    _, early_mean = _px(vd._decode(narrow_vae, latents, early)[0], ref)
+    assert late_mean < early_mean < tiled_mean, (late_mean, early_mean, tiled_mean)
+    assert late_mean < 3.0 and late_max < 40.0, (late_max, late_mean)
+
+
+def test_matches_diffusers_tiled_decode_as_closely_as_untiled_does(tiny_vae) -> None:
+    # diffusers tiles in space (64 px tiles, 48 px stride) and time; the exact decode is the untiled one, so its
+    # distance to the tiled decode is the untiled decode's, plus rounding. Measured: 251.5 px max, 22.1 px mean, both.
+    latents = _latents(6, 10, 12, seed=2)
+    ref = untiled(tiny_vae, latents)
+    settings = {"tile_sample_min_height": 64, "tile_sample_min_width": 64}
+    settings |= {"tile_sample_stride_height": 48, "tile_sample_stride_width": 48}
+    with _diffusers_mode(tiny_vae, tiling=True, framewise=True, **settings):
+        tiled = decode_video(tiny_vae, latents)
+    frames = decode_video_fast(tiny_vae, latents, budget_bytes=HUGE)
+    fast_max, fast_mean = _px(frames, tiled)
+    ref_max, ref_mean = _px(ref, tiled)
+    assert ref_max > 1.0  # diffusers did tile here
+    assert abs(fast_max - ref_max) < PARITY_PX and abs(fast_mean - ref_mean) < PARITY_PX
+
+
+def test_no_visible_seams_at_tile_boundaries(narrow_vae, smooth_case) -> None:
+    # Tiles stream with their own running statistics, so their pixels differ from the untiled decode everywhere;
+    # a seam would show as a step in that error where tiles meet. On a smooth latent, the error's largest step
+    # between neighbouring pixels inside the blended overlaps stays below its largest step elsewhere.
+    # Measured: 30.5 px in the overlaps vs 44.6 px elsewhere across columns, 20.1 vs 32.7 across rows (the error
+    # itself: 11.8 px mean, 96.6 px max; diffusers' 64 px tiles here: 27 px mean, 184 px max).
+    latents, ref, _ = smooth_case
+    plan = vd._plan(narrow_vae, (2, 12, 16), HUGE, split=15, min_grid=2)
+    frames, _ = vd._decode(narrow_vae, latents, plan)
+    err = (frames.double() - ref.double()) * 255  # [1, F, H, W, 3]
+    ratio = 8 // plan.segment_scale
+    rows = sorted({(r0 * ratio, r1 * ratio) for r0, r1, _, _ in plan.tiles})
+    cols = sorted({(c0 * ratio, c1 * ratio) for _, _, c0, c1 in plan.tiles})
+    assert len(rows) == len(cols) == 2
+    for dim, (first, second) in ((3, cols), (2, rows)):
+        step = err.diff(dim=dim).abs()
+        band = torch.zeros(step.shape[dim], dtype=torch.bool)
+        band[second[0] : first[1]] = True
+        seam = step.index_select(dim, band.nonzero()[:, 0]).max().item()
+        rest = step.index_select(dim, (~band).nonzero()[:, 0]).max().item()
+        assert seam <= rest, f"largest step of the error across dim {dim}: {seam:.1f} px at seams, {rest:.1f} elsewhere"
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Precision, batch, layout, API
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def test_bf16_error_at_most_twice_diffusers_bf16(tiny_vae) -> None:
+    # flash-attention's rule: err(fast bf16) <= 2 * err(diffusers bf16) + rounding floor, both against fp32 untiled.
+    # Measured: fast 8.59 px, diffusers 8.61 px max (0.60 / 0.64 px mean).
+    latents = _latents(3, 6, 8, seed=3)
+    exact = untiled(tiny_vae, latents)
+    tiny_vae.to(torch.bfloat16)
+    try:
+        ours = decode_video_fast(tiny_vae, latents, budget_bytes=HUGE)
+        theirs = untiled(tiny_vae, latents)
+    finally:
+        tiny_vae.to(torch.float32)
+    ours_max, _ = _px(ours, exact)
+    theirs_max, _ = _px(theirs, exact)
+    assert ours_max <= 2 * theirs_max + 0.5, (ours_max, theirs_max)
+
+
+def test_batch_is_decoded_per_sample(tiny_vae) -> None:
+    latents = _latents(3, 4, 6, seed=4, batch=2)
+    both = decode_video_fast(tiny_vae, latents, budget_bytes=HUGE)
+    for i in range(2):
+        one = decode_video_fast(tiny_vae, latents[i : i + 1], budget_bytes=HUGE)
+        assert _px(both[i : i + 1], one)[0] < PARITY_PX
+
+
+def test_channels_last_layout_is_the_same_decode(tiny_vae) -> None:
+    latents = _latents(4, 4, 6, seed=5)
+    ref = untiled(tiny_vae, latents)
+    frames = decode_video_fast(tiny_vae, latents, budget_bytes=HUGE, chunk_latent_frames=2, layout="ndhwc")
+    plain = decode_video_fast(tiny_vae, latents, budget_bytes=HUGE, chunk_latent_frames=2)
+    assert _px(frames, plain)[0] < PARITY_PX
+    assert _px(decode_video_fast(tiny_vae, latents, budget_bytes=HUGE, layout="ndhwc"), ref)[0] < PARITY_PX
+
+
+def test_invalid_arguments_say_what_was_expected(tiny_vae) -> None:
+    latents = _latents(3, 4, 6)
+    with pytest.raises(ValueError, match="layout must be one of ncdhw, ndhwc, found 'nhwc'"):
+        decode_video_fast(tiny_vae, latents, budget_bytes=HUGE, layout="nhwc")
+    with pytest.raises(ValueError, match=r"expected latents \[B, T, H, W, 16\], found \(1, 3, 4, 6, 8\)"):
+        decode_video_fast(tiny_vae, latents[..., :8], budget_bytes=HUGE)
+    with pytest.raises(ValueError, match="chunk_latent_frames must be >= 1 or None, found 0"):
+        decode_video_fast(tiny_vae, latents, budget_bytes=HUGE, chunk_latent_frames=0)
+    with pytest.raises(ValueError, match="does not fit a budget of 0.00 GiB"):
+        decode_video_fast(tiny_vae, latents, budget_bytes=1 << 20)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The plan at real sizes (the real architecture on the meta device: no weights, no memory)
+# ---------------------------------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def real_vae():
+    from diffusers import AutoencoderKLHunyuanVideo
+
+    with torch.device("meta"):
+        vae = AutoencoderKLHunyuanVideo()
+    return vae.to(dtype=torch.bfloat16).eval()
+
+
+W1 = (31, 60, 108)
+
+
+@pytest.mark.parametrize(
+    ("budget_gib", "exact", "tiles"),
+    [(64, True, 1), (48, True, 1), (32, False, 1), (8, False, 1), (4, False, 4)],
+)
+def test_w1_plan_fits_the_budget(real_vae, budget_gib: int, exact: bool, tiles: int) -> None:
+    budget = budget_gib << 30
+    plan = plan_video_decode(real_vae, W1, budget_bytes=budget)
+    assert plan.exact == exact and len(plan.tiles) == tiles, plan.describe()
+    assert plan.estimated_peak_bytes <= budget
+    if not exact:
+        # The mid block and the up blocks at the latent's frame count always see the whole clip.
+        names = [op.name for op in vd.decoder_ops(real_vae)]
+        assert plan.split >= names.index("up.1.upsamplers.0"), names[plan.split]
+
+
+def test_w1_plan_prefers_whole_clip_statistics_to_large_slabs(real_vae) -> None:
+    # 8 GiB: the mid block and the first two up blocks decode whole (17 of 30 GroupNorms see the whole clip); the
+    # last two up blocks stream in slabs of one latent frame over the full 864x480 frame, with no spatial tiles.
+    plan = plan_video_decode(real_vae, W1, budget_bytes=8 << 30)
+    assert (plan.slab_latent_frames, plan.tiles) == (1, ((0, 120, 0, 216),))
+    assert plan.segment_scale == 2
+
+
+def test_cudnn_benchmark_flag_is_scoped() -> None:
+    before = torch.backends.cudnn.benchmark
+    with vd._cudnn_benchmark(not before):
+        assert torch.backends.cudnn.benchmark is (not before)
+    assert torch.backends.cudnn.benchmark is before
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_gpu_bf16_decodes_within_twice_diffusers_bf16_error() -> None:
+    # Exact plans in every layout/kernel combination, and slabs of 2 with whole-clip statistics, against the fp32
+    # untiled decode: each within 2x the error of diffusers' own bf16 untiled decode + 0.5 px.
+    from diffusers import AutoencoderKLHunyuanVideo
+
+    torch.manual_seed(0)
+    vae = AutoencoderKLHunyuanVideo(block_out_channels=(64, 128, 128, 128)).to("cuda").eval()
+    latents = _latents(5, 16, 24, seed=6).cuda()
+    exact = untiled(vae, latents)
+    vae.to(torch.bfloat16)
+    bar = 2 * _px(untiled(vae, latents), exact)[0] + 0.5
+    for layout in vd.LAYOUTS:
+        for triton_norm in (False, True):
+            options = {"layout": layout, "cudnn_benchmark": True, "triton_norm": triton_norm}
+            ours = decode_video_fast(vae, latents, budget_bytes=8 << 30, **options)
+            assert _px(ours, exact)[0] <= bar, (options, _px(ours, exact), bar)
+    _, moments = vd._decode(vae, latents, plan_video_decode(vae, (5, 16, 24), budget_bytes=8 << 30))
+    plan = vd._plan(vae, (5, 16, 24), 8 << 30, chunk_latent_frames=2)
+    streamed, _ = vd._decode(vae, latents, plan, layout="ndhwc", triton_norm=True, frozen=moments)
+    assert _px(streamed, exact)[0] <= bar, (_px(streamed, exact), bar)
