@@ -3,7 +3,9 @@
 `open_checkpoint` resolves a Hub id or a local directory, reads `model_index.json` and the configs, works out the
 variant from the checkpoint's own files (scheduler class → distilled PiFlow or base flow-matching; transformer
 width → Pro or Lite), and validates the transformer's tensors against its config and every safetensors file
-against its own header, so a broken download fails at load with the file named, not minutes later.
+against its own header, so a broken download fails at load with the file named, not minutes later. A checkpoint
+written by `k6fast quantize` records its format in `transformer/config.json` and is validated against it (the
+quantized tensors' names, shapes and dtypes).
 """
 
 from __future__ import annotations
@@ -14,7 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from .dit.config import DiTConfig, expected_shapes
+from .dit.config import QUANT_CONFIG_KEY, QUANT_FORMATS, QUANT_VERSION, DiTConfig, expected_shapes, quantized_layout
 
 COMPONENTS = (
     "transformer",
@@ -45,6 +47,9 @@ class Checkpoint:
     scheduler_class: str
     scheduler_config: dict[str, Any]
     transformer_files: tuple[Path, ...]
+    # "fp8" / "nvfp4" for a checkpoint written by `k6fast quantize` (its fused-block linears are stored quantized and
+    # run that format's GEMM whatever K6_GEMM says; lossy by construction), None for the released bf16 checkpoints.
+    quantization: str | None = None
 
     @property
     def distilled(self) -> bool:
@@ -145,13 +150,35 @@ def weight_files(folder: Path, stem: str) -> tuple[Path, ...]:
     raise CheckpointError(f"{folder}: expected {single.name} or {index.name}")
 
 
-def _check_transformer(dit: DiTConfig, files: tuple[Path, ...]) -> None:
+# Dtypes a tensor that is not a quantized weight or scale may have (converted to the compute dtype at load).
+_FLOAT_DTYPES = ("BF16", "F16", "F32")
+
+
+def quantization_of(config: dict[str, Any], path: Path) -> str | None:
+    """The `k6fast_quantization` entry of a transformer config.json: its format, or None when absent."""
+    entry = config.get(QUANT_CONFIG_KEY)
+    if entry is None:
+        return None
+    if not isinstance(entry, dict) or entry.get("format") not in QUANT_FORMATS or entry.get("version") != QUANT_VERSION:
+        raise CheckpointError(
+            f"{path}: {QUANT_CONFIG_KEY} must be {{'format': one of {list(QUANT_FORMATS)}, 'version': "
+            f"{QUANT_VERSION}}}, found {entry!r}"
+        )
+    return entry["format"]
+
+
+def _check_transformer(dit: DiTConfig, files: tuple[Path, ...], quantization: str | None = None) -> None:
     expected = expected_shapes(dit)
+    expected_dtypes: dict[str, str] = {}
+    if quantization is not None:
+        expected, expected_dtypes = quantized_layout(expected, quantization)
     found: dict[str, tuple[tuple[int, ...], Path]] = {}
+    dtypes: dict[str, str] = {}
     for file in files:
         for name, meta in safetensors_header(file).items():
             if name != "__metadata__":
                 found[name] = (tuple(meta["shape"]), file)
+                dtypes[name] = meta["dtype"]
     missing = sorted(set(expected) - set(found))
     if missing:
         raise CheckpointError(
@@ -166,10 +193,18 @@ def _check_transformer(dit: DiTConfig, files: tuple[Path, ...]) -> None:
             )
     extra = sorted(set(found) - set(expected))
     if extra:
+        hint = ""
+        if quantization is None and any(name.endswith(".weight_scale") for name in extra):
+            hint = f"; quantized weights need a {QUANT_CONFIG_KEY!r} entry in transformer/config.json"
         raise CheckpointError(
             f"transformer weights hold {len(extra)} tensors transformer/config.json does not describe "
-            f"(e.g. {extra[:3]} in {found[extra[0]][1]})"
+            f"(e.g. {extra[:3]} in {found[extra[0]][1]}){hint}"
         )
+    for name in expected:
+        want = expected_dtypes.get(name)
+        if (want is None and dtypes[name] not in _FLOAT_DTYPES) or (want is not None and dtypes[name] != want):
+            what = f"{want} (a k6fast {quantization} checkpoint)" if want else f"one of {', '.join(_FLOAT_DTYPES)}"
+            raise CheckpointError(f"{found[name][1]}: tensor {name} has dtype {dtypes[name]}, expected {what}")
 
 
 def open_checkpoint(model: str | Path) -> Checkpoint:
@@ -187,9 +222,11 @@ def open_checkpoint(model: str | Path) -> Checkpoint:
         for file in weight_files(root / name, stem):
             safetensors_header(file)
 
-    dit = DiTConfig.from_dict(_read_json(root / "transformer" / "config.json"))
+    transformer_config = _read_json(root / "transformer" / "config.json")
+    dit = DiTConfig.from_dict(transformer_config)
+    quantization = quantization_of(transformer_config, root / "transformer" / "config.json")
     transformer_files = weight_files(root / "transformer", "diffusion_pytorch_model")
-    _check_transformer(dit, transformer_files)
+    _check_transformer(dit, transformer_files, quantization)
 
     scheduler_config = _read_json(root / "scheduler" / "scheduler_config.json")
     scheduler_class = scheduler_config.get("_class_name", "")
@@ -211,4 +248,4 @@ def open_checkpoint(model: str | Path) -> Checkpoint:
             f"{root / 'transformer' / 'config.json'}: a flow-matching checkpoint needs out dims equal to in dims, "
             f"found video {dit.out_visual_dim}/{dit.in_visual_dim}, audio {dit.out_audio_dim}/{dit.in_audio_dim}"
         )
-    return Checkpoint(root, model_index, dit, scheduler_class, scheduler_config, transformer_files)
+    return Checkpoint(root, model_index, dit, scheduler_class, scheduler_config, transformer_files, quantization)

@@ -158,11 +158,13 @@ def build_parser() -> argparse.ArgumentParser:
 
     from .bench.cli import register as register_bench
     from .quality_gate.command import register as register_gate
+    from .quantize import register as register_quantize
     from .server.cli import register as register_serve
 
     register_serve(sub)
     register_gate(sub)
     register_bench(sub)
+    register_quantize(sub)
     return parser
 
 

@@ -311,13 +311,19 @@ class K6BlockRunner:
     def load(self) -> None:
         from ..checkpoint import open_checkpoint
         from ..dit.backend import SwitchedBackend
-        from ..dit.config import expected_shapes
-        from ..dit.weights import PrefixView, load_tensors
+        from ..dit.weight_stream import FileReader, index_safetensors, upload
+        from ..dit.weights import PrefixView
 
         ckpt = open_checkpoint(self.spec.model)
         prefix = "visual_transformer_blocks.0."
-        names = {name for name in expected_shapes(ckpt.dit) if name.startswith(prefix)}
-        tensors = load_tensors(list(ckpt.transformer_files), self.device, self.dtype, names=names)
+        index = index_safetensors(ckpt.transformer_files)
+        reader = FileReader({loc.file for loc in index.values()})
+        try:
+            # The runtime's own read path: quantized checkpoints come back with their scales bound.
+            locations = [loc for name, loc in sorted(index.items()) if name.startswith(prefix)]
+            tensors = upload(reader, locations, self.device, self.dtype)
+        finally:
+            reader.close()
         self.cfg, self.weights = ckpt.dit, PrefixView(tensors, prefix)
         self.backend = SwitchedBackend(self.options, self.device)
         self.policy_position = {"step": 1, "block": ckpt.dit.num_visual_blocks // 2}

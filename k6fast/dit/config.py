@@ -200,6 +200,63 @@ def expected_shapes(cfg: DiTConfig) -> dict[str, tuple[int, ...]]:
     return shapes
 
 
+# Layers every GEMM switch leaves exact (fp32): one row of activations each, and their outputs scale every residual
+# update. `LinearDispatch` and `k6fast quantize` share this list.
+EXACT_LAYERS = ("modulation", "time_embeddings", "pooled_text_embeddings")
+
+# Quantized checkpoints written by `k6fast quantize` (see k6fast/quantize.py for the format). Per quantized layer the
+# checkpoint stores, instead of a bf16 `<layer>.weight` [N, K]:
+#   fp8:   <layer>.weight F8_E4M3 [N, K], <layer>.weight_scale F32 [N]            w = weight · weight_scale[:, None]
+#   nvfp4: <layer>.weight U8 [N, K/2] (two E2M1 codes a byte, element 2i low), <layer>.weight_scale F8_E4M3 [N, K/16],
+#          <layer>.weight_scale_2 F32 []                        w = e2m1(weight) · weight_scale[:, k // 16] · scale_2
+QUANT_CONFIG_KEY = "k6fast_quantization"  # in transformer/config.json: {"format": "fp8" | "nvfp4", "version": 1}
+QUANT_FORMATS = ("fp8", "nvfp4")
+QUANT_VERSION = 1
+SCALE_SUFFIXES = (".weight_scale", ".weight_scale_2")
+
+
+def fast_gemm_layer(name: str, weight_shape: tuple[int, ...]) -> bool:
+    """The layers a fast GEMM (fp16acc, fp8, nvfp4) may take, whatever the row count: not an exact layer, and N and
+    K multiples of 16 (FP8 tensor cores need both)."""
+    if any(part in name for part in EXACT_LAYERS) or len(weight_shape) != 2:
+        return False
+    return weight_shape[0] % 16 == 0 and weight_shape[1] % 16 == 0
+
+
+def quantized_layer(name: str, weight_shape: tuple[int, ...], fmt: str) -> bool:
+    """Whether `k6fast quantize --format fmt` stores this tensor quantized: a fused-block linear weight that the fast
+    GEMM takes (NVFP4 also needs K a multiple of 32). `name` is the full checkpoint name."""
+    if fmt not in QUANT_FORMATS:
+        raise ValueError(f"quantization format: expected one of {QUANT_FORMATS}, found {fmt!r}")
+    if not (name.startswith("visual_transformer_blocks.") and name.endswith(".weight")):
+        return False
+    if not fast_gemm_layer(name, weight_shape):
+        return False
+    return fmt == "fp8" or weight_shape[1] % 32 == 0
+
+
+def quantized_tensors(name: str, weight_shape: tuple[int, ...], fmt: str) -> dict[str, tuple[tuple[int, ...], str]]:
+    """The tensors (name → (shape, safetensors dtype)) a quantized checkpoint stores for the weight `name` [N, K]."""
+    n, k = weight_shape
+    if fmt == "fp8":
+        return {name: ((n, k), "F8_E4M3"), f"{name}_scale": ((n,), "F32")}
+    return {name: ((n, k // 2), "U8"), f"{name}_scale": ((n, k // 16), "F8_E4M3"), f"{name}_scale_2": ((), "F32")}
+
+
+def quantized_layout(shapes: dict[str, tuple[int, ...]], fmt: str) -> tuple[dict[str, tuple[int, ...]], dict[str, str]]:
+    """`expected_shapes` of a checkpoint quantized with `fmt` → (every tensor's shape, the safetensors dtype of each
+    quantized tensor and scale; tensors kept as stored are not listed)."""
+    out: dict[str, tuple[int, ...]] = {}
+    dtypes: dict[str, str] = {}
+    for name, shape in shapes.items():
+        if quantized_layer(name, shape, fmt):
+            for stored, (stored_shape, dtype) in quantized_tensors(name, shape, fmt).items():
+                out[stored], dtypes[stored] = stored_shape, dtype
+        else:
+            out[name] = shape
+    return out, dtypes
+
+
 def is_fp32_tensor(name: str) -> bool:
     """Layers k6fast keeps in float32 whatever the compute dtype: every AdaLN modulation projection, both time
     embeddings and the pooled-text projections added to them. They see one row of activations per sample and their

@@ -23,7 +23,8 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
-from .config import is_fp32_tensor
+from .config import SCALE_SUFFIXES, is_fp32_tensor
+from .linear import bind_quantized
 
 _DTYPES = {
     "BF16": torch.bfloat16,
@@ -73,8 +74,9 @@ def index_safetensors(files: list[Path] | tuple[Path, ...]) -> dict[str, TensorL
 
 
 def target_dtype(name: str, stored: torch.dtype, compute: torch.dtype) -> torch.dtype:
-    """Modulation and time-embedding layers run in fp32, other floating tensors in the compute dtype."""
-    if not stored.is_floating_point or stored.itemsize == 1:
+    """Modulation and time-embedding layers run in fp32, other floating tensors in the compute dtype. Quantized
+    weights (e4m3, packed uint8) and their scales stay as stored: the stored form is what their GEMM reads."""
+    if not stored.is_floating_point or stored.itemsize == 1 or name.endswith(SCALE_SUFFIXES):
         return stored
     return torch.float32 if is_fp32_tensor(name) else compute
 
@@ -131,20 +133,21 @@ class BlockLayout:
         return cls(tuple(pieces), at)
 
     def views(self, slot: Tensor, compute: torch.dtype) -> dict[str, Tensor]:
-        """Typed tensors over a filled slot; tensors that compute in another dtype are converted (on device)."""
+        """Typed tensors over a filled slot; tensors that compute in another dtype are converted (on device), and
+        quantized weights become QuantizedWeights over the slot's bytes."""
         out = {}
         for name, loc, at in self.pieces:
             t = slot[at : at + loc.nbytes].view(loc.dtype).view(loc.shape)
             want = target_dtype(name, loc.dtype, compute)
             out[name] = t if want == loc.dtype else t.to(want)
-        return out
+        return bind_quantized(out, compute)
 
 
 def upload(
     reader: FileReader, locations: list[TensorLocation], device: torch.device, compute: torch.dtype
 ) -> dict[str, Tensor]:
     """Resident tensors: each read into a pinned staging buffer and copied to the device, one at a time (no full
-    host copy of the weights ever exists)."""
+    host copy of the weights ever exists). Quantized weights come back as QuantizedWeights (see `bind_quantized`)."""
     out: dict[str, Tensor] = {}
     cuda = device.type == "cuda"
     staging: Tensor | None = None
@@ -161,7 +164,7 @@ def upload(
         t = dev.view(loc.dtype).view(loc.shape)
         want = target_dtype(loc.name, loc.dtype, compute)
         out[loc.name] = t if want == loc.dtype else t.to(want)
-    return out
+    return bind_quantized(out, compute)
 
 
 @dataclass

@@ -1,15 +1,10 @@
-"""Resident DiT weights: read by name from the checkpoint's safetensors shards, cast per layer, kept on one device."""
+"""Addressing a block's weights by their names relative to the block."""
 
 from __future__ import annotations
 
 from collections.abc import Iterator, Mapping
-from pathlib import Path
 
-import torch
-from safetensors import safe_open
 from torch import Tensor
-
-from .config import is_fp32_tensor
 
 
 class PrefixView(Mapping[str, Tensor]):
@@ -28,20 +23,3 @@ class PrefixView(Mapping[str, Tensor]):
 
     def __len__(self) -> int:
         return sum(1 for _ in self)
-
-
-def load_tensors(
-    files: list[Path], device: torch.device | str, dtype: torch.dtype, names: set[str] | None = None
-) -> dict[str, Tensor]:
-    """Read tensors by name from safetensors files. Modulation and time-embedding layers become fp32, every other
-    floating tensor `dtype`. `names` restricts what is read (None = everything)."""
-    out: dict[str, Tensor] = {}
-    for file in files:
-        with safe_open(str(file), framework="pt", device="cpu") as f:
-            for name in f.keys():  # noqa: SIM118 - safe_open is not a mapping
-                if names is not None and name not in names:
-                    continue
-                t = f.get_tensor(name)
-                target = torch.float32 if is_fp32_tensor(name) else dtype
-                out[name] = t.to(device=device, dtype=target if t.is_floating_point() else t.dtype)
-    return out

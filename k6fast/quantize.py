@@ -1,0 +1,323 @@
+"""`k6fast quantize --format fp8|nvfp4 SRC DST`: a copy of a checkpoint whose fused-block linear weights are stored
+quantized, so that streaming a block moves 0.5x (fp8) or 0.28x (nvfp4) of its bf16 bytes over PCIe. Lossy.
+
+What DST holds: every file of SRC outside the transformer's weights and config, hard-linked (copied where SRC and DST
+are on different filesystems; hard links share the source's inode, so nothing in DST is modified after linking), and
+a transformer whose shards (one per source shard, same names) store, for every quantized layer:
+  fp8    <layer>.weight        F8_E4M3 [N, K]      e4m3 of w / weight_scale, per output channel (`quantize_weight_fp8`)
+         <layer>.weight_scale  F32 [N]             absmax(w[n]) / 448
+  nvfp4  <layer>.weight        U8 [N, K/2]         two E2M1 codes a byte, element 2i in the low nibble
+         <layer>.weight_scale  F8_E4M3 [N, K/16]   per 16 elements along K (`kernels/nvfp4.py` has the recipe)
+         <layer>.weight_scale_2 F32 []             amax(|w|) / (448 · 6)
+and `transformer/config.json` gains `"k6fast_quantization": {"format": ..., "version": 1}`. diffusers ignores that
+key with a warning (it cannot load the quantized tensors anyway); k6fast's `open_checkpoint` validates shapes and
+dtypes against it and the runtime streams the stored bytes as they are.
+
+Quantized layers: the fused blocks' linear weights that `LinearDispatch` would hand a fast GEMM (not modulation,
+time or pooled-text layers; N and K multiples of 16, and K of 32 for nvfp4). Biases, norms, modulation, the text
+blocks, embeddings and heads stay as stored: a fraction of a percent of the streamed bytes.
+
+How: tensor by tensor (one weight in memory at a time, read with pread), each shard's header planned first and every
+tensor written at its offset; DST is built in a hidden folder beside it and renamed into place, so an interrupted run
+leaves nothing behind. A non-empty DST is refused before any work.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import struct
+import tempfile
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from torch import Tensor
+
+from .dit.config import QUANT_CONFIG_KEY, QUANT_FORMATS, QUANT_VERSION, quantized_layer, quantized_tensors
+
+WEIGHT_STEM = "diffusion_pytorch_model"
+_ITEMSIZE = {"F64": 8, "I64": 8, "F32": 4, "I32": 4, "BF16": 2, "F16": 2, "F8_E4M3": 1, "U8": 1, "I8": 1, "BOOL": 1}
+_TORCH_DTYPES = {"BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32}
+COPY_CHUNK = 16 << 20
+
+
+@dataclass
+class QuantizeReport:
+    """Bytes of the transformer's weights before and after; `block_*` counts every fused-block tensor (what a
+    streamed block moves), `quantized_*` only the layers that were quantized (with their scales after)."""
+
+    fmt: str
+    layers: int = 0
+    block_before: int = 0
+    block_after: int = 0
+    quantized_before: int = 0
+    quantized_after: int = 0
+    total_before: int = 0
+    total_after: int = 0
+    shards: list[str] = field(default_factory=list)
+
+    def lines(self) -> list[str]:
+        def ratio(after: int, before: int) -> str:
+            return f"{after / before:.3f}x" if before else "n/a"
+
+        return [
+            f"quantized {self.layers} fused-block linear weights to {self.fmt}: {_gib(self.quantized_before)} -> "
+            f"{_gib(self.quantized_after)} ({ratio(self.quantized_after, self.quantized_before)})",
+            f"fused blocks (what a streamed block moves): {_gib(self.block_before)} -> {_gib(self.block_after)} "
+            f"({ratio(self.block_after, self.block_before)})",
+            f"transformer weights: {_gib(self.total_before)} -> {_gib(self.total_after)} "
+            f"({ratio(self.total_after, self.total_before)})",
+        ]
+
+
+def _gib(n: int) -> str:
+    return f"{n / 2**30:.3f} GiB" if n >= 2**24 else f"{n / 2**20:.3f} MiB"
+
+
+@dataclass(frozen=True)
+class _Source:
+    """One tensor of a source shard."""
+
+    name: str
+    dtype: str  # safetensors dtype string
+    shape: tuple[int, ...]
+    offset: int  # absolute byte offset in the file
+    nbytes: int
+
+
+def _read_header(path: Path) -> tuple[dict, int]:
+    """(header without __metadata__, byte offset of the data section)."""
+    with path.open("rb") as f:
+        (length,) = struct.unpack("<Q", f.read(8))
+        header = json.loads(f.read(length))
+    header.pop("__metadata__", None)
+    return header, 8 + length
+
+
+def _sources(path: Path) -> list[_Source]:
+    header, base = _read_header(path)
+    out = [
+        _Source(name, meta["dtype"], tuple(meta["shape"]), base + meta["data_offsets"][0],
+                meta["data_offsets"][1] - meta["data_offsets"][0])
+        for name, meta in header.items()
+    ]  # fmt: skip
+    return sorted(out, key=lambda s: s.offset)  # sequential reads
+
+
+def _pread_exact(fd: int, buf: memoryview, offset: int) -> None:
+    done = 0
+    while done < len(buf):
+        n = os.preadv(fd, [buf[done:]], offset + done)
+        if n <= 0:
+            raise OSError(f"short read at byte {offset + done}")
+        done += n
+
+
+def _pwrite_all(fd: int, data: memoryview, offset: int) -> None:
+    done = 0
+    while done < len(data):
+        done += os.pwrite(fd, data[done:], offset + done)
+
+
+def _tensor_bytes(t: Tensor) -> memoryview:
+    """The little-endian bytes of a CPU tensor (0-d included)."""
+    return memoryview(t.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy())
+
+
+def quantize_weight(w: Tensor, fmt: str) -> dict[str, Tensor]:
+    """w: [N, K] bf16/fp16/fp32 → the stored tensors by suffix ("" = the weight, "_scale", "_scale_2")."""
+    if fmt == "fp8":
+        from .kernels.fp8_linear import quantize_weight_fp8
+
+        wq, scale = quantize_weight_fp8(w.contiguous())
+        return {"": wq, "_scale": scale.reshape(-1)}
+    from .kernels.nvfp4 import quantize_nvfp4
+
+    packed, block_scales, global_scale = quantize_nvfp4(w)
+    return {"": packed, "_scale": block_scales, "_scale_2": global_scale}
+
+
+def _write_shard(src: Path, dst: Path, fmt: str, device: torch.device, report: QuantizeReport) -> dict[str, str]:
+    """Write the quantized copy of one shard; returns its weight map (tensor name → file name)."""
+    sources = _sources(src)
+    # Plan: every output tensor with its dtype and shape, laid out by descending item size (then name) as the
+    # safetensors serializer does, so each tensor starts aligned to its item size once the header is padded to 8.
+    planned: dict[str, tuple[str, tuple[int, ...]]] = {}
+    quantize = set()
+    for s in sources:
+        if s.dtype in _TORCH_DTYPES and quantized_layer(s.name, s.shape, fmt):
+            quantize.add(s.name)
+            for name, (shape, dtype) in quantized_tensors(s.name, s.shape, fmt).items():
+                planned[name] = (dtype, shape)
+        else:
+            planned[s.name] = (s.dtype, s.shape)
+    offsets, at = {}, 0
+    for name in sorted(planned, key=lambda n: (-_ITEMSIZE[planned[n][0]], n)):
+        dtype, shape = planned[name]
+        size = _ITEMSIZE[dtype] * int(torch.Size(shape).numel())
+        offsets[name] = (at, at + size)
+        at += size
+    header = {"__metadata__": {"format": "pt", QUANT_CONFIG_KEY: fmt}}
+    header.update({n: {"dtype": planned[n][0], "shape": list(planned[n][1]), "data_offsets": list(offsets[n])}
+                   for n in sorted(planned)})  # fmt: skip
+    raw = json.dumps(header, separators=(",", ":")).encode()
+    raw += b" " * (-len(raw) % 8)
+    base = 8 + len(raw)
+
+    src_fd = os.open(src, os.O_RDONLY)
+    dst_fd = os.open(dst, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
+    try:
+        _pwrite_all(dst_fd, memoryview(struct.pack("<Q", len(raw)) + raw), 0)
+        os.ftruncate(dst_fd, base + at)
+        for s in sources:
+            in_block = s.name.startswith("visual_transformer_blocks.")
+            report.total_before += s.nbytes
+            report.block_before += s.nbytes if in_block else 0
+            if s.name in quantize:
+                buf = bytearray(s.nbytes)
+                _pread_exact(src_fd, memoryview(buf), s.offset)
+                w = torch.frombuffer(buf, dtype=torch.uint8).view(_TORCH_DTYPES[s.dtype]).view(s.shape)
+                after = 0
+                for suffix, t in quantize_weight(w.to(device), fmt).items():
+                    start, end = offsets[s.name + suffix]
+                    data = _tensor_bytes(t)
+                    if len(data) != end - start:
+                        raise RuntimeError(f"{s.name}{suffix}: quantized to {len(data)} bytes, planned {end - start}")
+                    _pwrite_all(dst_fd, data, base + start)
+                    after += len(data)
+                report.layers += 1
+                report.quantized_before += s.nbytes
+                report.quantized_after += after
+            else:
+                after = s.nbytes
+                start = offsets[s.name][0]
+                buf = bytearray(min(COPY_CHUNK, max(s.nbytes, 1)))
+                for pos in range(0, s.nbytes, COPY_CHUNK):
+                    chunk = memoryview(buf)[: min(COPY_CHUNK, s.nbytes - pos)]
+                    _pread_exact(src_fd, chunk, s.offset + pos)
+                    _pwrite_all(dst_fd, chunk, base + start + pos)
+            report.total_after += after
+            report.block_after += after if in_block else 0
+        os.fsync(dst_fd)
+    finally:
+        os.close(src_fd)
+        os.close(dst_fd)
+    report.shards.append(dst.name)
+    return dict.fromkeys(planned, dst.name)
+
+
+def _link_or_copy(src: Path, dst: Path) -> None:
+    real = src.resolve()  # Hub snapshots hold symlinks into a blob store: link the blob, not the symlink
+    try:
+        os.link(real, dst)
+    except OSError:
+        shutil.copy2(real, dst)
+
+
+def _build_beside(dst: Path, build: Callable[[Path], None]) -> None:
+    """Run `build(tmp)` in a hidden folder beside `dst`, then rename it to `dst` (missing or empty). Unlike
+    `atomic.build_dir_atomically`, file modes are left alone: a chmod through a hard link would change SRC's file."""
+    dst.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{dst.name}.tmp-", dir=dst.parent))
+    try:
+        build(tmp)
+        os.chmod(tmp, 0o755)  # mkdtemp makes 0700; a checkpoint is shared data
+        os.replace(tmp, dst)  # replaces an empty directory atomically; one filled meanwhile makes it fail
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+
+
+def quantize_checkpoint(
+    src: str | Path,
+    dst: str | Path,
+    fmt: str,
+    *,
+    device: str | torch.device = "cpu",
+    log: Callable[[str], None] = print,
+) -> QuantizeReport:
+    """Write DST = SRC with its fused-block linear weights quantized to `fmt` ("fp8" or "nvfp4"); see the module
+    docstring for the stored names. `device` runs the quantization (cuda is faster; the bits are the same).
+
+    Raises ValueError for an unknown format, CheckpointError for a missing, invalid or already quantized SRC, and
+    FileExistsError for a DST that is a file or a non-empty directory."""
+    from .checkpoint import CheckpointError, open_checkpoint, weight_files
+
+    if fmt not in QUANT_FORMATS:
+        raise ValueError(f"quantize: expected --format one of {', '.join(QUANT_FORMATS)}, found {fmt!r}")
+    src, dst = Path(src).expanduser(), Path(dst).expanduser()
+    if not src.is_dir():
+        raise CheckpointError(f"quantize: SRC {src} is not a checkpoint directory")
+    if dst.exists() and (not dst.is_dir() or any(dst.iterdir())):
+        kind = "a non-empty directory" if dst.is_dir() else "a file"
+        raise FileExistsError(f"quantize: expected a missing or empty directory for DST, found {kind}: {dst}")
+    if dst.resolve().is_relative_to(src.resolve()):
+        raise CheckpointError(f"quantize: DST {dst} lies inside SRC {src}; write it elsewhere")
+    ckpt = open_checkpoint(src)
+    if ckpt.quantization is not None:
+        raise CheckpointError(f"quantize: SRC {src} is already quantized ({ckpt.quantization}); start from bf16")
+    device = torch.device(device)
+    root = ckpt.root
+    transformer = root / "transformer"
+    weights = set(weight_files(transformer, WEIGHT_STEM))
+    rewritten = weights | {transformer / "config.json", transformer / f"{WEIGHT_STEM}.safetensors.index.json"}
+    report = QuantizeReport(fmt)
+
+    def build(tmp: Path) -> None:
+        for folder, dirs, files in os.walk(root):
+            rel = Path(folder).relative_to(root)
+            dirs[:] = [d for d in dirs if not (rel == Path() and d == ".cache")]  # huggingface-cli's download cache
+            (tmp / rel).mkdir(exist_ok=True)
+            for name in files:
+                if Path(folder) / name not in rewritten:
+                    _link_or_copy(Path(folder) / name, tmp / rel / name)
+        weight_map: dict[str, str] = {}
+        for shard in sorted(weights):
+            weight_map.update(_write_shard(shard, tmp / "transformer" / shard.name, fmt, device, report))
+            log(f"wrote transformer/{shard.name}")
+        if (transformer / f"{WEIGHT_STEM}.safetensors.index.json").is_file():
+            index = {"metadata": {"total_size": report.total_after}, "weight_map": dict(sorted(weight_map.items()))}
+            (tmp / "transformer" / f"{WEIGHT_STEM}.safetensors.index.json").write_text(
+                json.dumps(index, indent=2) + "\n"
+            )
+        config = json.loads((transformer / "config.json").read_text())
+        config[QUANT_CONFIG_KEY] = {"format": fmt, "version": QUANT_VERSION}
+        (tmp / "transformer" / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+        open_checkpoint(tmp)  # the copy must validate before it is published
+
+    _build_beside(dst, build)
+    for line in report.lines():
+        log(line)
+    log(f"wrote {dst}")
+    return report
+
+
+def cmd_quantize(args: argparse.Namespace) -> int:
+    if args.device.startswith("cuda") and not torch.cuda.is_available():
+        from .cli import CliError
+
+        raise CliError(f"--device {args.device}: CUDA is not available here; use --device cpu")
+    quantize_checkpoint(args.src, args.dst, args.format, device=args.device)
+    return 0
+
+
+def register(subparsers) -> argparse.ArgumentParser:
+    """Add `quantize` to the k6fast command line."""
+    p = subparsers.add_parser(
+        "quantize",
+        help="copy a checkpoint with its fused-block linear weights stored fp8 or nvfp4 (lossy; fewer streamed bytes)",
+        description="Write DST, a copy of the Diffusers-layout checkpoint SRC whose fused-block linear weights are "
+        "stored quantized (fp8: e4m3 + per-channel scale, 0.5x the bytes; nvfp4: E2M1 + e4m3 per-16 scales + a "
+        "global scale, 0.28x). Other files are hard-linked. The runtime then runs that format's GEMM on those "
+        "layers whatever K6_GEMM says.",
+    )
+    p.add_argument("--format", required=True, choices=QUANT_FORMATS, help="fp8 (any sm_89+ GPU) or nvfp4 (sm_80+)")
+    p.add_argument("src", help="source checkpoint directory (bf16, Diffusers layout)")
+    p.add_argument("dst", help="output directory (must be missing or empty)")
+    p.add_argument("--device", default="cpu", help="where to quantize: cpu (default) or cuda (faster, same bits)")
+    p.set_defaults(func=cmd_quantize)
+    return p

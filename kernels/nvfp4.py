@@ -1,0 +1,446 @@
+"""NVFP4 weights for the K6 DiT's linear layers: 4-bit E2M1 values, an E4M3 scale per 16 elements, an FP32 scale.
+
+Format (NVIDIA's NVFP4 recipe, the layout TensorRT-ModelOpt checkpoints use):
+- `packed`: uint8 [N, K/2]. Two E2M1 codes per byte along K: element 2i in the low nibble, 2i+1 in the high one
+  (the order Triton's `dot_scaled` documents: "first element in lower bits"). A code is s·eem: sign, 2 exponent bits
+  (bias 1), 1 mantissa bit, so the 8 magnitudes are 0, 0.5, 1, 1.5, 2, 3, 4, 6.
+- `block_scales`: float8_e4m3fn [N, K/16], one per 16 consecutive elements of a row.
+- `global_scale`: float32 [] = amax(|w|) / (448 · 6), so that every block scale fits e4m3 (≤ 448).
+- w[n, k] ≈ e2m1(packed)[n, k] · block_scales[n, k // 16] · global_scale, where
+  block_scales = e4m3(block_amax / (6 · global_scale)) and the codes round w / (block scale · global scale) to the
+  nearest E2M1 value (ties to even, saturating at ±6).
+Round trip: ≈ 10% relative L2 on Gaussian weights (4.5 bits per element instead of 16).
+
+What it holds:
+- `quantize_nvfp4(w)` / `dequantize_nvfp4(...)`: vectorised PyTorch, any device (quantization runs once, offline,
+  in `k6fast quantize`); `*_ref` beside them restate the format element by element (nearest-value search, bit
+  formula) and must agree bit for bit.
+- `nvfp4_linear(x, packed, block_scales, global_scale, bias)`: y = x @ w.t() (+ bias), bf16/fp16 activations. On CUDA
+  sm_80+ a Triton GEMM that decodes the weight tile in its prologue (packed bytes + scales → E2M1 via bit ops, times
+  the block scale, exact in bf16/fp16) and runs a bf16/fp16 `tl.dot` with fp32 accumulation; the global scale is
+  applied once to the accumulator. It exists to cut the bytes a streamed block moves (0.28× of bf16), not for
+  speed: the decode costs ALU time a plain bf16 GEMM does not spend, and it is not claimed faster than cuBLAS.
+  `nvfp4_linear_ref` is the fp32 product of the dequantized weight.
+
+Check: `pytest tests/test_nvfp4.py` (CPU + interpreter; `-m gpu` on a GPU machine).
+Benchmark: `python measurements/bench_nvfp4.py --out nvfp4.json`.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+
+import torch
+import triton
+import triton.language as tl
+from torch import Tensor
+
+logger = logging.getLogger(__name__)
+
+E2M1_MAX = 6.0
+E4M3_MAX = 448.0
+BLOCK = 16  # elements per block scale
+# An all-zero weight gets global scale AMAX_FLOOR / 2688 instead of 0, so nothing divides by zero.
+AMAX_FLOOR = 1e-12
+# Magnitudes of the 8 non-negative codes; codes 8..15 are their negatives.
+E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
+# Rounding thresholds between consecutive magnitudes, with the side a tie goes to: a tie rounds to the even code
+# (mantissa bit 0), i.e. 0.25 → 0, 0.75 → 1, 1.25 → 1, 1.75 → 2, 2.5 → 2, 3.5 → 4, 5 → 4.
+_THRESHOLDS = ((0.25, False), (0.75, True), (1.25, False), (1.75, True), (2.5, False), (3.5, True), (5.0, False))
+_FLOAT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Dispatch: which implementation runs where.
+#
+#   op                  CPU         CUDA sm_80 .. sm_12x                         older CUDA
+#   quantize/dequantize PyTorch     PyTorch                                      PyTorch
+#   nvfp4_linear        reference   Triton dequantize-in-prologue GEMM           reference (logged once)
+#
+# Blackwell (sm_100, sm_120) has NVFP4 tensor cores, and the installed stack exposes them: torch 2.14's
+# `F.scaled_mm` takes `float4_e2m1fn_x2` operands with `ScalingType.BlockWise1x16` e4m3 scales (swizzled 32x4x4),
+# and Triton's `tl.dot_scaled` takes `e2m1` operands. Neither is wired here: the torch path needs the activations
+# quantized to NVFP4 as well (a second, lossier product than this weight-only format), the scale swizzle and the
+# global scale's placement could not be checked on any GPU this project had (H200 only), and `dot_scaled`'s
+# documentation (Triton 3.8 here; the GPU machine runs 3.6) describes e8m0 scales over 32-element groups (MXFP4),
+# not e4m3 over 16. Blackwell therefore runs the Triton dequantize-in-prologue GEMM like Hopper and Ampere do.
+# ---------------------------------------------------------------------------------------------------------------
+
+
+@functools.cache
+def _log_reference_once(op: str, device: str, why: str) -> None:
+    # Cached on (op, device, why) so each fallback is announced once per process, not per call.
+    level = logging.INFO if device == "cpu" else logging.WARNING
+    logger.log(level, "%s on %s runs the PyTorch reference: %s", op, device, why)
+
+
+def nvfp4_kernel_available(device: torch.device) -> bool:
+    """True where the Triton NVFP4 GEMM runs: CUDA sm_80 or newer (bf16 MMA)."""
+    return device.type == "cuda" and torch.cuda.get_device_capability(device) >= (8, 0)
+
+
+def _use_nvfp4_kernel(device: torch.device) -> bool:
+    if nvfp4_kernel_available(device):
+        return True
+    if device.type == "cuda":
+        major, minor = torch.cuda.get_device_capability(device)
+        _log_reference_once("nvfp4_linear", f"cuda sm_{major}{minor}", "Triton bf16/fp16 MMA needs sm_80 or newer")
+    else:
+        _log_reference_once("nvfp4_linear", device.type, "CPU tensors" if device.type == "cpu" else "no Triton here")
+    return False
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Validation
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def _check_weight_shape(op: str, n: int, k: int) -> None:
+    # K: a multiple of 32 keeps every Triton K tile (32, 64 or 128 elements) whole in bytes and in scale blocks;
+    # N: a multiple of 16 as for the other tensor-core GEMMs.
+    if k % 32 or n % 16:
+        raise ValueError(f"{op}: NVFP4 needs K a multiple of 32 and N a multiple of 16, found K={k}, N={n}")
+
+
+def _check_quantized(op: str, packed: Tensor, block_scales: Tensor, global_scale: Tensor) -> tuple[int, int]:
+    """Returns (N, K) after checking the three tensors of one NVFP4 weight against each other."""
+    if packed.dtype != torch.uint8 or packed.ndim != 2:
+        raise ValueError(f"{op}: expected packed uint8 [N, K/2], found {packed.dtype} {tuple(packed.shape)}")
+    n, k = packed.shape[0], 2 * packed.shape[1]
+    _check_weight_shape(op, n, k)
+    if block_scales.dtype != torch.float8_e4m3fn or block_scales.shape != (n, k // BLOCK):
+        raise ValueError(
+            f"{op}: expected block_scales float8_e4m3fn [{n}, {k // BLOCK}], "
+            f"found {block_scales.dtype} {tuple(block_scales.shape)}"
+        )
+    if global_scale.dtype != torch.float32 or global_scale.numel() != 1:
+        raise ValueError(
+            f"{op}: expected a float32 global_scale with one element, "
+            f"found {global_scale.dtype} {tuple(global_scale.shape)}"
+        )
+    if not packed.is_contiguous() or not block_scales.is_contiguous():
+        raise ValueError(f"{op}: expected contiguous packed and block_scales (row-major [N, ...])")
+    return n, k
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Quantization (offline) and dequantization
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def _scales(wf: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """wf: fp32 [N, K] → (block_scales e4m3 [N, K/16], global_scale fp32 [], divisor fp32 [N, K/16, 1]).
+
+    Shared by `quantize_nvfp4` and its reference: the scale recipe is the format's definition; what the reference
+    checks independently is the rounding. Divisions are tensor / tensor: PyTorch on CUDA turns `t / 448.0` into a
+    multiplication by a rounded reciprocal, which would make CPU and GPU quantization differ."""
+    n, k = wf.shape
+    amax = wf.abs().amax().clamp_min(AMAX_FLOOR)
+    global_scale = amax / torch.tensor(E4M3_MAX * E2M1_MAX, device=wf.device)
+    block_amax = wf.view(n, k // BLOCK, BLOCK).abs().amax(-1)
+    six = torch.tensor(E2M1_MAX, device=wf.device)
+    # ≤ 448 by construction (block_amax ≤ amax); the clamp guards the last ulp of the two roundings.
+    block_scales = (block_amax / (six * global_scale)).clamp(max=E4M3_MAX).to(torch.float8_e4m3fn)
+    divisor = (block_scales.float() * global_scale).unsqueeze(-1)
+    return block_scales, global_scale, divisor
+
+
+def _scaled_blocks(wf: Tensor, divisor: Tensor) -> Tensor:
+    """w / (block scale · global scale) as fp32 [N, K/16, 16]; a block whose scale rounded to 0 becomes 0."""
+    n, k = wf.shape
+    blocks = wf.view(n, k // BLOCK, BLOCK)
+    return torch.where(divisor > 0, blocks / torch.where(divisor > 0, divisor, 1.0), 0.0)
+
+
+def _pack(codes: Tensor) -> Tensor:
+    """codes: uint8 [N, K] in 0..15 → uint8 [N, K/2], element 2i in the low nibble."""
+    pairs = codes.view(codes.shape[0], -1, 2)
+    return pairs[..., 0] | (pairs[..., 1] << 4)
+
+
+def _unpack(packed: Tensor) -> Tensor:
+    """uint8 [N, K/2] → codes uint8 [N, K] (inverse of `_pack`)."""
+    return torch.stack((packed & 0xF, packed >> 4), dim=-1).view(packed.shape[0], -1)
+
+
+def _check_source(op: str, w: Tensor) -> None:
+    if w.dtype not in _FLOAT_DTYPES:
+        raise ValueError(f"{op}: expected a bfloat16, float16 or float32 weight, found {w.dtype}")
+    if w.ndim != 2:
+        raise ValueError(f"{op}: expected a weight [N, K], found shape {tuple(w.shape)}")
+    _check_weight_shape(op, *w.shape)
+
+
+def quantize_nvfp4(w: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """w: [N, K] bf16/fp16/fp32 (nn.Linear layout; K a multiple of 32, N of 16) →
+    (packed uint8 [N, K/2], block_scales float8_e4m3fn [N, K/16], global_scale float32 []).
+
+    Vectorised on w's device; the same bits on CPU and CUDA (exact comparisons, IEEE divisions)."""
+    _check_source("quantize_nvfp4", w)
+    wf = w.float().contiguous()
+    block_scales, global_scale, divisor = _scales(wf)
+    scaled = _scaled_blocks(wf, divisor)
+    mag = scaled.abs()
+    codes = torch.zeros(mag.shape, dtype=torch.uint8, device=w.device)
+    for threshold, tie_up in _THRESHOLDS:
+        codes += (mag >= threshold) if tie_up else (mag > threshold)
+    codes |= (scaled < 0).to(torch.uint8) << 3
+    return _pack(codes.view(w.shape)), block_scales, global_scale
+
+
+def quantize_nvfp4_ref(w: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """The same as `quantize_nvfp4` by nearest-value search: the code whose magnitude is closest to |w| / scale,
+    the even code on a tie (|w| past 6 saturates to 6)."""
+    _check_source("quantize_nvfp4_ref", w)
+    wf = w.float().contiguous()
+    block_scales, global_scale, divisor = _scales(wf)
+    scaled = _scaled_blocks(wf, divisor)
+    values = torch.tensor(E2M1_VALUES, device=w.device)
+    distance = (scaled.abs().unsqueeze(-1) - values).abs()  # [N, K/16, 16, 8]
+    nearest = distance == distance.amin(-1, keepdim=True)
+    # Of two equidistant codes the even one (smaller index on the even side): prefer even indices, then the lowest.
+    rank = torch.arange(8, device=w.device) + 8 * (torch.arange(8, device=w.device) % 2)
+    mag_code = torch.where(nearest, rank, 64).argmin(-1).to(torch.uint8)
+    codes = mag_code | ((scaled < 0).to(torch.uint8) << 3)
+    return _pack(codes.view(w.shape)), block_scales, global_scale
+
+
+def dequantize_nvfp4(
+    packed: Tensor, block_scales: Tensor, global_scale: Tensor, dtype: torch.dtype = torch.bfloat16
+) -> Tensor:
+    """(packed uint8 [N, K/2], block_scales e4m3 [N, K/16], global_scale fp32 []) → w [N, K] of `dtype`.
+
+    Computed in fp32 (code value · block scale · global scale), rounded once to `dtype`."""
+    n, k = _check_quantized("dequantize_nvfp4", packed, block_scales, global_scale)
+    lut = torch.tensor(E2M1_VALUES + tuple(-v for v in E2M1_VALUES), device=packed.device)
+    values = torch.index_select(lut, 0, _unpack(packed).flatten().int()).view(n, k // BLOCK, BLOCK)
+    scale = block_scales.float() * global_scale.reshape(()).float()
+    return (values * scale.unsqueeze(-1)).view(n, k).to(dtype)
+
+
+def dequantize_nvfp4_ref(
+    packed: Tensor, block_scales: Tensor, global_scale: Tensor, dtype: torch.dtype = torch.bfloat16
+) -> Tensor:
+    """`dequantize_nvfp4` from the E2M1 bit formula: (-1)^s · (e == 0 ? m/2 : (1 + m/2) · 2^(e-1))."""
+    n, k = _check_quantized("dequantize_nvfp4_ref", packed, block_scales, global_scale)
+    codes = _unpack(packed).int()
+    sign, exponent, mantissa = codes >> 3, (codes >> 1) & 3, codes & 1
+    magnitude = torch.where(exponent == 0, mantissa * 0.5, (1.0 + mantissa * 0.5) * torch.exp2((exponent - 1).float()))
+    values = torch.where(sign == 1, -magnitude, magnitude)
+    scale = block_scales.float().repeat_interleave(BLOCK, dim=1) * global_scale.reshape(()).float()
+    return (values * scale).to(dtype)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# NVFP4 linear: bf16/fp16 activations × NVFP4 weights
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def nvfp4_linear_ref(
+    x: Tensor, packed: Tensor, block_scales: Tensor, global_scale: Tensor, bias: Tensor | None = None
+) -> Tensor:
+    """fp32 product of x and the dequantized weight: x [..., K], bias [N] or None → [..., N] in x.dtype.
+    fp32 matmuls follow PyTorch's TF32 setting (off by default)."""
+    w = dequantize_nvfp4(packed, block_scales, global_scale, torch.float32)
+    y = x.float() @ w.t()
+    if bias is not None:
+        y = y + bias.float()
+    return y.to(x.dtype)
+
+
+@triton.jit
+def _e2m1_to_f32(code):
+    """int32 codes 0..15 → fp32 values. Magnitude m = code & 7 builds fp32 bits directly: m ≥ 2 is the normal
+    number (1 + (m & 1)/2) · 2^((m >> 1) - 1), whose bits are (m << 22) + bits(0.5); m = 1 is 0.5, m = 0 is 0."""
+    mag = code & 7
+    bits = tl.where(mag >= 2, (mag << 22) + 0x3F000000, mag * 0x3F000000)
+    value = bits.to(tl.float32, bitcast=True)
+    return tl.where((code & 8) != 0, -value, value)
+
+
+@triton.jit
+def _e4m3_to_f32(byte):
+    """int32 e4m3 bit patterns 0..255 → fp32 (NaN patterns never occur in a block scale). Decoded with bit ops rather
+    than an fp8 conversion: Triton lowers fp8e4nv casts natively only from sm_89, and the interpreter's fp8 handling
+    is not exact. Normal: exponent bias 7 → 127, i.e. bits << 20 plus 120 << 23; subnormal: m · 2^-9."""
+    mag = byte & 0x7F
+    normal = ((mag << 20) + (120 << 23)).to(tl.float32, bitcast=True)
+    subnormal = (mag & 7).to(tl.float32) * 0.001953125
+    value = tl.where(mag >= 8, normal, subnormal)
+    return tl.where((byte & 0x80) != 0, -value, value)
+
+
+@triton.jit
+def _nvfp4_linear_kernel(
+    x_ptr,  # [M, K] bf16/fp16, row stride stride_xm, unit column stride
+    q_ptr,  # [N, K/2] uint8, contiguous
+    s_ptr,  # [N, K/16] uint8 (e4m3 bit patterns), contiguous
+    g_ptr,  # [1] fp32 global scale
+    bias_ptr,  # [N] any float dtype, or a dummy when HAS_BIAS is False
+    y_ptr,  # [M, N] x's dtype, row stride stride_ym
+    M,
+    N,
+    K,
+    stride_xm,
+    stride_ym,
+    HAS_BIAS: tl.constexpr,
+    EVEN_K: tl.constexpr,
+    DOT_FP32: tl.constexpr,  # fp32 operands (the interpreter, where bf16 dots are wrong); else x's dtype
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,  # a multiple of 32
+    GROUP_M: tl.constexpr,
+):
+    # Grouped tile order: GROUP_M row tiles share each weight column tile while it is in L2.
+    pid = tl.program_id(0)
+    num_pid_m = tl.cdiv(M, BLOCK_M)
+    num_pid_n = tl.cdiv(N, BLOCK_N)
+    num_pid_in_group = GROUP_M * num_pid_n
+    first_pid_m = (pid // num_pid_in_group) * GROUP_M
+    group_size_m = min(num_pid_m - first_pid_m, GROUP_M)
+    pid_m = first_pid_m + ((pid % num_pid_in_group) % group_size_m)
+    pid_n = (pid % num_pid_in_group) // group_size_m
+
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    # Edge tiles wrap onto valid rows/columns so the K loop needs no M/N masks; the store is masked instead.
+    rm = offs_m % M
+    rn = offs_n % N
+    offs_k = tl.arange(0, BLOCK_K)
+    x_ptrs = x_ptr + rm[:, None].to(tl.int64) * stride_xm + offs_k[None, :]
+    # The weight tile is addressed per element as [BLOCK_N, BLOCK_K]: element (n, k) sits in byte n·K/2 + k/2 (nibble
+    # k % 2) and its scale in n·K/16 + k/16. Lanes that share a byte or a scale load the same address, which the
+    # memory system serves once, and no shuffle is needed to interleave the two nibbles. K is the minor axis so that
+    # neighbouring lanes read neighbouring bytes of one row (coalesced); the dot takes the tile transposed.
+    q_ptrs = q_ptr + rn[:, None].to(tl.int64) * (K // 2) + (offs_k // 2)[None, :]
+    s_ptrs = s_ptr + rn[:, None].to(tl.int64) * (K // 16) + (offs_k // 16)[None, :]
+    nibble_shift = ((offs_k % 2) * 4)[None, :]
+
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k in range(0, tl.cdiv(K, BLOCK_K)):
+        if EVEN_K:
+            a = tl.load(x_ptrs)
+            q = tl.load(q_ptrs)
+            s = tl.load(s_ptrs)
+        else:
+            k_ok = offs_k < K - k * BLOCK_K
+            a = tl.load(x_ptrs, mask=k_ok[None, :], other=0.0)
+            q = tl.load(q_ptrs, mask=k_ok[None, :], other=0)
+            s = tl.load(s_ptrs, mask=k_ok[None, :], other=0)
+        codes = (q.to(tl.int32) >> nibble_shift) & 0xF
+        # value · block scale has at most 2 + 4 significant bits and lies in [2^-10, 2688]: exact in bf16 and fp16,
+        # so the only roundings are the dot's fp32 accumulation and the output cast.
+        w = _e2m1_to_f32(codes) * _e4m3_to_f32(s.to(tl.int32))
+        if DOT_FP32:
+            acc += tl.dot(a.to(tl.float32), tl.trans(w), input_precision="ieee")
+        else:
+            acc += tl.dot(a, tl.trans(w.to(a.dtype)))
+        x_ptrs += BLOCK_K
+        q_ptrs += BLOCK_K // 2
+        s_ptrs += BLOCK_K // 16
+
+    acc = acc * tl.load(g_ptr)
+    if HAS_BIAS:
+        acc += tl.load(bias_ptr + rn).to(tl.float32)[None, :]
+    y_ptrs = y_ptr + offs_m[:, None].to(tl.int64) * stride_ym + offs_n[None, :]
+    tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=(offs_m[:, None] < M) & (offs_n[None, :] < N))
+
+
+# Starting points for sm_80/sm_90 (untuned beyond a first sweep): the decode runs on the tile's [BLOCK_K, BLOCK_N]
+# weight elements once per M tile, so wide M tiles amortise it; configs that do not fit shared memory are skipped.
+_NVFP4_CONFIGS = [
+    triton.Config({"BLOCK_M": 128, "BLOCK_N": 128, "BLOCK_K": 64, "GROUP_M": 8}, num_warps=8, num_stages=3),
+    triton.Config({"BLOCK_M": 128, "BLOCK_N": 256, "BLOCK_K": 64, "GROUP_M": 8}, num_warps=8, num_stages=3),
+    triton.Config({"BLOCK_M": 256, "BLOCK_N": 128, "BLOCK_K": 64, "GROUP_M": 8}, num_warps=8, num_stages=3),
+    triton.Config({"BLOCK_M": 128, "BLOCK_N": 128, "BLOCK_K": 128, "GROUP_M": 8}, num_warps=8, num_stages=3),
+    triton.Config({"BLOCK_M": 64, "BLOCK_N": 128, "BLOCK_K": 64, "GROUP_M": 8}, num_warps=4, num_stages=4),
+    triton.Config({"BLOCK_M": 128, "BLOCK_N": 64, "BLOCK_K": 64, "GROUP_M": 8}, num_warps=4, num_stages=4),
+]
+
+
+def _even_k(args: dict) -> dict:
+    return {"EVEN_K": args["K"] % args["BLOCK_K"] == 0}
+
+
+_nvfp4_linear_tuned = triton.autotune(configs=_NVFP4_CONFIGS, key=["M", "N", "K", "HAS_BIAS", "DOT_FP32"])(
+    triton.heuristics({"EVEN_K": _even_k})(_nvfp4_linear_kernel)
+)
+# Under the interpreter (CPU tensors) autotuning would time every config on the CPU: one small tile instead.
+_INTERPRETER_TILE = {"BLOCK_M": 32, "BLOCK_N": 32, "BLOCK_K": 64, "GROUP_M": 4}
+
+
+def nvfp4_linear_triton(
+    x: Tensor,
+    packed: Tensor,
+    block_scales: Tensor,
+    global_scale: Tensor,
+    bias: Tensor | None = None,
+    *,
+    dot_fp32: bool = False,
+) -> Tensor:
+    """The Triton kernel alone, on whatever device x is on (CUDA, or CPU under TRITON_INTERPRET=1). Shapes and
+    dtypes as `nvfp4_linear`; `dot_fp32` multiplies fp32 operands (exact under the interpreter, slow on a GPU)."""
+    k = x.shape[-1]
+    n = packed.shape[0]
+    x2 = x.reshape(-1, k)
+    m = x2.shape[0]
+    y = torch.empty((m, n), dtype=x.dtype, device=x.device)
+    if m == 0:
+        return y.reshape(*x.shape[:-1], n)
+    args = (
+        x2, packed, block_scales.view(torch.uint8), global_scale.reshape(1), bias if bias is not None else y, y,
+        m, n, k, x2.stride(0), y.stride(0),
+    )  # fmt: skip
+    flags = {"HAS_BIAS": bias is not None, "DOT_FP32": dot_fp32}
+    if x.device.type == "cuda":
+        grid = lambda meta: (triton.cdiv(m, meta["BLOCK_M"]) * triton.cdiv(n, meta["BLOCK_N"]),)
+        _nvfp4_linear_tuned[grid](*args, **flags)
+    else:
+        tile = _INTERPRETER_TILE
+        grid = (triton.cdiv(m, tile["BLOCK_M"]) * triton.cdiv(n, tile["BLOCK_N"]),)
+        _nvfp4_linear_kernel[grid](*args, **flags, EVEN_K=k % tile["BLOCK_K"] == 0, **tile)
+    return y.reshape(*x.shape[:-1], n)
+
+
+@torch.library.custom_op("k6fast::nvfp4_linear", mutates_args=())
+def _nvfp4_linear_op(
+    x: Tensor, packed: Tensor, block_scales: Tensor, global_scale: Tensor, bias: Tensor | None
+) -> Tensor:
+    """x [M, K] bf16/fp16 row-major, packed [N, K/2] uint8, block_scales [N, K/16] e4m3, global_scale [] fp32."""
+    if _use_nvfp4_kernel(x.device):
+        return nvfp4_linear_triton(x, packed, block_scales, global_scale, bias)
+    return nvfp4_linear_ref(x, packed, block_scales, global_scale, bias)
+
+
+@_nvfp4_linear_op.register_fake
+def _(x: Tensor, packed: Tensor, block_scales: Tensor, global_scale: Tensor, bias: Tensor | None) -> Tensor:
+    return x.new_empty((x.shape[0], packed.shape[0]))
+
+
+def nvfp4_linear(
+    x: Tensor, packed: Tensor, block_scales: Tensor, global_scale: Tensor, bias: Tensor | None = None
+) -> Tensor:
+    """y = x @ w.t() (+ bias) with w stored as NVFP4 (see the module docstring). Lossy through the weight only:
+    activations stay bf16/fp16.
+
+    x: [..., K] bf16/fp16 with rows contiguous; packed: uint8 [N, K/2]; block_scales: float8_e4m3fn [N, K/16];
+    global_scale: float32 [] (one element); bias: [N] float or None. K a multiple of 32, N of 16.
+    Returns [..., N] in x.dtype. Triton on CUDA sm_80+ (Blackwell included, see the dispatch table); the fp32
+    reference elsewhere (logged once)."""
+    n, k = _check_quantized("nvfp4_linear", packed, block_scales, global_scale)
+    if x.dtype not in (torch.bfloat16, torch.float16):
+        raise ValueError(f"nvfp4_linear: expected bf16/fp16 activations, found {x.dtype}")
+    if x.ndim < 1 or x.shape[-1] != k:
+        raise ValueError(
+            f"nvfp4_linear: expected x [..., {k}] to match the weight [N={n}, K={k}], found {tuple(x.shape)}"
+        )
+    if not x.is_contiguous():
+        raise ValueError(f"nvfp4_linear: expected a contiguous x, found shape {tuple(x.shape)} stride {x.stride()}")
+    if bias is not None and (bias.shape != (n,) or bias.dtype not in _FLOAT_DTYPES):
+        raise ValueError(f"nvfp4_linear: expected a float bias ({n},), found {bias.dtype} {tuple(bias.shape)}")
+    devices = {t.device for t in (x, packed, block_scales, global_scale, bias) if t is not None}
+    if len(devices) != 1:
+        raise ValueError(f"nvfp4_linear: expected all operands on one device, found {sorted(map(str, devices))}")
+    y = _nvfp4_linear_op(x.reshape(-1, k), packed, block_scales, global_scale.reshape(()), bias)
+    return y.reshape(*x.shape[:-1], n)
