@@ -18,6 +18,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from ..switches import Options, SwitchError
+from .backend import ATTENTION_SITES
 
 logger = logging.getLogger(__name__)
 SUPPORTED_HEAD_DIMS = (64, 128)  # k6fast's kernel (Pro 128, Lite 64)
@@ -31,7 +32,7 @@ def _log_once(message: str) -> None:
 SITE_SETS = {
     "video_self": frozenset({"video_self"}),
     "self": frozenset({"video_self", "audio_self"}),
-    "all": frozenset({"video_self", "video_text", "audio_self", "audio_text", "video_audio", "audio_video"}),
+    "all": frozenset(ATTENTION_SITES) - {"text_self"},  # text blocks always run exact
 }
 
 
@@ -88,7 +89,8 @@ class AttentionDispatch:
         if not self.block_quantized or masked or site not in self.sites:
             return False
         if self.kind == "k6" and head_dim not in SUPPORTED_HEAD_DIMS:
-            _log_once(f"K6_ATTN=k6: head_dim {head_dim} is not one of {SUPPORTED_HEAD_DIMS}; running exact attention")
+            if not torch.compiler.is_compiling():
+                _log_once(f"K6_ATTN=k6: head_dim {head_dim} is not one of {SUPPORTED_HEAD_DIMS}; using exact")
             return False
         return True
 

@@ -12,6 +12,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+LN_EPS = 1e-5  # nn.LayerNorm's default, as in the reference model
+
 # Attention call sites of the DiT. Text blocks attend over text only; fused blocks have the six below.
 ATTENTION_SITES = (
     "text_self",
@@ -62,9 +64,6 @@ def modulate_ref(x: Tensor, scale: Tensor, shift: Tensor) -> Tensor:
 def gated_add_ref(x: Tensor, out: Tensor, gate: Tensor) -> Tensor:
     """Gated residual x + gate * out in fp32, returned in x.dtype. gate: [B, D]."""
     return (x.float() + broadcast_cond(gate, x).float() * out.float()).to(x.dtype)
-
-
-LN_EPS = 1e-5  # nn.LayerNorm's default, as in the reference model
 
 
 class ExactBackend:

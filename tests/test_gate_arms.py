@@ -1,0 +1,46 @@
+"""The headline arms (`final`, `final-geforce`, `fast`) load, and the gate scores them against `reference` on the tiny
+checkpoint on CPU. On CPU the GPU-only parts of these arms (fused kernels, fp8/fp16acc GEMMs, quantized attention
+with the tiny model's head_dim 16) fall back to the exact path, so what the gate measures here is the step cache
+(and compile's float reassociation): small, non-zero, and reported."""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+import pytest
+
+from k6fast.quality_gate.command import register
+from k6fast.quality_gate.clips import SET_A
+from k6fast.switches import list_arms, load_options
+
+pytestmark = pytest.mark.slow
+
+
+def test_headline_arms_are_valid_and_lossy_where_declared() -> None:
+    assert {"reference", "final", "final-geforce", "fast", "step-cache"} <= set(list_arms())
+    final, fast = load_options(environ={}, arm="final"), load_options(environ={}, arm="fast")
+    assert final.fused_elementwise and final.compile and final.piflow_cache_steps == (8,)
+    assert final.gemm == "bf16" and final.attn == "exact"
+    assert fast.gemm == "fp8" and fast.attn == "k6" and fast.piflow_cache_steps == (5, 8)
+    assert final.arm_hash() != fast.arm_hash() != load_options(environ={}, arm="reference").arm_hash()
+
+
+def test_gate_scores_final_and_fast_on_the_tiny_checkpoint(tiny_distill, tmp_path) -> None:
+    prompt_set = json.loads(SET_A.read_text())
+    prompt_set["prompts"] = prompt_set["prompts"][:1]
+    (tmp_path / "prompts.json").write_text(json.dumps(prompt_set))
+    parser = argparse.ArgumentParser(prog="k6fast")
+    register(parser.add_subparsers(dest="command", required=True))
+    argv = ["gate", "--model", str(tiny_distill), "--prompts", str(tmp_path / "prompts.json"), "--out",
+            str(tmp_path / "out"), "--size", "64x64", "--frames", "9", "--steps", "10", "--seeds", "42",
+            "--lpips-backbone", "random", "--reference", "reference", "--arm", "final", "--arm", "fast"]  # fmt: skip
+    args = parser.parse_args(argv)
+    assert args.func(args) == 0
+    report = json.loads((tmp_path / "out" / "report.json").read_text())
+    arms = {a["label"]: a for a in report["arms"]}
+    assert set(arms) == {"final", "fast"}
+    for label, arm in arms.items():
+        assert arm["passed"], label
+        assert 0 < arm["set"]["lpips_mean"] < 0.15, label  # the cached steps move the clip, a little
+    assert (tmp_path / "out" / "report.md").is_file()
