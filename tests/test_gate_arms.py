@@ -10,8 +10,8 @@ import json
 
 import pytest
 
-from k6fast.quality_gate.command import register
 from k6fast.quality_gate.clips import SET_A
+from k6fast.quality_gate.command import register
 from k6fast.switches import list_arms, load_options
 
 pytestmark = pytest.mark.slow
