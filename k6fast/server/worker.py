@@ -38,7 +38,10 @@ def load_pipeline(config: ServerConfig, options: Options) -> Pipeline:
     from ..pipeline import Pipeline, Request
 
     dtype = {None: None, "bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[config.dtype]
-    pipeline = Pipeline(config.model, options, device=config.device, dtype=dtype)
+    # The residency planner reserves activations for the largest request the server accepts (either orientation
+    # has the same token count).
+    plan_geometry = (config.max_size[0], config.max_size[1], config.max_frames)
+    pipeline = Pipeline(config.model, options, device=config.device, dtype=dtype, plan_geometry=plan_geometry)
     # Two steps touch every phase; a cached-step switch needs the schedule long enough to contain its steps.
     steps = max(2, *(s + 1 for s in options.piflow_cache_steps)) if options.piflow_cache_steps else 2
     started = time.perf_counter()
