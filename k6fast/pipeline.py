@@ -132,11 +132,11 @@ class Pipeline:
             text_bytes = sum(component_bytes(self.ckpt.root / name) for name in ("text_encoder", "text_encoder_2"))
             plan = self.runtime.plan
             self.dit_leaves_for_text = plan.weight_bytes + text_bytes + RESERVE_BYTES > self.budget_bytes
-            # Reloading Qwen2.5-VL (16.6 GB) costs seconds per request; where the budget holds it beside the DiT
-            # and the denoising activations, it stays loaded across requests.
-            self.text_resident = plan.weight_bytes + plan.activation_bytes + text_bytes + RESERVE_BYTES <= (
-                self.budget_bytes
-            )
+            # By default the text encoders leave the device before denoising. Reloading Qwen2.5-VL (16.6 GB) costs
+            # seconds per request, so a server may keep them (K6_KEEP_TEXT_ENCODERS) where the budget holds them
+            # beside the DiT and the denoising activations.
+            fits = plan.weight_bytes + plan.activation_bytes + text_bytes + RESERVE_BYTES <= self.budget_bytes
+            self.text_resident = options.keep_text_encoders and fits
             self._text: TextEncoders | None = None
             self.vae = load_video_vae(self.ckpt.root, self.device, self.dtype)
             self.audio_vae, self.vocoder = load_audio_decoder(self.ckpt.root, self.device, self.dtype)

@@ -24,6 +24,13 @@ AUDIO_NORM = Switch(
     choices=("peak", "clip"),
     doc="how the decoded waveform is brought into [-1, 1]: peak-normalise or clip",
 )
+KEEP_TEXT_ENCODERS = Switch(
+    name="K6_KEEP_TEXT_ENCODERS",
+    kind="bool",
+    default=False,
+    doc="keep Qwen2.5-VL and CLIP loaded across requests where the VRAM budget holds them beside the DiT",
+    affects_output=False,
+)
 API_KEY = Switch(
     name="K6_API_KEY",
     kind="str",
@@ -150,6 +157,7 @@ SWITCHES: tuple[Switch, ...] = (
     VRAM_BUDGET_GB,
     PREFETCH_BLOCKS,
     MAX_RESIDENT_BLOCKS,
+    KEEP_TEXT_ENCODERS,
     API_KEY,
     DATA_DIR,
     INDUCTOR_CACHE_DIR,

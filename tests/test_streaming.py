@@ -141,7 +141,9 @@ def test_text_encoders_stay_loaded_when_the_budget_holds_them(tiny_distill, monk
 
     monkeypatch.setattr(pipeline_module.TextEncoders, "__init__", counting_init)
     request = Request(prompt="Bells ring over a harbour", width=32, height=32, frames=5, steps=2)
-    roomy = Pipeline(tiny_distill, Options(), device="cpu")
+    assert not Pipeline(tiny_distill, Options(), device="cpu").text_resident  # off by default: encoders leave
+    keep = Options().replace(keep_text_encoders=True)
+    roomy = Pipeline(tiny_distill, keep, device="cpu")
     assert roomy.text_resident and not roomy.dit_leaves_for_text
     a, b = roomy.generate(request), roomy.generate(request)
     assert len(loads) == 1 and (a.frames == b.frames).all()
@@ -152,7 +154,7 @@ def test_text_encoders_stay_loaded_when_the_budget_holds_them(tiny_distill, monk
     plan = roomy.runtime.plan
     text_bytes = sum(component_bytes(tiny_distill / c) for c in ("text_encoder", "text_encoder_2"))
     budget = plan.weight_bytes + plan.activation_bytes + RESERVE_BYTES + text_bytes // 2
-    tight = Pipeline(tiny_distill, Options().replace(vram_budget_gb=budget / 2**30), device="cpu")
+    tight = Pipeline(tiny_distill, keep.replace(vram_budget_gb=budget / 2**30), device="cpu")
     loads.clear()
     tight.generate(request)
     tight.generate(request)
