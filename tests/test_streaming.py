@@ -161,3 +161,27 @@ def test_text_encoders_stay_loaded_when_the_budget_holds_them(tiny_distill, monk
     assert not tight.text_resident and len(loads) == 2
     roomy.close()
     tight.close()
+
+
+def test_dit_leaves_the_device_for_the_text_phase_when_both_do_not_fit(tiny_distill) -> None:
+    from k6fast.dit.residency import RESERVE_BYTES
+    from k6fast.pipeline import Pipeline, Request, component_bytes
+    from k6fast.switches import Options
+
+    geometry = (32, 32, 5)
+    request = Request(prompt="A kettle whistles", width=32, height=32, frames=5, steps=2)
+    roomy = Pipeline(tiny_distill, Options(), device="cpu", plan_geometry=geometry)
+    expected = roomy.generate(request)
+    plan = roomy.runtime.plan
+    text_bytes = sum(component_bytes(tiny_distill / c) for c in ("text_encoder", "text_encoder_2"))
+    # Room for the DiT and its activations, not for the DiT and the text encoders together.
+    budget = plan.weight_bytes + plan.activation_bytes + RESERVE_BYTES + text_bytes // 2
+    tight = Pipeline(
+        tiny_distill, Options().replace(vram_budget_gb=budget / 2**30), device="cpu", plan_geometry=geometry
+    )
+    assert tight.dit_leaves_for_text
+    first, second = tight.generate(request), tight.generate(request)
+    assert "dit_load" in first.telemetry.phases and "dit_load" in second.telemetry.phases
+    assert (first.frames == expected.frames).all() and (second.frames == expected.frames).all()
+    roomy.close()
+    tight.close()
