@@ -207,9 +207,8 @@ def _assert_e4m3_close_interpreted(actual: torch.Tensor, expected: torch.Tensor)
 
 
 @pytest.mark.interpret
+@pytest.mark.skipif(INTERPRETING, reason="this test is what starts the interpreter run")
 def test_triton_kernels_under_interpreter():
-    if INTERPRETING:
-        pytest.skip("already running under TRITON_INTERPRET=1")
     env = {**os.environ, "TRITON_INTERPRET": "1"}
     cmd = [sys.executable, "-m", "pytest", __file__, "-m", "interpret", "-q", "-p", "no:cacheprovider"]
     run = subprocess.run(cmd, env=env, cwd=Path(__file__).parents[1], capture_output=True, text=True, timeout=600)
