@@ -7,18 +7,11 @@ import sys
 from pathlib import Path
 
 from . import __version__
+from .cli_args import size_arg
 
 
 class CliError(Exception):
     """A user error: printed as `error: ...` with exit status 2, no traceback."""
-
-
-def _size(text: str) -> tuple[int, int]:
-    try:
-        width, height = (int(v) for v in text.lower().split("x"))
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected WIDTHxHEIGHT such as 864x480, found {text!r}") from None
-    return width, height
 
 
 def _load_options(arm: str | None):
@@ -128,7 +121,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_model_args(p)
     p.add_argument("--prompt", required=True)
     p.add_argument("--image", help="reference image for the first frame (image-to-video)")
-    p.add_argument("--size", type=_size, default=(864, 480), help="WIDTHxHEIGHT, multiples of 16 (default 864x480)")
+    p.add_argument("--size", type=size_arg, default=(864, 480), help="WIDTHxHEIGHT, multiples of 16 (default 864x480)")
     p.add_argument("--frames", type=int, default=121, help="frame count 4k+1 at 24 fps (default 121)")
     p.add_argument("--steps", type=int, help="denoising steps (default: 10 distilled, 50 base)")
     p.add_argument("--guidance", type=float, help="CFG scale (default: 1.0 distilled — required — 5.0 base)")

@@ -15,6 +15,7 @@ import sys
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from ..cli_args import size_arg
 from . import GateError
 from .thresholds import Thresholds
 
@@ -23,14 +24,6 @@ if TYPE_CHECKING:
 
 DTYPE_NAMES = ("bf16", "fp16", "fp32")
 DEFAULT_OUT = Path("k6fast-gate")
-
-
-def _size(text: str) -> tuple[int, int]:
-    try:
-        width, height = (int(v) for v in text.lower().split("x"))
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected WIDTHxHEIGHT such as 864x480, found {text!r}") from None
-    return width, height
 
 
 def _seeds(text: str) -> list[int]:
@@ -67,7 +60,7 @@ def register(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
     )
     p.add_argument("--prompts", type=Path, help="prompt set JSON (default: the packaged set A, quality_gate/setA.json)")
     p.add_argument("--seeds", type=_seeds, default=[42], help="comma-separated seeds (default 42)")
-    p.add_argument("--size", type=_size, default=(864, 480), help="WIDTHxHEIGHT (default 864x480)")
+    p.add_argument("--size", type=size_arg, default=(864, 480), help="WIDTHxHEIGHT (default 864x480)")
     p.add_argument("--frames", type=int, default=121, help="frame count 4k+1 (default 121)")
     p.add_argument("--steps", type=int, help="denoising steps (default: the checkpoint's)")
     p.add_argument("--out", type=Path, default=DEFAULT_OUT, help="report and clip cache directory")

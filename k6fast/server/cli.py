@@ -13,6 +13,7 @@ import socket
 import sys
 from pathlib import Path
 
+from ..cli_args import size_arg
 from .config import DEFAULT_DATA_DIR, ServerConfig, fmt_size
 
 log = logging.getLogger("k6fast.server")
@@ -20,14 +21,6 @@ log = logging.getLogger("k6fast.server")
 
 class ServeError(Exception):
     """A user error: printed as `error: ...` with exit status 2."""
-
-
-def _size(text: str) -> tuple[int, int]:
-    try:
-        width, height = (int(v) for v in text.lower().split("x"))
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected WIDTHxHEIGHT such as 864x480, found {text!r}") from None
-    return width, height
 
 
 def add_serve_arguments(p: argparse.ArgumentParser) -> None:
@@ -40,10 +33,10 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--data-dir", type=Path, help=f"jobs and videos (default: K6_DATA_DIR, else ./{DEFAULT_DATA_DIR})")
     p.add_argument("--served-model-name", help="the `model` clients send (default: the checkpoint folder's name)")
     p.add_argument("--max-queue", type=int, default=16, help="queued jobs before POST answers 429 (default 16)")
-    p.add_argument("--max-size", type=_size, default=(1280, 720), help="largest WIDTHxHEIGHT, either orientation")
+    p.add_argument("--max-size", type=size_arg, default=(1280, 720), help="largest WIDTHxHEIGHT, either orientation")
     p.add_argument("--max-frames", type=int, default=241, help="longest clip in frames (default 241 = 10 s)")
     p.add_argument("--max-steps", type=int, default=100, help="most denoising steps per job (default 100)")
-    p.add_argument("--default-size", type=_size, default=(864, 480), help="size when a request gives none")
+    p.add_argument("--default-size", type=size_arg, default=(864, 480), help="size when a request gives none")
     p.add_argument("--default-seconds", default="5", help="seconds when a request gives none (default 5: 121 frames)")
     p.add_argument("--ttl-hours", type=float, default=24.0, help="finished jobs and their files live this long")
     p.add_argument("--max-upload-mb", type=float, default=20.0, help="largest input_reference image (default 20)")
