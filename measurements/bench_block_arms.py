@@ -17,6 +17,7 @@ import statistics
 import time
 
 import torch
+from bench_common import rel_l2, wall_seconds
 
 from k6fast.dit.backend import SwitchedBackend
 from k6fast.dit.blocks import FusedBlockInputs, fused_block
@@ -35,22 +36,6 @@ VARIANTS = {
     "fp8+k6attn+fused": {"gemm": "fp8", "attn": "k6", "fused_elementwise": True},
     "fp8+k6attn+fused+compile": {"gemm": "fp8", "attn": "k6", "fused_elementwise": True, "compile": True},
 }
-
-
-def timed(fn, repeats: int) -> list[float]:
-    fn()
-    out = []
-    for _ in range(repeats):
-        torch.cuda.synchronize()
-        start = time.perf_counter()
-        fn()
-        torch.cuda.synchronize()
-        out.append(time.perf_counter() - start)
-    return out
-
-
-def rel_l2(a: torch.Tensor, b: torch.Tensor) -> float:
-    return ((a.float() - b.float()).norm() / b.float().norm()).item()
 
 
 def cosine(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -115,7 +100,7 @@ def main() -> None:
                 return block(vis, aud, text_v, text_a, (temb_v.to(bf), temb_a.to(bf)), pos_rope, aud_rope, None)
 
         out = run_diffusers()
-        times = timed(run_diffusers, args.repeats)
+        times = wall_seconds(run_diffusers, args.repeats)
         med = statistics.median(times)
         results["diffusers_block"] = {"times_s": times, "median_s": med, "output": out}
         print(f"{'diffusers block':<28}{med * 1e3:>9.1f} ms", flush=True)
@@ -139,7 +124,7 @@ def main() -> None:
         first = time.perf_counter() - start
         if reference is None:
             reference = out
-        times = timed(run, args.repeats)
+        times = wall_seconds(run, args.repeats)
         med = statistics.median(times)
         results["variants"][name] = {
             "switches": changes, "times_s": times, "median_s": med, "first_call_s": first,

@@ -12,27 +12,15 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import time
 
 import torch
+from bench_common import wall_seconds
 
 from k6fast.checkpoint import open_checkpoint
 from k6fast.dit.blocks import FusedBlockInputs, fused_block
 from k6fast.dit.residency import GiB
 from k6fast.dit.rope import rope_1d, rope_3d
 from k6fast.dit.runtime import build_dit, device_budget
-
-
-def timed(fn, repeats: int) -> list[float]:
-    fn()
-    out = []
-    for _ in range(repeats):
-        torch.cuda.synchronize()
-        start = time.perf_counter()
-        fn()
-        torch.cuda.synchronize()
-        out.append(time.perf_counter() - start)
-    return out
 
 
 def main() -> None:
@@ -82,7 +70,7 @@ def main() -> None:
             return ref_block(vis, aud, text_v, text_a, (temb_v.to(torch.bfloat16), temb_a.to(torch.bfloat16)),
                              ref_rope_v, ref_rope_a, None)  # fmt: skip
 
-    results["diffusers_block_s"] = timed(diffusers_block, args.repeats)
+    results["diffusers_block_s"] = wall_seconds(diffusers_block, args.repeats)
     expected = diffusers_block()
     results["diffusers_peak_gib_block"] = torch.cuda.max_memory_allocated() / GiB
 
@@ -91,7 +79,7 @@ def main() -> None:
         with torch.no_grad():
             return ref(**kwargs, return_dict=False)
 
-    results["diffusers_forward_s"] = timed(diffusers_forward, max(2, args.repeats // 2))
+    results["diffusers_forward_s"] = wall_seconds(diffusers_forward, max(2, args.repeats // 2))
     ref = ref_block = None  # free the peer before k6fast loads
     torch.cuda.empty_cache()
 
@@ -103,11 +91,11 @@ def main() -> None:
         with torch.no_grad():
             return fused_block(runtime.dit.backend, cfg, weights, vis, aud, inp)
 
-    results["k6_block_s"] = timed(k6_block, args.repeats)
+    results["k6_block_s"] = wall_seconds(k6_block, args.repeats)
     got = k6_block()
     rel = [((g.float() - e.float()).norm() / e.float().norm()).item() for g, e in zip(got, expected, strict=True)]
     results["block_rel_l2_vs_diffusers"] = rel
-    results["k6_forward_s"] = timed(lambda: runtime.dit(**kwargs), max(2, args.repeats // 2))
+    results["k6_forward_s"] = wall_seconds(lambda: runtime.dit(**kwargs), max(2, args.repeats // 2))
     runtime.close()
     runtime = weights = None
     torch.cuda.empty_cache()
@@ -121,7 +109,7 @@ def main() -> None:
             with torch.no_grad():
                 return off(**kwargs, return_dict=False)
 
-        results["diffusers_offload_forward_s"] = timed(offload_forward, 2)
+        results["diffusers_offload_forward_s"] = wall_seconds(offload_forward, 2)
         results["diffusers_offload_peak_gib"] = torch.cuda.max_memory_allocated() / GiB
 
     med = {k: statistics.median(v) for k, v in results.items() if k.endswith("_s")}

@@ -19,14 +19,12 @@ Run:  python measurements/bench_elementwise.py --out measurements/results/elemen
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-import triton
-from triton.testing import do_bench
+from bench_common import environment, quantiles_ms, rel_l2
 
 from k6fast.kernels.adaln import (
     gated_residual,
@@ -37,42 +35,17 @@ from k6fast.kernels.adaln import (
 )
 from k6fast.kernels.fp8_linear import quantize_rows_fp8
 
-QUANTILES = [0.2, 0.5, 0.8]
-
-
-def environment() -> dict:
-    props = torch.cuda.get_device_properties(0)
-    return {
-        "gpu": props.name,
-        "capability": f"sm_{props.major}{props.minor}",
-        "sms": props.multi_processor_count,
-        "torch": torch.__version__,
-        "triton": triton.__version__,
-        "cuda": torch.version.cuda,
-        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-    }
-
-
-def timed(fn, rep_ms: int) -> tuple[float, float, float]:
-    p20, p50, p80 = do_bench(fn, warmup=50, rep=rep_ms, quantiles=QUANTILES)
-    return p20, p50, p80
-
 
 def copy_bandwidth(numel: int, rep_ms: int) -> float:
     """GB/s of a device-to-device copy of `numel` bf16 elements (bytes read + bytes written)."""
     src = torch.empty(numel, dtype=torch.bfloat16, device="cuda").normal_()
     dst = torch.empty_like(src)
-    _, p50, _ = timed(lambda: dst.copy_(src), rep_ms)
+    _, p50, _ = quantiles_ms(lambda: dst.copy_(src), rep_ms)
     return 2 * numel * 2 / (p50 * 1e-3) / 1e9
 
 
 def max_err(a: torch.Tensor, exact: torch.Tensor) -> float:
     return (a.float() - exact).abs().max().item()
-
-
-def rel_l2(a: torch.Tensor, b: torch.Tensor) -> float:
-    a, b = a.double(), b.double()
-    return ((a - b).norm() / b.norm()).item()
 
 
 def main() -> None:
@@ -176,7 +149,7 @@ def main() -> None:
                 results.append(row)
                 print(f"FAILED correctness: {row}")
                 continue
-            p20, p50, p80 = timed(fn, args.rep_ms)
+            p20, p50, p80 = quantiles_ms(fn, args.rep_ms)
             bound_ms = min_bytes[op] / (copy_gbps * 1e9) * 1e3
             row |= {
                 "p20_ms": p20,

@@ -19,16 +19,11 @@ Run:  python measurements/bench_gemm.py --out measurements/results/gemm_h200.jso
 
 from __future__ import annotations
 
-import argparse
-import datetime
-import json
 import sys
-from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-import triton
-from triton.testing import do_bench
+from bench_common import gemm_shapes_main, quantiles_ms, rel_l2
 
 from k6fast.kernels.fp8_linear import (
     fp8_linear,
@@ -40,24 +35,8 @@ from k6fast.kernels.fp8_linear import (
     quantize_weight_fp8,
 )
 
-W1_M = 50220
-W1_SHAPES = [(4096, 4096), (4096, 16384), (16384, 4096)]
-QUANTILES = [0.2, 0.5, 0.8]
 # e4m3 rounding floor for DiT-like data ≈ 3.5% relative L2 vs the bf16 product (see tests/test_fp8_linear.py).
 FP8_REL_L2_LIMIT = 0.045
-
-
-def environment() -> dict:
-    props = torch.cuda.get_device_properties(0)
-    return {
-        "gpu": props.name,
-        "capability": f"sm_{props.major}{props.minor}",
-        "sms": props.multi_processor_count,
-        "torch": torch.__version__,
-        "triton": triton.__version__,
-        "cuda": torch.version.cuda,
-        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-    }
 
 
 def dit_like(m: int, k: int, n: int, seed: int = 0):
@@ -68,16 +47,6 @@ def dit_like(m: int, k: int, n: int, seed: int = 0):
     x[:, outliers] *= 30.0
     w = torch.randn(n, k, device="cuda", generator=g) * 0.02
     return x.bfloat16(), w.bfloat16()
-
-
-def rel_l2(a: torch.Tensor, b: torch.Tensor) -> float:
-    a, b = a.double(), b.double()
-    return ((a - b).norm() / b.norm()).item()
-
-
-def timed(fn, rep_ms: int) -> tuple[float, float, float]:
-    p20, p50, p80 = do_bench(fn, warmup=50, rep=rep_ms, quantiles=QUANTILES)
-    return p20, p50, p80
 
 
 def bench_shape(m: int, k: int, n: int, rep_ms: int) -> list[dict]:
@@ -136,7 +105,7 @@ def bench_shape(m: int, k: int, n: int, rep_ms: int) -> list[dict]:
             results.append(row)
             print(f"FAILED correctness: {row}", file=sys.stderr)
             continue
-        p20, p50, p80 = timed(fn, rep_ms)
+        p20, p50, p80 = quantiles_ms(fn, rep_ms)
         row |= {"p20_ms": p20, "p50_ms": p50, "p80_ms": p80}
         if name == "fp8_quantize":
             row["GBps"] = (m * k * 2 + m * k + m * 4) / (p50 * 1e-3) / 1e9
@@ -173,31 +142,5 @@ def print_table(env: dict, results: list[dict]) -> None:
     print("targets: fp8 ≥ 1.60x cublas_bf16 (quantization included); fp16acc ≥ 0.90x cublas_bf16 on H200")
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--m", type=int, default=W1_M, help="rows (tokens); default the W1 50220")
-    parser.add_argument(
-        "--shapes", nargs="*", default=[f"{k}x{n}" for k, n in W1_SHAPES], help="KxN pairs, default the W1 three"
-    )
-    parser.add_argument("--rep-ms", type=int, default=300, help="do_bench measuring time per variant")
-    parser.add_argument("--out", type=Path, help="write results as JSON here (parent folders are created)")
-    args = parser.parse_args()
-    if not torch.cuda.is_available():
-        raise SystemExit("bench_gemm.py needs a CUDA GPU")
-    env = environment()
-    results = []
-    for shape in args.shapes:
-        k, n = (int(v) for v in shape.lower().split("x"))
-        results += bench_shape(args.m, k, n, args.rep_ms)
-        torch.cuda.empty_cache()  # the shape's operands were freed on return; give the next shape the memory
-    if args.out:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        with open(args.out, "w") as f:
-            json.dump({"bench": "gemm", "env": env, "results": results}, f, indent=1)
-    print_table(env, results)
-    if not all(r["ok"] for r in results):
-        raise SystemExit("some variants failed their correctness check and were not timed")
-
-
 if __name__ == "__main__":
-    main()
+    gemm_shapes_main("gemm", __doc__, bench_shape, print_table)

@@ -1,0 +1,91 @@
+"""What every benchmark script here shares: the environment record, the two timing methods, the error measure, and
+the W1 GEMM shapes. Scripts run as `python measurements/<script>.py`, so this imports as `bench_common`."""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+W1_M = 50220  # W1 video tokens
+W1_SHAPES = [(4096, 4096), (4096, 16384), (16384, 4096)]  # (K, N) of the Pro linear layers
+QUANTILES = [0.2, 0.5, 0.8]
+
+
+def environment() -> dict:
+    import triton
+
+    props = torch.cuda.get_device_properties(0)
+    return {
+        "gpu": props.name,
+        "capability": f"sm_{props.major}{props.minor}",
+        "sms": props.multi_processor_count,
+        "torch": torch.__version__,
+        "triton": triton.__version__,
+        "cuda": torch.version.cuda,
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+    }
+
+
+def quantiles_ms(fn: Callable[[], object], rep_ms: int) -> tuple[float, float, float]:
+    """p20/p50/p80 in ms of a kernel-sized call (Triton's do_bench: L2 flushed, CUDA-event timed)."""
+    from triton.testing import do_bench
+
+    p20, p50, p80 = do_bench(fn, warmup=50, rep=rep_ms, quantiles=QUANTILES)
+    return p20, p50, p80
+
+
+def wall_seconds(fn: Callable[[], object], repeats: int) -> list[float]:
+    """Seconds per call of something long (a block, a forward), synchronised around each call, after one warm-up."""
+    fn()
+    out = []
+    for _ in range(repeats):
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        fn()
+        torch.cuda.synchronize()
+        out.append(time.perf_counter() - start)
+    return out
+
+
+def rel_l2(a: torch.Tensor, b: torch.Tensor) -> float:
+    """‖a − b‖ / ‖b‖ in float64."""
+    a, b = a.double(), b.double()
+    return ((a - b).norm() / b.norm()).item()
+
+
+def gemm_shapes_main(
+    name: str,
+    doc: str,
+    bench_shape: Callable[[int, int, int, int], list[dict]],
+    print_table: Callable[[dict, list[dict]], None],
+) -> None:
+    """The command line of the GEMM benchmarks: rows, KxN shapes, measuring time, JSON output; correctness first."""
+    parser = argparse.ArgumentParser(description=doc.split("\n")[0])
+    parser.add_argument("--m", type=int, default=W1_M, help="rows (tokens); default the W1 50220")
+    parser.add_argument(
+        "--shapes", nargs="*", default=[f"{k}x{n}" for k, n in W1_SHAPES], help="KxN pairs, default the W1 three"
+    )
+    parser.add_argument("--rep-ms", type=int, default=300, help="do_bench measuring time per variant")
+    parser.add_argument("--out", type=Path, help="write results as JSON here (parent folders are created)")
+    args = parser.parse_args()
+    if not torch.cuda.is_available():
+        raise SystemExit(f"bench_{name}.py needs a CUDA GPU")
+    env = environment()
+    results = []
+    for shape in args.shapes:
+        k, n = (int(v) for v in shape.lower().split("x"))
+        results += bench_shape(args.m, k, n, args.rep_ms)
+        torch.cuda.empty_cache()  # the shape's operands were freed on return; give the next shape the memory
+    if args.out:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        with open(args.out, "w") as f:
+            json.dump({"bench": name, "env": env, "results": results}, f, indent=1)
+    print_table(env, results)
+    if not all(r["ok"] for r in results):
+        raise SystemExit("some variants failed their correctness check and were not timed")
