@@ -36,6 +36,8 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
+from .tiles import grouped_tile
+
 logger = logging.getLogger(__name__)
 
 E2M1_MAX = 6.0
@@ -292,15 +294,7 @@ def _nvfp4_linear_kernel(
     BLOCK_K: tl.constexpr,  # a multiple of 32
     GROUP_M: tl.constexpr,
 ):
-    # Grouped tile order: GROUP_M row tiles share each weight column tile while it is in L2.
-    pid = tl.program_id(0)
-    num_pid_m = tl.cdiv(M, BLOCK_M)
-    num_pid_n = tl.cdiv(N, BLOCK_N)
-    num_pid_in_group = GROUP_M * num_pid_n
-    first_pid_m = (pid // num_pid_in_group) * GROUP_M
-    group_size_m = min(num_pid_m - first_pid_m, GROUP_M)
-    pid_m = first_pid_m + ((pid % num_pid_in_group) % group_size_m)
-    pid_n = (pid % num_pid_in_group) // group_size_m
+    pid_m, pid_n = grouped_tile(tl.program_id(0), M, N, BLOCK_M, BLOCK_N, GROUP_M)
 
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
