@@ -8,14 +8,11 @@ tests at the W1 shapes: M = 50220 tokens, (K, N) = (4096, 4096), (4096, 16384), 
 from __future__ import annotations
 
 import logging
-import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
 import torch.nn.functional as F
+from kernel_testing import needs_cuda, needs_interpreter, run_interpret_tests, spawns_interpreter
 
 from k6fast.kernels import fp8_linear as fp8_module
 from k6fast.kernels.adaln import layernorm_modulate
@@ -31,12 +28,6 @@ from k6fast.kernels.fp8_linear import (
     quantize_rows_fp8_triton,
     quantize_weight_fp8,
 )
-
-INTERPRETING = os.environ.get("TRITON_INTERPRET") == "1"
-needs_interpreter = pytest.mark.skipif(
-    not INTERPRETING, reason="runs under TRITON_INTERPRET=1 (test_triton_kernels_under_interpreter spawns that run)"
-)
-needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
 # e4m3 keeps 3 mantissa bits: ≈2.5% RMS relative rounding error per operand, ≈3.5% for the product of two quantized
 # operands over incoherent sums (CPU measurement on the DiT-like data below). 3% would be below that floor.
@@ -205,12 +196,9 @@ def _assert_e4m3_close_interpreted(actual: torch.Tensor, expected: torch.Tensor)
 
 
 @pytest.mark.interpret
-@pytest.mark.skipif(INTERPRETING, reason="this test is what starts the interpreter run")
+@spawns_interpreter
 def test_triton_kernels_under_interpreter():
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
-    cmd = [sys.executable, "-m", "pytest", __file__, "-m", "interpret", "-q", "-p", "no:cacheprovider"]
-    run = subprocess.run(cmd, env=env, cwd=Path(__file__).parents[1], capture_output=True, text=True, timeout=600)
-    assert run.returncode == 0, run.stdout[-6000:] + run.stderr[-3000:]
+    run_interpret_tests(__file__)
 
 
 @pytest.mark.interpret

@@ -7,22 +7,12 @@ process), in both layouts, into a window of a padded buffer; `gpu` tests at a W1
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
 import torch
 import torch.nn.functional as F
+from kernel_testing import needs_cuda, needs_interpreter, run_interpret_tests, spawns_interpreter
 
 from k6fast.kernels.groupnorm_silu import groupnorm_silu, groupnorm_silu_ref, groupnorm_silu_triton
-
-INTERPRETING = os.environ.get("TRITON_INTERPRET") == "1"
-needs_interpreter = pytest.mark.skipif(
-    not INTERPRETING, reason="runs under TRITON_INTERPRET=1 (test_triton_kernel_under_interpreter spawns that run)"
-)
-needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
 # [B, C, T, H, W], groups: one frame, odd sizes, W not a power of two, two samples.
 SHAPES = [((1, 8, 1, 3, 5), 4), ((1, 12, 3, 5, 7), 3), ((2, 16, 2, 4, 9), 8), ((1, 32, 2, 3, 33), 32)]
@@ -97,12 +87,9 @@ def _assert_bf16_within_one_ulp(actual, expected):
 
 
 @pytest.mark.interpret
-@pytest.mark.skipif(INTERPRETING, reason="this test is what starts the interpreter run")
+@spawns_interpreter
 def test_triton_kernel_under_interpreter():
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
-    cmd = [sys.executable, "-m", "pytest", __file__, "-m", "interpret", "-q", "-p", "no:cacheprovider"]
-    run = subprocess.run(cmd, env=env, cwd=Path(__file__).parents[1], capture_output=True, text=True, timeout=600)
-    assert run.returncode == 0, run.stdout[-6000:] + run.stderr[-3000:]
+    run_interpret_tests(__file__)
 
 
 @pytest.mark.interpret

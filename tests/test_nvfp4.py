@@ -9,16 +9,13 @@ M = 50220 tokens, (K, N) = (4096, 4096), (4096, 16384), (16384, 4096), and odd s
 from __future__ import annotations
 
 import logging
-import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
 import torch.nn.functional as F
 import triton
 import triton.language as tl
+from kernel_testing import needs_cuda, needs_interpreter, run_interpret_tests, spawns_interpreter
 
 from k6fast.kernels import nvfp4 as nvfp4_module
 from k6fast.kernels.nvfp4 import (
@@ -34,12 +31,6 @@ from k6fast.kernels.nvfp4 import (
     quantize_nvfp4,
     quantize_nvfp4_ref,
 )
-
-INTERPRETING = os.environ.get("TRITON_INTERPRET") == "1"
-needs_interpreter = pytest.mark.skipif(
-    not INTERPRETING, reason="runs under TRITON_INTERPRET=1 (test_triton_kernel_under_interpreter spawns that run)"
-)
-needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
 # E2M1 with e4m3 block scales: ≈ 9.5% relative L2 on Gaussian weights (CPU measurement below), the weight-only error
 # that a product with incoherent activations inherits.
@@ -242,12 +233,9 @@ def test_custom_op_passes_opcheck_and_compiles():
 
 
 @pytest.mark.interpret
-@pytest.mark.skipif(INTERPRETING, reason="already running under TRITON_INTERPRET=1")
+@spawns_interpreter
 def test_triton_kernel_under_interpreter():
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
-    cmd = [sys.executable, "-m", "pytest", __file__, "-m", "interpret", "-q", "-p", "no:cacheprovider"]
-    run = subprocess.run(cmd, env=env, cwd=Path(__file__).parents[1], capture_output=True, text=True, timeout=600)
-    assert run.returncode == 0, run.stdout[-6000:] + run.stderr[-3000:]
+    run_interpret_tests(__file__)
 
 
 @triton.jit

@@ -28,11 +28,10 @@ from __future__ import annotations
 
 import dataclasses
 import os
-import subprocess
-import sys
 
 import pytest
 import torch
+from kernel_testing import run_interpret_tests, spawns_interpreter
 
 from k6fast.kernels import quant_attention as qa
 
@@ -206,13 +205,9 @@ interpreted_only = pytest.mark.skipif(not INTERPRETED, reason="needs TRITON_INTE
 
 
 @pytest.mark.interpret
-@pytest.mark.skipif(INTERPRETED, reason="already inside the interpreter")
+@spawns_interpreter
 def test_interpreter_suite_in_subprocess():
-    env = dict(os.environ, TRITON_INTERPRET="1")
-    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-m", "interpret", __file__]
-    done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900)
-    assert done.returncode == 0, f"interpreted tests failed:\n{done.stdout[-6000:]}\n{done.stderr[-3000:]}"
-    assert " passed" in done.stdout, done.stdout[-2000:]
+    run_interpret_tests(__file__, timeout=900)
 
 
 @pytest.mark.interpret
