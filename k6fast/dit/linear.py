@@ -150,20 +150,18 @@ class LinearDispatch:
             return F.linear(x, weight, bias)
         if counting:
             self.counts[self.kind] += 1
-        flat = x.reshape(-1, x.shape[-1]).contiguous()
         if self.kind == "fp8":
-            from ..kernels.fp8_linear import fp8_linear, quantize_weight_fp8
+            from ..kernels.fp8_linear import quantize_weight_fp8
 
             # Weights are quantized at use: streamed blocks arrive in reused slots, so a cache keyed by tensor would
-            # go stale; the pass reads each weight once (≈ 0.3 % of the block's time at W1). A pre-quantized
-            # checkpoint (`k6fast quantize --format fp8`) removes it.
-            wq, w_scale = quantize_weight_fp8(weight)
-            out = fp8_linear(flat, wq, w_scale, bias=None if bias is None else bias.to(x.dtype), out_dtype=x.dtype)
-        else:
-            from ..kernels.fp8_linear import fp16acc_linear
+            # go stale. The pass reads each weight once per call (estimated ≈ 0.4 ms per Pro block at H200
+            # bandwidth, against ≈ 120 ms of compute; included in the fp8 block time recorded in
+            # measurements/sessions/2026-11-29_kernels). A checkpoint from `k6fast quantize --format fp8` removes it.
+            return _fp8(x, *quantize_weight_fp8(weight), bias)
+        from ..kernels.fp8_linear import fp16acc_linear
 
-            out = fp16acc_linear(flat, weight, bias, out_dtype=x.dtype)
-        return out.reshape(*x.shape[:-1], weight.shape[0])
+        flat = x.reshape(-1, x.shape[-1]).contiguous()
+        return fp16acc_linear(flat, weight, bias, out_dtype=x.dtype).reshape(*x.shape[:-1], weight.shape[0])
 
     def _stored(self, x: Tensor, weight: QuantizedWeight, bias: Tensor | None, rows: int, counting: bool) -> Tensor:
         fast = rows >= self.min_rows and _stored_gemm_runs(weight.fmt, x)
@@ -171,15 +169,19 @@ class LinearDispatch:
             self.counts[weight.fmt if fast else f"{weight.fmt}-dequantized"] += 1
         if not fast:
             return F.linear(x, weight.dequantized(x.dtype), bias)
-        flat = x.reshape(-1, x.shape[-1]).contiguous()
         if weight.fmt == "fp8":
-            from ..kernels.fp8_linear import fp8_linear
+            return _fp8(x, weight.qdata, weight.scale, bias)
+        from ..kernels.nvfp4 import nvfp4_linear
 
-            out = fp8_linear(
-                flat, weight.qdata, weight.scale, bias=None if bias is None else bias.to(x.dtype), out_dtype=x.dtype
-            )
-        else:
-            from ..kernels.nvfp4 import nvfp4_linear
-
-            out = nvfp4_linear(flat, weight.qdata, weight.scale, weight.scale_2, bias)
+        flat = x.reshape(-1, x.shape[-1]).contiguous()
+        out = nvfp4_linear(flat, weight.qdata, weight.scale, weight.scale_2, bias)
         return out.reshape(*x.shape[:-1], weight.shape[0])
+
+
+def _fp8(x: Tensor, wq: Tensor, w_scale: Tensor, bias: Tensor | None) -> Tensor:
+    """x [..., K] through the row-wise fp8 GEMM with an e4m3 weight [N, K] and its per-channel scale."""
+    from ..kernels.fp8_linear import fp8_linear
+
+    flat = x.reshape(-1, x.shape[-1]).contiguous()
+    out = fp8_linear(flat, wq, w_scale, bias=None if bias is None else bias.to(x.dtype), out_dtype=x.dtype)
+    return out.reshape(*x.shape[:-1], wq.shape[0])
