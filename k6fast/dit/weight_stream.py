@@ -146,24 +146,33 @@ class BlockLayout:
 def upload(
     reader: FileReader, locations: list[TensorLocation], device: torch.device, compute: torch.dtype
 ) -> dict[str, Tensor]:
-    """Resident tensors: each read into a pinned staging buffer and copied to the device, one at a time (no full
-    host copy of the weights ever exists). Quantized weights come back as QuantizedWeights (see `bind_quantized`)."""
+    """Resident tensors: each read into one of two pinned staging buffers and copied to the device while the next is
+    read (no full host copy of the weights ever exists). Quantized weights come back as QuantizedWeights (see
+    `bind_quantized`)."""
     out: dict[str, Tensor] = {}
     cuda = device.type == "cuda"
-    staging: Tensor | None = None
-    for loc in locations:
+    if cuda:
+        # Two staging buffers: the next tensor is read from the file while the previous one crosses PCIe.
+        size = max((loc.nbytes for loc in locations), default=0)
+        staging = [torch.empty(size, dtype=torch.uint8, pin_memory=True) for _ in range(2)]
+        copied = [torch.cuda.Event(), torch.cuda.Event()]
+        stream = torch.cuda.current_stream(device)
+    for i, loc in enumerate(locations):
         if cuda:
-            if staging is None or staging.numel() < loc.nbytes:
-                staging = torch.empty(max(loc.nbytes, 64 << 20), dtype=torch.uint8, pin_memory=True)
-            reader.read_into(staging, [(loc, 0)])
+            buf = staging[i % 2]
+            copied[i % 2].synchronize()  # the copy that last read this buffer has finished
+            reader.read_into(buf, [(loc, 0)])
             dev = torch.empty(loc.nbytes, dtype=torch.uint8, device=device)
-            dev.copy_(staging[: loc.nbytes])  # synchronous: the staging buffer is reused next iteration
+            dev.copy_(buf[: loc.nbytes], non_blocking=True)
+            copied[i % 2].record(stream)
         else:
             dev = torch.empty(loc.nbytes, dtype=torch.uint8)
             reader.read_into(dev, [(loc, 0)])
         t = dev.view(loc.dtype).view(loc.shape)
         want = target_dtype(loc.name, loc.dtype, compute)
         out[loc.name] = t if want == loc.dtype else t.to(want)
+    if cuda:
+        stream.synchronize()  # the staging buffers are freed on return
     return bind_quantized(out, compute)
 
 
