@@ -12,7 +12,7 @@ from torch import Tensor
 
 from .backend import Backend
 from .config import DiTConfig
-from .ops import Weights, attention, feed_forward, gated_add, modulate, modulation
+from .ops import Weights, attention, feed_forward, modulation
 
 Rope = tuple[Tensor, Tensor]
 
@@ -23,11 +23,11 @@ def text_block(
     """Text self-attention + feed-forward with AdaLN. x: [B, S, D]; temb: fp32 [B, time_dim]; mask: bool [B, S]."""
     sa, ff = modulation(backend, w, "text_modulation.out_layer", temb).chunk(2, dim=-1)
     shift, scale, gate = sa.chunk(3, dim=-1)
-    h = modulate(backend, x, scale, shift)
+    h = backend.modulate(x, scale, shift)
     out = attention(backend, w, "attn", h, None, num_heads, site="text_self", rope_q=rope, rope_k=rope, mask=mask)
-    x = gated_add(backend, x, out, gate)
+    x = backend.gated_add(x, out, gate)
     shift, scale, gate = ff.chunk(3, dim=-1)
-    return gated_add(backend, x, feed_forward(backend, w, "feed_forward", modulate(backend, x, scale, shift)), gate)
+    return backend.gated_add(x, feed_forward(backend, w, "feed_forward", backend.modulate(x, scale, shift)), gate)
 
 
 @dataclass(frozen=True)
@@ -56,23 +56,23 @@ def fused_block(
 
     sa_p, ca_p, ff_p = modulation(backend, w, f"{vw}.visual_modulation.out_layer", inp.temb_v).chunk(3, dim=-1)
     shift, scale, gate = sa_p.chunk(3, dim=-1)
-    h = modulate(backend, vis, scale, shift)
+    h = backend.modulate(vis, scale, shift)
     out = attention(
         backend, w, f"{vw}.self_attention", h, None, heads_v, site="video_self", rope_q=inp.rope_v, rope_k=inp.rope_v
     )
-    vis = gated_add(backend, vis, out, gate)
+    vis = backend.gated_add(vis, out, gate)
     shift, scale, gate_v = ca_p.chunk(3, dim=-1)
-    vis_pre_ca = modulate(backend, vis, scale, shift)
+    vis_pre_ca = backend.modulate(vis, scale, shift)
     vis_from_text = attention(
         backend, w, f"{vw}.cross_attention", vis_pre_ca, inp.text_v, heads_v, site="video_text", mask=inp.text_mask
     )
 
     if aud is None:
-        vis = gated_add(backend, vis, vis_from_text, gate_v)
+        vis = backend.gated_add(vis, vis_from_text, gate_v)
     else:
         sa_p, ca_p, ff_p_a = modulation(backend, w, f"{aw}.visual_modulation.out_layer", inp.temb_a).chunk(3, dim=-1)
         shift, scale, gate = sa_p.chunk(3, dim=-1)
-        h = modulate(backend, aud, scale, shift)
+        h = backend.modulate(aud, scale, shift)
         out = attention(
             backend,
             w,
@@ -84,13 +84,13 @@ def fused_block(
             rope_q=inp.rope_a,
             rope_k=inp.rope_a,
         )
-        aud = gated_add(backend, aud, out, gate)
+        aud = backend.gated_add(aud, out, gate)
         shift, scale, gate_a = ca_p.chunk(3, dim=-1)
-        aud_pre_ca = modulate(backend, aud, scale, shift)
+        aud_pre_ca = backend.modulate(aud, scale, shift)
         aud_from_text = attention(
             backend, w, f"{aw}.cross_attention", aud_pre_ca, inp.text_a, heads_a, site="audio_text", mask=inp.text_mask
         )
-        aud = gated_add(backend, aud, aud_from_text, gate_a)
+        aud = backend.gated_add(aud, aud_from_text, gate_a)
 
         # fix_modulation: each cross-modal modulation reads its own modality's time embedding.
         t_va, t_av = (inp.temb_v, inp.temb_a) if cfg.fix_modulation else (inp.temb_a, inp.temb_v)
@@ -105,9 +105,9 @@ def fused_block(
             va_shift, va_scale, va_gate = va_params.chunk(3, dim=-1)
             av_shift, av_scale, av_gate = av_params.chunk(3, dim=-1)
             gate_into_vis, gate_into_aud = va_gate, av_gate
-        vis = gated_add(backend, vis, vis_from_text, gate_v)
-        vis_for_va = modulate(backend, vis, va_scale, va_shift)
-        aud_for_av = modulate(backend, aud, av_scale, av_shift)
+        vis = backend.gated_add(vis, vis_from_text, gate_v)
+        vis_for_va = backend.modulate(vis, va_scale, va_shift)
+        aud_for_av = backend.modulate(aud, av_scale, av_shift)
         rope_v, rope_a = (inp.rope_v, inp.rope_a) if cfg.ca_rope else (None, None)
         vis_from_aud = attention(
             backend,
@@ -131,14 +131,14 @@ def fused_block(
             rope_q=rope_a,
             rope_k=rope_v,
         )
-        vis = gated_add(backend, vis, vis_from_aud, gate_into_vis)
-        aud = gated_add(backend, aud, aud_from_vis, gate_into_aud)
+        vis = backend.gated_add(vis, vis_from_aud, gate_into_vis)
+        aud = backend.gated_add(aud, aud_from_vis, gate_into_aud)
 
     shift, scale, gate = ff_p.chunk(3, dim=-1)
-    ff = feed_forward(backend, w, f"{vw}.feed_forward", modulate(backend, vis, scale, shift))
-    vis = gated_add(backend, vis, ff, gate)
+    ff = feed_forward(backend, w, f"{vw}.feed_forward", backend.modulate(vis, scale, shift))
+    vis = backend.gated_add(vis, ff, gate)
     if aud is not None:
         shift, scale, gate = ff_p_a.chunk(3, dim=-1)
-        ff = feed_forward(backend, w, f"{aw}.feed_forward", modulate(backend, aud, scale, shift))
-        aud = gated_add(backend, aud, ff, gate)
+        ff = feed_forward(backend, w, f"{aw}.feed_forward", backend.modulate(aud, scale, shift))
+        aud = backend.gated_add(aud, ff, gate)
     return vis, aud

@@ -17,7 +17,7 @@ from torch import Tensor
 from .backend import Backend, ExactBackend
 from .blocks import FusedBlockInputs, fused_block, text_block
 from .config import DiTConfig
-from .ops import linear, modulate, modulation, text_embedding, time_embedding
+from .ops import linear, modulation, text_embedding, time_embedding
 from .rope import rope_1d, rope_3d
 from .weights import PrefixView
 
@@ -99,7 +99,7 @@ class K6DiT:
         """Text tokens through one modality's text branch; returns (text states [B,S,D], temb fp32 [B,time_dim])."""
         model_dim, head_dim = dims
         w, be = self.weights, self.backend
-        temb = time_embedding(be, PrefixView(w, ""), f"{prefix}_time_embeddings", timestep, model_dim)
+        temb = time_embedding(be, w, f"{prefix}_time_embeddings", timestep, model_dim)
         temb = temb + text_embedding(be, w, f"{prefix}_pooled_text_embeddings", pooled.float())
         x = text_embedding(be, w, f"{prefix}_text_embeddings", text.to(self.dtype))
         rope = rope_1d(torch.arange(text.shape[1], device=text.device), head_dim)
@@ -181,13 +181,13 @@ class K6DiT:
     def _video_head(self, vis: Tensor, temb: Tensor) -> Tensor:
         be, w = self.backend, self.weights
         shift, scale = modulation(be, w, "out_layer.modulation.out_layer", temb).chunk(2, dim=-1)
-        x = modulate(be, vis, scale, shift)
+        x = be.modulate(vis, scale, shift)
         return unpatchify(linear(be, w, "out_layer.out_layer", x), self.cfg.patch_size)
 
     def _audio_head(self, aud: Tensor, temb: Tensor) -> Tensor:
         be, w = self.backend, self.weights
         shift, scale = modulation(be, w, "audio_out_layer.modulation.out_layer", temb).chunk(2, dim=-1)
-        x = modulate(be, aud, scale, shift)
+        x = be.modulate(aud, scale, shift)
         # The reference audio head normalises again after the AdaLN affine (the weights were trained so).
         x = F.layer_norm(x, (x.shape[-1],), eps=1e-5)
         return linear(be, w, "audio_out_layer.out_layer", x)

@@ -29,15 +29,6 @@ def timestep_embedding(timestep: Tensor, dim: int, max_period: float = 10000.0) 
     return torch.cat([torch.cos(args), torch.sin(args)], dim=-1)
 
 
-def modulate(backend: Backend, x: Tensor, scale: Tensor, shift: Tensor) -> Tensor:
-    """AdaLN modulation through the backend (fused kernel or the fp32 torch reference)."""
-    return backend.modulate(x, scale, shift)
-
-
-def gated_add(backend: Backend, x: Tensor, out: Tensor, gate: Tensor) -> Tensor:
-    return backend.gated_add(x, out, gate)
-
-
 def linear(backend: Backend, w: Weights, name: str, x: Tensor) -> Tensor:
     return backend.linear(x, w[f"{name}.weight"], w.get(f"{name}.bias"), name=name)
 
