@@ -24,8 +24,7 @@ import torch
 from k6fast.checkpoint import open_checkpoint
 from k6fast.dit.config import DiTConfig, expected_shapes
 from k6fast.dit.residency import GiB, activation_estimate, plan_residency
-from k6fast.dit.runtime import build_dit, device_budget
-from k6fast.dit.weight_stream import target_dtype
+from k6fast.dit.runtime import build_dit, device_budget, footprint
 from k6fast.pipeline import FPS, audio_length
 from k6fast.telemetry import anon_rss_bytes
 
@@ -52,14 +51,8 @@ class AnonSampler:
 def full_depth_resident_fraction(cfg: DiTConfig, full_blocks: int, budget: int, tokens: tuple[int, int]) -> float:
     """The share of fused blocks the planner keeps resident for the full-depth model under this budget."""
     full = DiTConfig.from_dict({**cfg.__dict__, "num_visual_blocks": full_blocks})
-    shapes = expected_shapes(full)
-    bf16 = torch.bfloat16
-    fixed = sum(
-        math.prod(s) * target_dtype(n, bf16, bf16).itemsize
-        for n, s in shapes.items()
-        if not n.startswith("visual_transformer_blocks.")
-    )
-    block = sum(2 * math.prod(s) for n, s in shapes.items() if n.startswith("visual_transformer_blocks.0."))
+    entries = ((n, math.prod(shape), torch.bfloat16) for n, shape in expected_shapes(full).items())
+    fixed, block = footprint(entries, full_blocks, torch.bfloat16)
     act = activation_estimate(*tokens, cfg.model_dim, cfg.model_dim_a)
     plan = plan_residency(budget_bytes=budget, fixed_bytes=fixed, block_bytes=block, num_blocks=full_blocks,
                           activation_bytes=act)  # fmt: skip

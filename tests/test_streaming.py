@@ -185,3 +185,21 @@ def test_dit_leaves_the_device_for_the_text_phase_when_both_do_not_fit(tiny_dist
     assert (first.frames == expected.frames).all() and (second.frames == expected.frames).all()
     roomy.close()
     tight.close()
+
+
+def test_plan_counts_resident_modulation_layers_in_fp32(tiny_distill) -> None:
+    # Resident blocks hold their modulation layers in fp32; the plan must count them so, or a full-depth Pro plan
+    # would overrun its budget by ≈ 150 MB per resident block.
+    from k6fast.dit.runtime import index_footprint
+
+    ckpt = open_checkpoint(tiny_distill)
+    index = index_safetensors(ckpt.transformer_files)
+    stored = sum(loc.nbytes for name, loc in index.items() if name.startswith("visual_transformer_blocks.0."))
+    modulation = sum(
+        loc.nbytes // loc.dtype.itemsize
+        for name, loc in index.items()
+        if name.startswith("visual_transformer_blocks.0.") and "modulation." in name
+    )
+    _, block_bf16 = index_footprint(index, ckpt.dit.num_visual_blocks, torch.bfloat16)
+    # The tiny checkpoint is stored in fp32: in bf16 every tensor halves except the modulation layers.
+    assert block_bf16 == (stored - 4 * modulation) // 2 + 4 * modulation

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
 import torch
@@ -12,7 +12,7 @@ from ..checkpoint import Checkpoint
 from .backend import Backend
 from .model import K6DiT
 from .residency import GiB, ResidencyPlan, activation_estimate, plan_residency
-from .weight_stream import BlockStreamer, FileReader, TensorLocation, index_safetensors, upload
+from .weight_stream import BlockStreamer, FileReader, TensorLocation, index_safetensors, target_dtype, upload
 
 BLOCK_PREFIX = "visual_transformer_blocks."
 
@@ -44,20 +44,28 @@ def block_of(name: str) -> int | None:
     return int(name[len(BLOCK_PREFIX) :].split(".", 1)[0])
 
 
-def footprint(index: Mapping[str, TensorLocation], num_blocks: int, compute: torch.dtype) -> tuple[int, int]:
-    """(fixed bytes, largest fused block's bytes) as held on the device."""
-    from .weight_stream import target_dtype
+def footprint(
+    tensors: Iterable[tuple[str, int, torch.dtype]], num_blocks: int, compute: torch.dtype
+) -> tuple[int, int]:
+    """(fixed bytes, largest fused block's bytes) as held on the device, from (name, elements, stored dtype).
 
+    Counted in the dtype each tensor computes in: resident blocks keep their modulation layers in fp32 (≈ 150 MB
+    more than the bf16 file holds per Pro block), and a streamed slot holds the stored bytes plus the same fp32
+    copies while its block runs, so one figure covers both."""
     fixed, blocks = 0, [0] * num_blocks
-    for name, loc in index.items():
-        elems = loc.nbytes // loc.dtype.itemsize
-        held = elems * target_dtype(name, loc.dtype, compute).itemsize
+    for name, elements, stored in tensors:
+        held = elements * target_dtype(name, stored, compute).itemsize
         b = block_of(name)
         if b is None:
             fixed += held
         else:
-            blocks[b] += loc.nbytes  # slots hold stored bytes; fp32 copies of modulation are transient
+            blocks[b] += held
     return fixed, max(blocks)
+
+
+def index_footprint(index: Mapping[str, TensorLocation], num_blocks: int, compute: torch.dtype) -> tuple[int, int]:
+    entries = ((name, loc.nbytes // loc.dtype.itemsize, loc.dtype) for name, loc in index.items())
+    return footprint(entries, num_blocks, compute)
 
 
 @dataclass
@@ -89,7 +97,7 @@ def build_dit(
     cfg = ckpt.dit
     device = resolve_device(device)
     index = index_safetensors(list(ckpt.transformer_files))
-    fixed_bytes, block_bytes = footprint(index, cfg.num_visual_blocks, dtype)
+    fixed_bytes, block_bytes = index_footprint(index, cfg.num_visual_blocks, dtype)
     plan = plan_residency(
         budget_bytes=budget_bytes,
         fixed_bytes=fixed_bytes,
