@@ -215,3 +215,26 @@ def test_plan_and_arm_validation(tmp_path) -> None:
         check_arm(str(arm_file))
     env, removed = child_environment({"K6_X": "1", "PATH": "/bin", "XK6_": "2"})
     assert env == {"PATH": "/bin", "XK6_": "2"} and removed == ["K6_X"]
+
+
+def test_session_switches_reach_every_k6fast_visit_and_the_peer_budget() -> None:
+    from k6fast.bench.peers import peer_budget_gb
+    from k6fast.bench.session import parse_session_switch
+    from k6fast.bench.visit import make_runner
+
+    pair = parse_session_switch("K6_MAX_RESIDENT_BLOCKS=4")
+    plan = _plan(["reference", "diffusers"], switches=(pair, ("K6_VRAM_BUDGET_GB", "32")))
+    ref, peer = plan.visits("s")[:2]
+    assert ref.switches == {"K6_MAX_RESIDENT_BLOCKS": "4", "K6_VRAM_BUDGET_GB": "32"}
+    options = make_runner(ref).options
+    assert (options.max_resident_blocks, options.vram_budget_gb) == (4, 32.0)
+    assert peer_budget_gb(peer) == 32.0 and peer_budget_gb(_plan(["diffusers"]).visits("s")[0]) == 0.0
+    assert plan.as_dict()["switches"] == {"K6_MAX_RESIDENT_BLOCKS": "4", "K6_VRAM_BUDGET_GB": "32"}
+    with pytest.raises(ValueError, match="did you mean K6_VRAM_BUDGET_GB"):
+        parse_session_switch("K6_VRAM_BUDGET=32")
+    with pytest.raises(ValueError, match="K6_MAX_RESIDENT_BLOCKS"):
+        parse_session_switch("K6_MAX_RESIDENT_BLOCKS=many")
+    with pytest.raises(ValueError, match="expected K6_NAME=VALUE"):
+        parse_session_switch("K6_COMPILE")
+    with pytest.raises(ValueError, match="set twice"):
+        _plan(["reference"], switches=(pair, pair))

@@ -46,6 +46,15 @@ def register(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--out", default=DEFAULT_SESSIONS, help=f"sessions folder (default {DEFAULT_SESSIONS})")
     p.add_argument("--device", help="cuda, cuda:N or cpu (default: cuda when available)")
     p.add_argument("--dtype", choices=["bf16", "fp16", "fp32"], help="default: bf16 on GPU, fp32 on CPU")
+    p.add_argument(
+        "--set",
+        dest="switches",
+        action="append",
+        default=[],
+        metavar="K6_NAME=VALUE",
+        help="a switch for every k6fast arm of the session, over the arm file (repeatable), e.g. "
+        "K6_VRAM_BUDGET_GB=32; the budget also caps the peers' allocator",
+    )
     p.add_argument("--no-mux", action="store_true", help="pipeline: do not write the MP4 (no mux phase)")
     p.add_argument("--idle-timeout", type=float, default=300.0, help="seconds to wait for an idle GPU per visit")
     p.add_argument("--visit-timeout", type=float, default=3600.0, help="seconds before a visit is killed")
@@ -62,7 +71,7 @@ def register(subparsers) -> argparse.ArgumentParser:
 
 def cmd_bench(args: argparse.Namespace) -> int:
     from ..checkpoint import open_checkpoint
-    from .session import BenchError, SessionPlan, check_arm, run_session, with_command
+    from .session import BenchError, SessionPlan, check_arm, parse_session_switch, run_session, with_command
     from .workload import parse_geometry
 
     if not args.model or not args.arms:
@@ -71,6 +80,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
     try:
         geometry = parse_geometry(args.geometry)
         arms = tuple(check_arm(arm) for arm in args.arms)
+        switches = tuple(parse_session_switch(text) for text in args.switches)
         ckpt = open_checkpoint(args.model)  # validated once here, before any visit starts
         steps = args.steps if args.steps is not None else ckpt.default_steps
         guidance = args.guidance if args.guidance is not None else ckpt.default_guidance
@@ -91,6 +101,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
             mux=not args.no_mux,
             idle_timeout_s=args.idle_timeout,
             visit_timeout_s=args.visit_timeout,
+            switches=switches,
             **({"prompt": args.prompt} if args.prompt else {}),
         )
         plan = with_command(plan, args.out)

@@ -53,6 +53,14 @@ def _quiet_diffusers() -> None:
     transformers_logging.disable_progress_bar()
 
 
+def peer_budget_gb(spec: VisitSpec) -> float:
+    """The session's K6_VRAM_BUDGET_GB (0 = the whole card): the one switch that also binds a peer."""
+    from ..switches import SWITCHES_BY_NAME
+
+    raw = spec.switches.get("K6_VRAM_BUDGET_GB")
+    return float(SWITCHES_BY_NAME["K6_VRAM_BUDGET_GB"].parse(raw)) if raw is not None else 0.0
+
+
 class _Peer:
     def __init__(self, spec: VisitSpec, offload: bool):
         from ..checkpoint import open_checkpoint
@@ -60,6 +68,11 @@ class _Peer:
         self.spec, self.offload = spec, offload
         self.device, self.dtype = spec.resolved_device(), spec.resolved_dtype()
         self.ckpt = open_checkpoint(spec.model)
+        self.budget_gb = peer_budget_gb(spec)
+        if self.budget_gb and self.device.type == "cuda":
+            from ..dit.runtime import device_budget
+
+            device_budget(self.device, self.budget_gb)  # the same allocator cap the k6fast arms run under
         _quiet_diffusers()
 
     def _place(self, model: torch.nn.Module) -> None:
@@ -88,6 +101,7 @@ class _Peer:
                 "group_offload": dict(GROUP_OFFLOAD, offload_device="cpu") if self.offload else None,
                 "text_encoders": "cpu, moved to the device for the text phase" if self.offload else "resident",
                 "vae_tiling": self.spec.component == "pipeline",
+                "vram_budget_gb": self.budget_gb or None,
             },
         }
 

@@ -174,7 +174,8 @@ def session_table(record: SessionRecord, link_prefix: str = "sessions") -> str:
         "",
         f"{component} · {plan.get('geometry', '?')} · {plan.get('steps', '?')} steps · "
         f"model `{plan.get('model', '?')}` · {gpu or 'no GPU'} · order {plan.get('order', '?')} × "
-        f"{plan.get('repeats', '?')} · status {record.session.get('status', '?')} · [session folder]({folder}/)",
+        f"{plan.get('repeats', '?')} · status {record.session.get('status', '?')} · [session folder]({folder}/)"
+        + "".join(f" · {name}={value}" for name, value in (plan.get("switches") or {}).items()),
         "",
         f"`{record.session.get('command', '')}`",
         "",

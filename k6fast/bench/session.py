@@ -85,10 +85,14 @@ class SessionPlan:
     max_utilization: int = 5
     visit_timeout_s: float = 3600.0
     command: str = ""
+    # Session-wide switches ((K6_NAME, value) pairs) laid over every k6fast arm's file, e.g. the VRAM budget; a
+    # K6_VRAM_BUDGET_GB here also caps the peers' allocator, so every arm runs under the same budget.
+    switches: tuple[tuple[str, str], ...] = ()
 
     def __post_init__(self) -> None:
         if self.component not in COMPONENTS:
             raise ValueError(f"component {self.component!r}: expected one of {', '.join(COMPONENTS)}")
+        check_session_switches(self.switches)
         check_topic(self.topic)
         visit_order(self.arms, self.order, self.repeats)  # validates arms, order, repeats
         if self.requests < 1:
@@ -128,6 +132,7 @@ class SessionPlan:
                 dtype=self.dtype,
                 mux=self.mux,
                 command=self.command,
+                switches=dict(self.switches),
             )
             for index, (arm, position, repeat) in enumerate(visit_order(self.arms, self.order, self.repeats))
         ]
@@ -136,9 +141,36 @@ class SessionPlan:
         out = asdict(self)
         out["geometry"] = self.geometry.label()
         out["arms"] = list(self.arms)
+        out["switches"] = dict(self.switches)
         out["control"] = self.control
         out["peer"] = self.peer
         return out
+
+
+def parse_session_switch(text: str) -> tuple[str, str]:
+    """`K6_NAME=VALUE` → (name, value), checked against the switch registry (name known, value accepted)."""
+    name, sep, value = text.partition("=")
+    name, value = name.strip(), value.strip()
+    if not sep or not name:
+        raise ValueError(f"expected K6_NAME=VALUE, found {text!r}")
+    check_session_switches(((name, value),))
+    return name, value
+
+
+def check_session_switches(pairs: Sequence[tuple[str, str]]) -> None:
+    from ..switches import SWITCHES_BY_NAME
+    from ..switches.registry import closest_switch
+
+    seen: set[str] = set()
+    for name, value in pairs:
+        switch = SWITCHES_BY_NAME.get(name)
+        if switch is None:
+            hint = closest_switch(name, SWITCHES_BY_NAME)
+            raise ValueError(f"unknown switch {name!r}" + (f"; did you mean {hint}?" if hint else ""))
+        if name in seen:
+            raise ValueError(f"switch {name} is set twice for the session")
+        seen.add(name)
+        switch.parse(value)  # SwitchError (a ValueError) names the variable, the value and what is accepted
 
 
 def child_environment(environ: dict[str, str]) -> tuple[dict[str, str], list[str]]:

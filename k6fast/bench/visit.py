@@ -27,7 +27,7 @@ import tempfile  # noqa: E402
 import threading  # noqa: E402
 import traceback  # noqa: E402
 from collections.abc import Callable  # noqa: E402
-from dataclasses import asdict, dataclass  # noqa: E402
+from dataclasses import asdict, dataclass, field  # noqa: E402
 from pathlib import Path  # noqa: E402
 from typing import Any, Protocol  # noqa: E402
 
@@ -70,6 +70,7 @@ class VisitSpec:
     dtype: str | None = None
     mux: bool = True
     command: str = ""
+    switches: dict[str, str] = field(default_factory=dict)  # session-wide switches over the arm's (see SessionPlan)
 
     @property
     def geometry(self) -> Geometry:
@@ -354,7 +355,7 @@ def make_runner(spec: VisitSpec) -> Runner:
         return peer_runner(spec)
     from ..switches import load_options
 
-    options = load_options(arm=spec.arm)
+    options = load_options(environ=spec.switches, arm=spec.arm)
     cls = {"pipeline": K6Pipeline, "dit": K6DiTRunner, "block": K6BlockRunner}[spec.component]
     return cls(spec, options)
 
