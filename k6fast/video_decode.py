@@ -16,15 +16,31 @@ What in the decoder is local in time, and what is not (diffusers 0.42.1, `autoen
   not an untiled decode.
 
 The decode here runs the decoder's modules (diffusers' weights, no copies) as a list of ops in two segments:
-- ops[:split] over the whole clip at once, layer by layer: exact (whole-clip statistics). Cheap while the
-  activations are at latent resolution; the mid-block attention (and all before it) is always in this segment.
+- ops[:split] over the whole clip at once, layer by layer: exact (whole-clip statistics). Each GroupNorm's
+  statistics are reduced first (fp32 per channel over blocks of frames or rows, merged in fp64), then the
+  normalisation + SiLU is applied chunk of frames by chunk straight into the next convolution's padded input; a
+  resnet writes conv2 + shortcut over conv1's output as conv2 consumes it. So an op holds its input and its output
+  (a resnet: its input and conv1's output) plus chunk temporaries. The mid-block attention (and all before it) is
+  always in this segment.
 - ops[split:] streamed: in slabs of `slab_latent_frames` latent frames that carry each convolution's last input
   frames, layer by layer within a slab over the full frame, or over budget-sized spatial tiles (each an independent
   stream; blended across the middle of their overlap, outside the convolutions' reach of the tile edge).
   Within a stream a GroupNorm uses running statistics: those of all frames decoded so far, this slab's included.
 When the streamed segment is a single slab and a single tile (the budget holds the whole decode), the result equals
 diffusers' untiled decode up to float rounding; otherwise only the GroupNorm statistics differ from it.
-`plan_video_decode` picks the latest split, then the largest slab, then the fewest tiles that fit the budget.
+
+The lean whole-clip decode (`UpsampleFusion`): the largest tensor of a whole-clip decode is an upsampler's output U
+at full resolution (256 channels x 121 x 480 x 864 at W1, 25.7 GB in bf16), which only the next resnet reads (its
+norm1 + conv1 and its 256 → 128 shortcut). Fused, that pair never stores U: pass 1 computes U chunk by chunk for
+norm1's whole-clip statistics and drops it; pass 2 computes it again and feeds silu(norm1(U)) to conv1 and U to the
+shortcut, chunk by chunk (the upsampler's causal conv re-upsamples its kt-1 frames of history from its input
+instead of carrying them). The shortcut's output is stored ("stored"), or recomputed from U a third time next to
+conv2 ("recomputed": one more upsampler conv, one fewer full-size tensor). Same arithmetic, so still exact.
+`plan_video_decode` picks the plain whole-clip decode if it fits the budget, else fuses the pair at the peak
+(stored, then recomputed) until it fits; else the latest split, then the largest slab, then the fewest tiles.
+At W1 in bf16 the plain whole-clip decode is planned at 41.3 GiB (36.9 GiB of activations); the lean one fits a
+32 GiB budget with the shortcut stored (31.4 GiB planned, 28.3 GiB of activations) and a 28 GiB one with it
+recomputed (27.7 GiB planned). Planned peaks include the fp32 output and 8% of the budget for cuDNN and rounding.
 
 Check: `pytest tests/test_video_decode.py`. Benchmark: `python measurements/bench_vae_decode.py --out vae.json`.
 """
@@ -34,8 +50,9 @@ from __future__ import annotations
 import contextlib
 import logging
 import math
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
+from functools import partial
 
 import torch
 import torch.nn.functional as F
@@ -53,6 +70,11 @@ _RESERVE_MIN_BYTES = 256 << 20
 # exclusion, absorbs what remains: tiles stream with their own statistics, already not exact.
 _HALO_CAP_PX = 32
 _MIN_RAMP_PX = 16
+# Bound on the fp32 copies taken for a GroupNorm's statistics (blocks of frames, or of rows of one frame), and on
+# the reference norm's fp32 temporary (kernels.groupnorm_silu): small next to a full-resolution frame (425 MB at
+# 256 channels), still large enough to keep the GPU busy.
+_NORM_BLOCK_BYTES = 64 << 20
+UPSAMPLE_FUSION = ("auto", "off", "stored", "recomputed")
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -221,9 +243,25 @@ def _geometry(ops: list[_Op], t: int, h: int, w: int) -> list[_Geom]:
 
 
 @dataclass(frozen=True)
+class UpsampleFusion:
+    """An upsampler run together with the resnet after it, in the whole-clip segment: the upsampler's output is
+    computed chunk by chunk twice (norm1's statistics, then conv1 and the shortcut) and never stored whole. The
+    shortcut's output is stored until conv2 is added to it, or (`recompute_shortcut`) computed a third time."""
+
+    upsampler: str
+    resnet: str
+    recompute_shortcut: bool
+
+    def describe(self) -> str:
+        shortcut = "recomputed" if self.recompute_shortcut else "stored"
+        return f"{self.upsampler} + {self.resnet} fused (shortcut {shortcut})"
+
+
+@dataclass(frozen=True)
 class VideoDecodePlan:
     """How one latent clip [T, H, W] is decoded. `tiles` are (row0, row1, col0, col1) at the streamed segment's
-    input resolution (`segment_scale` x the latent's); `halo` is how far, in output pixels, a tile edge reaches in."""
+    input resolution (`segment_scale` x the latent's); `halo` is how far, in output pixels, a tile edge reaches in.
+    `fusions`: upsamplers fused with the resnet after them in the whole-clip segment (the lean whole-clip decode)."""
 
     latent_shape: tuple[int, int, int]
     split: int
@@ -234,6 +272,7 @@ class VideoDecodePlan:
     halo: int
     workspace_bytes: int
     estimated_peak_bytes: int
+    fusions: tuple[UpsampleFusion, ...] = ()
 
     @property
     def exact(self) -> bool:
@@ -241,12 +280,24 @@ class VideoDecodePlan:
         whole_slab = self.slab_latent_frames >= self.latent_shape[0]
         return self.split == self.num_ops or (whole_slab and len(self.tiles) == 1)
 
+    @property
+    def mode(self) -> str:
+        """How the clip is decoded: "whole-clip" (every op over the whole clip), "whole-clip lean" (the same with
+        fused upsamplers) or "streamed"."""
+        if self.split < self.num_ops:
+            return "streamed"
+        return "whole-clip lean" if self.fusions else "whole-clip"
+
     def describe(self) -> str:
+        peak = f"estimated peak {self.estimated_peak_bytes / 2**30:.2f} GiB"
+        if self.split == self.num_ops:
+            fused = f": {'; '.join(f.describe() for f in self.fusions)}" if self.fusions else ""
+            return f"{self.mode} decode of all {self.num_ops} ops (exact){fused}; {peak}"
         streamed = self.num_ops - self.split
         kind = "exact" if self.exact else "running GroupNorm statistics"
         return (
-            f"{self.split} ops whole-clip, {streamed} streamed in slabs of {self.slab_latent_frames} latent frames "
-            f"over {len(self.tiles)} tile(s) ({kind}); estimated peak {self.estimated_peak_bytes / 2**30:.2f} GiB"
+            f"streamed: {self.split} ops whole-clip, {streamed} streamed in slabs of {self.slab_latent_frames} latent "
+            f"frames over {len(self.tiles)} tile(s) ({kind}); {peak}"
         )
 
 
@@ -322,6 +373,99 @@ def _segment_peak(
     return peak
 
 
+def _fusable(ops: list[_Op], i: int) -> bool:
+    """An upsampler with a resnet right after it: a pair the lean whole-clip decode may fuse."""
+    return ops[i].kind == "upsample" and i + 1 < len(ops) and ops[i + 1].kind == "resnet"
+
+
+def _fusion_bytes(
+    up: _Op, res: _Op, t: int, h: int, w: int, elt: int, workspace: int, recompute_shortcut: bool
+) -> tuple[int, int]:
+    """(peak bytes, chunk bytes per frame) of `up` fused with `res` (`_upsample_resnet`) over an input of t frames
+    of h x w. A chunk of frames flows through two convolutions at once (the upsampler's, then conv1 or conv2), so
+    the workspace bounds both together: frames per chunk = workspace // chunk bytes per frame, at least one."""
+    (up_conv,) = up.convs
+    conv1, conv2 = res.convs
+    t_out, hh, ww = 1 + up.t_up * (t - 1), h * up.s_up, w * up.s_up
+    c_x, c_u, c_r = up.c_in, up.c_out, res.c_out
+
+    def padded(conv: _Conv, c: int) -> int:
+        return c * (hh + conv.kh - 1) * (ww + conv.kh - 1) * elt
+
+    def frame(c: int) -> int:
+        return c * hh * ww * elt
+
+    history = (up_conv.kt - 1) * padded(up_conv, c_x)  # the upsampler conv's history frames, upsampled again
+    carry1, carry2 = (conv1.kt - 1) * padded(conv1, c_u), (conv2.kt - 1) * padded(conv2, c_r)
+    residual = frame(c_r) if res.module.conv_shortcut is not None else 0  # the shortcut's output (identity: U)
+    # Each phase of a chunk's work: (bytes whatever the chunk's length, bytes per frame of the chunk). A conv step
+    # holds its padded input (carried frames included) and the carry cloned for the next chunk (the old one is
+    # dropped first), its output, and the reference norm's fp32 block.
+    upsample = (history, padded(up_conv, c_x) + c_x * h * w * elt + frame(c_u))  # padded input, source frames, U
+    step1 = (2 * carry1 + _NORM_BLOCK_BYTES, frame(c_u) + padded(conv1, c_u) + frame(c_r))
+    step2 = (2 * carry2 + _NORM_BLOCK_BYTES, padded(conv2, c_r) + frame(c_r))
+    pass1 = [upsample, (_NORM_BLOCK_BYTES, frame(c_u))]  # U, then its statistics through an fp32 block
+    pass2 = [(carry1 + upsample[0], upsample[1]), step1, (carry1, frame(c_u) + residual)]
+    if recompute_shortcut:  # U a third time, its shortcut next to conv2's output
+        rest = [(carry2 + upsample[0], upsample[1]), (carry2, frame(c_u) + residual)]
+        rest.append((step2[0], step2[1] + (residual or frame(c_u))))
+    else:  # the stored shortcut is read in place
+        rest = [step2]
+    rest.append((_NORM_BLOCK_BYTES, 0))  # norm2's statistics
+    chunk_frame_bytes = upsample[1] + max(step1[1], step2[1])
+    frames = max(1, workspace // chunk_frame_bytes)
+
+    def phase_peak(phases: list[tuple[int, int]]) -> int:
+        return max(fixed + frames * per_frame for fixed, per_frame in phases)
+
+    x = c_x * t * h * w * elt
+    stored = (1 if recompute_shortcut else 2) * c_r * t_out * hh * ww * elt  # conv1's output (+ the shortcut's)
+    peak = x + max(phase_peak(pass1), stored + phase_peak(pass2 + rest))
+    return peak, chunk_frame_bytes
+
+
+def _whole_clip_peak(
+    ops: list[_Op], geoms: list[_Geom], fusions: Mapping[int, bool], elt: int, workspace: int
+) -> tuple[int, int]:
+    """(peak bytes, index of the op at the peak) of decoding all ops over the whole clip, with the upsamplers at the
+    keys of `fusions` fused with the resnet after them (value: recompute the shortcut)."""
+    peak, at, i = -1, 0, 0
+    while i < len(ops):
+        g = geoms[i]
+        if i in fusions:
+            size, _ = _fusion_bytes(ops[i], ops[i + 1], g.t, g.h, g.w, elt, workspace, fusions[i])
+            span = 2
+        else:
+            size, span = _op_bytes(ops[i], g.t, g.h, g.w, elt, workspace), 1
+        if size > peak:
+            peak, at = size, i
+        i += span
+    return peak, at
+
+
+def _lean_fusions(
+    ops: list[_Op], geoms: list[_Geom], usable: int, elt: int, workspace: int, policy: str
+) -> tuple[dict[int, bool], int] | None:
+    """The fusions (upsampler index → recompute the shortcut) under which the whole-clip decode fits `usable`
+    bytes, and its peak; None if none does. "auto": the plain decode if it fits, else fuse the pair at the peak
+    with its shortcut stored, then recomputed, until it fits. "off": never fuse. "stored" / "recomputed": every
+    upsampler followed by a resnet, with that shortcut."""
+    pairs = [i for i in range(len(ops)) if _fusable(ops, i)]
+    if policy in ("stored", "recomputed"):
+        every = {i: policy == "recomputed" for i in pairs}
+        peak, _ = _whole_clip_peak(ops, geoms, every, elt, workspace)
+        return (every, peak) if peak <= usable else None
+    fusions: dict[int, bool] = {}
+    while True:
+        peak, at = _whole_clip_peak(ops, geoms, fusions, elt, workspace)
+        if peak <= usable:
+            return fusions, peak
+        up = at if at in pairs else at - 1  # the peak at a resnet right after an upsampler: fuse that pair
+        if policy == "off" or up not in pairs or fusions.get(up, False):
+            return None
+        fusions[up] = up in fusions  # first with the shortcut stored, then recomputed
+
+
 def plan_video_decode(
     vae: nn.Module,
     latent_shape: tuple[int, int, int],
@@ -329,15 +473,25 @@ def plan_video_decode(
     budget_bytes: int,
     chunk_latent_frames: int | None = None,
     dtype: torch.dtype | None = None,
+    upsample_fusion: str = "auto",
 ) -> VideoDecodePlan:
     """Plan the decode of one latent clip of shape (T, H, W) within `budget_bytes` (what the decode may allocate:
     activations, temporaries, carried frames and the fp32 output), activations in `dtype` (default the VAE's).
 
-    Without `chunk_latent_frames`: the whole decode at once when it fits (exact); else the latest split, then the
-    largest slab, that fit without tiles; else the fewest tiles. With it: everything after the mid-block attention
-    streams in slabs of that many latent frames (the least memory for that slab).
+    Without `chunk_latent_frames`: the whole decode at once when it fits (exact): plain, else lean (upsamplers
+    fused with the resnet after them, `upsample_fusion` "auto"); else the latest split, then the largest slab, that
+    fit without tiles; else the fewest tiles. With it: everything after the mid-block attention streams in slabs of
+    that many latent frames (the least memory for that slab). `upsample_fusion` "off" never fuses; "stored" or
+    "recomputed" fuse every upsampler that a resnet follows, with that shortcut (to measure or test the lean path).
     """
-    return _plan(vae, latent_shape, budget_bytes, chunk_latent_frames=chunk_latent_frames, dtype=dtype)
+    return _plan(
+        vae,
+        latent_shape,
+        budget_bytes,
+        chunk_latent_frames=chunk_latent_frames,
+        dtype=dtype,
+        upsample_fusion=upsample_fusion,
+    )
 
 
 def _plan(
@@ -349,12 +503,15 @@ def _plan(
     dtype: torch.dtype | None = None,
     split: int | None = None,
     min_grid: int = 1,
+    upsample_fusion: str = "auto",
 ) -> VideoDecodePlan:
     """`plan_video_decode`, and for tests: `split` fixes where streaming starts, `min_grid` forces at least that
     many tiles per side."""
     t, h, w = latent_shape
     if min(t, h, w) < 1:
         raise ValueError(f"expected a latent clip (T, H, W) with positive sizes, found {latent_shape}")
+    if upsample_fusion not in UPSAMPLE_FUSION:
+        raise ValueError(f"upsample_fusion must be one of {', '.join(UPSAMPLE_FUSION)}, found {upsample_fusion!r}")
     if chunk_latent_frames is not None and chunk_latent_frames < 1:
         raise ValueError(f"chunk_latent_frames must be >= 1 or None, found {chunk_latent_frames}")
     ops = decoder_ops(vae)
@@ -372,11 +529,12 @@ def _plan(
         pairs = zip(ops[:stop], geoms, strict=False)
         return max((_op_bytes(op, g.t, g.h, g.w, elt, workspace) for op, g in pairs), default=0)
 
-    def make(stop: int, slab: int, rows: list, cols: list, halo: int, peak: int) -> VideoDecodePlan:
+    def make(stop: int, slab: int, rows: list, cols: list, halo: int, peak: int, fusions=()) -> VideoDecodePlan:
         tiles = tuple((r0, r1, c0, c1) for r0, r1 in rows for c0, c1 in cols)
         scale = geoms[stop].s_ratio
         total = peak + out_bytes + reserve
-        return VideoDecodePlan((t, h, w), stop, len(ops), min(slab, t), tiles, scale, halo, workspace, total)
+        shape = (t, h, w)
+        return VideoDecodePlan(shape, stop, len(ops), min(slab, t), tiles, scale, halo, workspace, total, fusions)
 
     def streamed(stop: int, slab: int, grid: int) -> VideoDecodePlan | None:
         g, seg_ops, seg_geoms = geoms[stop], ops[stop:], geoms[stop:]
@@ -394,9 +552,12 @@ def _plan(
         return make(stop, slab, rows, cols, halo, peak) if peak <= usable else None
 
     forced = split is not None or chunk_latent_frames is not None or min_grid > 1
-    if not forced and prefix_peak(len(ops)) <= usable:
+    whole = None if forced else _lean_fusions(ops, geoms, usable, elt, workspace, upsample_fusion)
+    if whole is not None:
+        fusions, peak = whole
+        fused = tuple(UpsampleFusion(ops[i].name, ops[i + 1].name, r) for i, r in sorted(fusions.items()))
         g = geoms[-1]
-        return make(len(ops), t, [(0, g.h)], [(0, g.w)], 0, prefix_peak(len(ops)))
+        return make(len(ops), t, [(0, g.h)], [(0, g.w)], 0, peak, fused)
     if split is not None:
         splits = [split]
     elif chunk_latent_frames is not None:
@@ -441,24 +602,44 @@ class _Moments:
         return _Moments(n, mean, m2)
 
 
-def _moments(x: Tensor, groups: int, frames_per_chunk: int) -> _Moments:
-    """x [B, C, T, H, W] → moments per (sample, group). Each chunk of frames is reduced per channel in fp32 (over
-    frames and positions only, a reduction that runs well in either layout), then channels and chunks are merged
-    into groups in fp64."""
+def _channel_moments(x: Tensor, block_bytes: int) -> Iterator[tuple[float, Tensor, Tensor]]:
+    """x [B, C, T, H, W] → per block of frames (or of rows of one frame) whose fp32 copy fits `block_bytes`: (count
+    per channel, mean [B, C], variance [B, C]), reduced in fp32 over positions only (a reduction that runs well in
+    either layout)."""
     b, c, t, h, w = x.shape
-    total: _Moments | None = None
-    for t0 in range(0, t, frames_per_chunk):
-        chunk = x[:, :, t0 : t0 + frames_per_chunk].float()
-        var, mean = torch.var_mean(chunk, dim=(2, 3, 4), correction=0)  # [B, C]
-        n = float(chunk[0, 0].numel())
-        mean_c = mean.double().view(b, groups, c // groups)
-        m2_c = var.double().view(b, groups, c // groups) * n
-        mean_g = mean_c.mean(dim=2)
-        m2_g = m2_c.sum(dim=2) + n * (mean_c - mean_g[:, :, None]).square().sum(dim=2)
-        part = _Moments(n * (c // groups), mean_g, m2_g)
-        total = part if total is None else total.merged(part)
-    assert total is not None
-    return total
+    row_bytes = b * c * w * 4
+    rows = max(1, min(h, block_bytes // row_bytes))
+    frames = max(1, block_bytes // (row_bytes * h)) if rows == h else 1
+    for t0 in range(0, t, frames):
+        for h0 in range(0, h, rows):
+            block = x[:, :, t0 : t0 + frames, h0 : h0 + rows].float()
+            var, mean = torch.var_mean(block, dim=(2, 3, 4), correction=0)
+            yield float(block[0, 0].numel()), mean, var
+
+
+def _group_moments(parts: Iterable[tuple[float, Tensor, Tensor]], groups: int) -> _Moments:
+    """Per-channel moments of blocks → moments per (sample, group), merged in fp64: the group mean first, then the
+    squared deviations about it. Blocks of one count are stacked together, so the merge costs a few kernels, not a
+    few per block, and no host-device copy."""
+    by_count: dict[float, tuple[list[Tensor], list[Tensor]]] = {}
+    for n, mean, var in parts:
+        means, variances = by_count.setdefault(n, ([], []))
+        means.append(mean)
+        variances.append(var)
+    stacks = []
+    for n, (means, variances) in by_count.items():
+        b, c = means[0].shape
+        shape = (len(means), b, groups, c // groups)
+        stacks.append((n, torch.stack(means).double().view(shape), torch.stack(variances).double().view(shape)))
+    total = sum(n * m.shape[0] * m.shape[3] for n, m, _ in stacks)
+    mean = sum(m.sum(dim=(0, 3)) * (n / total) for n, m, _ in stacks)  # [B, G]
+    m2 = sum((v + (m - mean[None, :, :, None]).square()).sum(dim=(0, 3)) * n for n, m, v in stacks)
+    return _Moments(total, mean, m2)
+
+
+def _moments(x: Tensor, groups: int) -> _Moments:
+    """x [B, C, T, H, W] → moments per (sample, group)."""
+    return _group_moments(_channel_moments(x, _NORM_BLOCK_BYTES), groups)
 
 
 @dataclass
@@ -466,6 +647,7 @@ class _Stream:
     """What one stream (the whole clip, or one spatial tile) carries from one slab to the next."""
 
     frozen: Mapping[str, _Moments] | None = None
+    whole_clip: bool = False  # one slab holds the whole clip: no frames to carry to a next slab
     first: bool = True  # the next slab starts at the clip's first frame
     frames_out: int = 0
     carry: dict[str, Tensor] = field(default_factory=dict)
@@ -473,16 +655,16 @@ class _Stream:
 
 
 def _norm_coeffs(
-    stream: _Stream, key: str, norm: nn.GroupNorm, x: Tensor, frames_per_chunk: int
+    stream: _Stream, key: str, norm: nn.GroupNorm, moments: Callable[[int], _Moments]
 ) -> tuple[Tensor, Tensor]:
     """→ (scale, shift) contiguous fp32 [B, C] with GroupNorm(x) = x * scale + shift, from the stream's running
-    statistics (this x merged into them) or its frozen ones."""
+    statistics (x's, `moments(groups)`, merged into them) or its frozen ones (then `moments` is not called)."""
     if not isinstance(norm, nn.GroupNorm) or not norm.affine:
         raise ValueError(f"{key}: expected an affine nn.GroupNorm, found {norm!r}")
     if stream.frozen is not None:
         m = stream.frozen[key]
     else:
-        m = _moments(x, norm.num_groups, frames_per_chunk)
+        m = moments(norm.num_groups)
         if key in stream.moments:
             m = stream.moments[key].merged(m)
         stream.moments[key] = m
@@ -509,12 +691,14 @@ class _Ctx:
     # (x, scale, shift, out, act) → out = silu(x * scale + shift): kernels.groupnorm_silu's op or its reference.
     norm_act: Callable[..., Tensor]
     emit: Callable[[_Stream, int, int, Tensor], None] | None = None
+    max_chunk_frames: int | None = None  # tests: at most this many frames per chunk, to cross chunk boundaries
 
     def empty(self, *shape: int) -> Tensor:
         return torch.empty(shape, dtype=self.dtype, device=self.device, memory_format=self.memory_format)
 
     def frames_per_chunk(self, bytes_per_frame: int) -> int:
-        return max(1, self.workspace // max(1, bytes_per_frame))
+        frames = max(1, self.workspace // max(1, bytes_per_frame))
+        return frames if self.max_chunk_frames is None else min(frames, self.max_chunk_frames)
 
 
 def _replicate_edges(p: Tensor, ph: int, pw: int) -> None:
@@ -530,6 +714,32 @@ def _replicate_edges(p: Tensor, ph: int, pw: int) -> None:
         p[:, :, :, :, pw + w :] = p[:, :, :, :, pw + w - 1 : pw + w]
 
 
+class _CausalConv:
+    """A HunyuanVideoCausalConv3d fed consecutive chunks of frames. It carries its last kt-1 padded input frames
+    from one chunk to the next; none carried means the clip starts here, where diffusers replicates the first
+    frame."""
+
+    def __init__(self, conv: nn.Module, b: int, h: int, w: int, ctx: _Ctx, carried: Tensor | None = None):
+        self.inner: nn.Conv3d = conv.conv
+        kt, kh, kw = self.inner.kernel_size
+        self.pt, self.ph, self.pw = kt - 1, kh // 2, kw // 2
+        self.b, self.h, self.w, self.ctx = b, h, w, ctx
+        self.carried = carried
+
+    def __call__(self, frames: int, fill: Callable[[Tensor], None]) -> Tensor:
+        """fill(dst) writes the chunk's `frames` input frames into dst [B, C_in, frames, h, w] (a view of the padded
+        buffer, so normalising or upsampling lands where the convolution reads it) → its output frames."""
+        pt, ph, pw, h, w = self.pt, self.ph, self.pw, self.h, self.w
+        p = self.ctx.empty(self.b, self.inner.in_channels, pt + frames, h + 2 * ph, w + 2 * pw)
+        fill(p[:, :, pt:, ph : ph + h, pw : pw + w])
+        _replicate_edges(p[:, :, pt:], ph, pw)
+        if pt:
+            p[:, :, :pt] = p[:, :, pt : pt + 1] if self.carried is None else self.carried
+            self.carried = None  # freed before the next carry is taken
+            self.carried = p[:, :, -pt:].clone()
+        return self.inner(p)
+
+
 def _causal_conv(
     conv: nn.Module,
     shape: tuple[int, int, int, int],
@@ -541,31 +751,21 @@ def _causal_conv(
 ) -> None:
     """Run a HunyuanVideoCausalConv3d over input frames of `shape` (B, n, h, w) in chunks of frames.
 
-    fill(t0, t1, dst) writes input frames [t0, t1) into dst [B, C_in, t1-t0, h, w] (a view of the padded buffer, so
-    normalising or upsampling lands where the convolution reads it); sink(t0, t1, y) takes output frames [t0, t1).
-    The last kt-1 padded input frames are carried in the stream under `key`; none carried means the clip starts
-    here, where diffusers replicates the first frame.
+    fill(t0, t1, dst) writes input frames [t0, t1) into dst [B, C_in, t1-t0, h, w] (see `_CausalConv`); sink(t0,
+    t1, y) takes output frames [t0, t1). The last kt-1 padded input frames are carried in the stream under `key`
+    for its next slab (not kept when the slab is the whole clip).
     """
     inner: nn.Conv3d = conv.conv
-    kt, kh, kw = inner.kernel_size
-    pt, ph, pw = kt - 1, kh // 2, kw // 2
+    kh = inner.kernel_size[1]
     b, n, h, w = shape
     elt = torch.empty((), dtype=ctx.dtype).element_size()
     step = min(n, ctx.frames_per_chunk(_conv_chunk_bytes(inner.in_channels, inner.out_channels, h, w, kh, elt, 1)))
+    stepper = _CausalConv(conv, b, h, w, ctx, stream.carry.pop(key, None))
     for t0 in range(0, n, step):
         t1 = min(n, t0 + step)
-        p = ctx.empty(b, inner.in_channels, pt + t1 - t0, h + 2 * ph, w + 2 * pw)
-        fill(t0, t1, p[:, :, pt:, ph : ph + h, pw : pw + w])
-        _replicate_edges(p[:, :, pt:], ph, pw)
-        if pt:
-            carried = stream.carry.get(key)
-            p[:, :, :pt] = p[:, :, pt : pt + 1] if carried is None else carried
-            stream.carry[key] = p[:, :, -pt:].clone()
-        sink(t0, t1, inner(p))
-
-
-def _fp32_frames(ctx: _Ctx, c: int, h: int, w: int) -> int:
-    return ctx.frames_per_chunk(c * h * w * 4)
+        sink(t0, t1, stepper(t1 - t0, lambda dst, t0=t0, t1=t1: fill(t0, t1, dst)))
+    if not stream.whole_clip:
+        stream.carry[key] = stepper.carried
 
 
 def _conv_in(op: _Op, x: Tensor, stream: _Stream, ctx: _Ctx) -> Tensor:
@@ -589,7 +789,7 @@ def _resnet(op: _Op, x: Tensor, stream: _Stream, ctx: _Ctx) -> Tensor:
     r = op.module
     b, _, n, h, w = x.shape
     hbuf = ctx.empty(b, op.c_out, n, h, w)
-    coeffs1 = _norm_coeffs(stream, f"{op.name}.norm1", r.norm1, x, _fp32_frames(ctx, op.c_in, h, w))
+    coeffs1 = _norm_coeffs(stream, f"{op.name}.norm1", r.norm1, partial(_moments, x))
 
     def fill1(t0: int, t1: int, dst: Tensor) -> None:
         ctx.norm_act(x[:, :, t0:t1], *coeffs1, dst, act=True)
@@ -598,7 +798,7 @@ def _resnet(op: _Op, x: Tensor, stream: _Stream, ctx: _Ctx) -> Tensor:
         hbuf[:, :, t0:t1].copy_(out)
 
     _causal_conv(r.conv1, (b, n, h, w), fill1, sink1, stream, f"{op.name}.conv1", ctx)
-    coeffs2 = _norm_coeffs(stream, f"{op.name}.norm2", r.norm2, hbuf, _fp32_frames(ctx, op.c_out, h, w))
+    coeffs2 = _norm_coeffs(stream, f"{op.name}.norm2", r.norm2, partial(_moments, hbuf))
 
     def fill2(t0: int, t1: int, dst: Tensor) -> None:
         ctx.norm_act(hbuf[:, :, t0:t1], *coeffs2, dst, act=True)
@@ -613,28 +813,38 @@ def _resnet(op: _Op, x: Tensor, stream: _Stream, ctx: _Ctx) -> Tensor:
     return hbuf
 
 
+def _upsample_index(n: int, tf: int, first: bool, device: torch.device) -> tuple[Tensor, int]:
+    """(source frame of each upsampled frame, their count) for n input frames; the clip's first frame is upsampled
+    in space only. On the device: a host list would cost a synchronising copy."""
+    if first:
+        n_out = 1 + tf * (n - 1)
+        u = torch.arange(n_out, device=device)
+        return (u - 1).clamp_min(0) // tf + (u > 0).long(), n_out
+    n_out = tf * n
+    return torch.arange(n_out, device=device) // tf, n_out
+
+
+def _upsample_into(x: Tensor, index: Tensor, sf: int, dst: Tensor) -> None:
+    """dst [B, C, len(index), h*sf, w*sf] = x's frames at `index`, each pixel repeated sf x sf (nearest)."""
+    h, w = x.shape[3:]
+    frames = x.index_select(2, index)
+    if sf == 1:
+        dst.copy_(frames)
+        return
+    blocks = dst.unflatten(3, (h, sf)).unflatten(5, (w, sf))  # [B, C, t, h, sf, w, sf]
+    blocks.copy_(frames[:, :, :, :, None, :, None].expand(-1, -1, -1, -1, sf, -1, sf))
+
+
 def _upsample(op: _Op, x: Tensor, stream: _Stream, ctx: _Ctx) -> Tensor:
     """HunyuanVideoUpsampleCausal3D: nearest upsampling (the clip's first frame in space only), then a causal conv.
     The upsampled frames are written straight into the convolution's padded buffer."""
     b, _, n, h, w = x.shape
-    tf, sf = op.t_up, op.s_up
-    # Source frame of each upsampled frame, computed on the device (a host list would cost a synchronising copy).
-    if stream.first:
-        n_out = 1 + tf * (n - 1)
-        u = torch.arange(n_out, device=x.device)
-        index = (u - 1).clamp_min(0) // tf + (u > 0).long()
-    else:
-        n_out = tf * n
-        index = torch.arange(n_out, device=x.device) // tf
+    sf = op.s_up
+    index, n_out = _upsample_index(n, op.t_up, stream.first, x.device)
     y = ctx.empty(b, op.c_out, n_out, h * sf, w * sf)
 
     def fill(t0: int, t1: int, dst: Tensor) -> None:
-        frames = x.index_select(2, index[t0:t1])
-        if sf == 1:
-            dst.copy_(frames)
-            return
-        blocks = dst.unflatten(3, (h, sf)).unflatten(5, (w, sf))  # [B, C, t, h, sf, w, sf]
-        blocks.copy_(frames[:, :, :, :, None, :, None].expand(-1, -1, -1, -1, sf, -1, sf))
+        _upsample_into(x, index[t0:t1], sf, dst)
 
     def sink(t0: int, t1: int, out: Tensor) -> None:
         y[:, :, t0:t1].copy_(out)
@@ -649,7 +859,7 @@ def _attention(op: _Op, x: Tensor, stream: _Stream, ctx: _Ctx) -> Tensor:
     attn = op.module
     b, c, t, h, w = x.shape
     frame = h * w
-    coeffs = _norm_coeffs(stream, f"{op.name}.group_norm", attn.group_norm, x, _fp32_frames(ctx, c, h, w))
+    coeffs = _norm_coeffs(stream, f"{op.name}.group_norm", attn.group_norm, partial(_moments, x))
     tokens = torch.empty((b, t, h, w, c), dtype=x.dtype, device=x.device)  # [B, T, h, w, C]
     ctx.norm_act(x, *coeffs, tokens.permute(0, 4, 1, 2, 3), act=False)
     tokens = tokens.view(b, t * frame, c)
@@ -672,7 +882,7 @@ def _out(op: _Op, x: Tensor, stream: _Stream, ctx: _Ctx) -> None:
     """conv_out(silu(conv_norm_out(x))), handed to ctx.emit chunk by chunk."""
     dec = op.module
     b, _, n, h, w = x.shape
-    coeffs = _norm_coeffs(stream, "out.norm", dec.conv_norm_out, x, _fp32_frames(ctx, op.c_in, h, w))
+    coeffs = _norm_coeffs(stream, "out.norm", dec.conv_norm_out, partial(_moments, x))
 
     def fill(t0: int, t1: int, dst: Tensor) -> None:
         ctx.norm_act(x[:, :, t0:t1], *coeffs, dst, act=True)
@@ -688,12 +898,104 @@ def _out(op: _Op, x: Tensor, stream: _Stream, ctx: _Ctx) -> None:
 _APPLY = {"conv_in": _conv_in, "resnet": _resnet, "upsample": _upsample, "attention": _attention, "out": _out}
 
 
-def _run(ops: list[_Op], x: Tensor, stream: _Stream, ctx: _Ctx) -> Tensor | None:
-    """Run ops over one slab; returns the last op's output (None after "out", which emits instead)."""
-    for op in ops:
-        x = _APPLY[op.kind](op, x, stream, ctx)
+# ---------------------------------------------------------------------------------------------------------------
+# The lean whole-clip decode: an upsampler fused with the resnet after it (UpsampleFusion)
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def _upsampled(up: _Op, x: Tensor, index: Tensor, t0: int, t1: int, ctx: _Ctx) -> Tensor:
+    """Output frames [t0, t1) of the upsampler `up` over the whole clip, from its input x alone: the conv's kt-1
+    frames of history are upsampled again instead of carried (before the clip's first frame they are the first
+    frame, as diffusers' replicate padding makes them)."""
+    inner: nn.Conv3d = up.module.conv.conv
+    kt, kh, kw = inner.kernel_size
+    ph, pw = kh // 2, kw // 2
+    b, c, _, h, w = x.shape
+    sf, start = up.s_up, t0 - (kt - 1)
+    source = index[max(start, 0) : t1]
+    if start < 0:
+        source = torch.cat([index[:1].expand(-start), source])
+    p = ctx.empty(b, c, t1 - start, h * sf + 2 * ph, w * sf + 2 * pw)
+    _upsample_into(x, source, sf, p[:, :, :, ph : ph + h * sf, pw : pw + w * sf])
+    _replicate_edges(p, ph, pw)
+    return inner(p)
+
+
+def _upsample_resnet(up: _Op, res: _Op, x: Tensor, stream: _Stream, ctx: _Ctx, recompute_shortcut: bool) -> Tensor:
+    """`res(up(x))` over the whole clip without storing U = up(x) (see `UpsampleFusion`); the same arithmetic as the
+    two ops, so the same result. Holds x, conv1's output (which becomes the block's output) and, unless
+    `recompute_shortcut`, the shortcut's output; plus one chunk of frames in flight through two convolutions."""
+    if not (stream.whole_clip and stream.first):
+        raise ValueError(f"{up.name} + {res.name}: a fused upsampler runs over the whole clip at once only")
+    r = res.module
+    b, _, n, h, w = x.shape
+    hh, ww = h * up.s_up, w * up.s_up
+    index, n_out = _upsample_index(n, up.t_up, True, x.device)
+    _, frame_bytes = _fusion_bytes(up, res, n, h, w, x.element_size(), ctx.workspace, recompute_shortcut)
+    step = ctx.frames_per_chunk(frame_bytes)
+    chunks = [(t0, min(n_out, t0 + step)) for t0 in range(0, n_out, step)]
+
+    def upsampled(t0: int, t1: int) -> Tensor:
+        return _upsampled(up, x, index, t0, t1, ctx)
+
+    def shortcut(u: Tensor) -> Tensor:
+        return u if r.conv_shortcut is None else r.conv_shortcut.conv(u)
+
+    def u_moments(groups: int) -> _Moments:  # pass 1: U chunk by chunk, only for norm1's statistics
+        parts = (part for t0, t1 in chunks for part in _channel_moments(upsampled(t0, t1), _NORM_BLOCK_BYTES))
+        return _group_moments(parts, groups)
+
+    coeffs1 = _norm_coeffs(stream, f"{res.name}.norm1", r.norm1, u_moments)
+    # Pass 2: U again, into conv1 (normalised) and the shortcut.
+    hbuf = ctx.empty(b, res.c_out, n_out, hh, ww)
+    stored = None if recompute_shortcut else ctx.empty(b, res.c_out, n_out, hh, ww)
+    conv1 = _CausalConv(r.conv1, b, hh, ww, ctx)
+    for t0, t1 in chunks:
+        u = upsampled(t0, t1)
+        hbuf[:, :, t0:t1] = conv1(t1 - t0, lambda dst, u=u: ctx.norm_act(u, *coeffs1, dst, act=True))
+        if stored is not None:
+            stored[:, :, t0:t1] = shortcut(u)
+        del u
+    coeffs2 = _norm_coeffs(stream, f"{res.name}.norm2", r.norm2, partial(_moments, hbuf))
+    # conv2 + shortcut over conv1's output: a chunk of it is not read again once normalised into conv2's input.
+    conv2 = _CausalConv(r.conv2, b, hh, ww, ctx)
+    for t0, t1 in chunks:
+        residual = shortcut(upsampled(t0, t1)) if stored is None else stored[:, :, t0:t1]
+        out = conv2(t1 - t0, lambda dst, t0=t0, t1=t1: ctx.norm_act(hbuf[:, :, t0:t1], *coeffs2, dst, act=True))
+        torch.add(out, residual, out=hbuf[:, :, t0:t1])
+        del out, residual
+    return hbuf
+
+
+def _run(
+    ops: list[_Op], x: Tensor, stream: _Stream, ctx: _Ctx, fusions: Mapping[str, UpsampleFusion] | None = None
+) -> Tensor | None:
+    """Run ops over one slab; returns the last op's output (None after "out", which emits instead). An upsampler
+    named in `fusions` runs together with the resnet after it."""
+    i = 0
+    while i < len(ops):
+        fusion = (fusions or {}).get(ops[i].name)
+        if fusion is None:
+            x = _APPLY[ops[i].kind](ops[i], x, stream, ctx)
+            i += 1
+        else:
+            x = _upsample_resnet(ops[i], ops[i + 1], x, stream, ctx, fusion.recompute_shortcut)
+            i += 2
     stream.first = False
     return x
+
+
+def _check_fusions(ops: list[_Op], plan: VideoDecodePlan) -> dict[str, UpsampleFusion]:
+    """The plan's fusions by upsampler name, each an upsampler and the resnet after it in the whole-clip segment."""
+    names = [op.name for op in ops[: plan.split]]
+    for f in plan.fusions:
+        i = names.index(f.upsampler) if f.upsampler in names else -1
+        if i < 0 or i + 1 >= len(names) or not _fusable(ops, i) or names[i + 1] != f.resnet:
+            raise ValueError(
+                f"expected fusions of an upsampler and the resnet after it among the whole-clip ops {names}, "
+                f"found {f.describe()}"
+            )
+    return {f.upsampler: f for f in plan.fusions}
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -750,15 +1052,16 @@ def _decode_sample(
     """z [1, C, T, H, W] (unscaled, post_quant_conv applied) → raw decoder output accumulated into out [F, H, W, 3].
     Returns the GroupNorm statistics the decode used (whole-clip ones when the plan is exact)."""
     ops = decoder_ops(vae)
+    fusions = _check_fusions(ops, plan)
     scale = _geometry(ops, *z.shape[2:])[-1].s_ratio
-    prefix = _Stream(frozen)
+    prefix = _Stream(frozen, whole_clip=True)
 
     def emit_whole(stream: _Stream, t0: int, t1: int, y: Tensor) -> None:
         f0 = stream.frames_out
         out[f0 + t0 : f0 + t1].copy_(y[0].permute(1, 2, 3, 0))
 
     ctx.emit = emit_whole
-    x = _run(ops[: plan.split], z, prefix, ctx)
+    x = _run(ops[: plan.split], z, prefix, ctx, fusions)
     if x is None:
         return prefix.moments
     seg_ops = ops[plan.split :]
@@ -816,9 +1119,13 @@ def _decode(
     cudnn_benchmark: bool = False,
     triton_norm: bool = False,
     frozen: Mapping[str, _Moments] | None = None,
+    max_chunk_frames: int | None = None,
+    raw: bool = False,
 ) -> tuple[Tensor, dict[str, _Moments]]:
     """`decode_video_fast` with an explicit plan; also returns the GroupNorm statistics of the last sample.
-    `frozen` replaces running statistics with given ones (tests: the whole-clip ones make any plan exact)."""
+    For tests: `frozen` replaces running statistics with given ones (the whole-clip ones make any plan exact);
+    `max_chunk_frames` caps the frames of every chunk; `raw` returns the decoder's output as is (in [-1, 1] but
+    neither shifted nor clamped)."""
     if layout not in LAYOUTS:
         raise ValueError(f"layout must be one of {', '.join(LAYOUTS)}, found {layout!r}")
     if latents.ndim != 5 or latents.shape[-1] != vae.config.latent_channels:
@@ -831,7 +1138,8 @@ def _decode(
     from .kernels.groupnorm_silu import groupnorm_silu, groupnorm_silu_ref
 
     norm_act = groupnorm_silu if triton_norm else groupnorm_silu_ref
-    ctx = _Ctx(dtype, device, _MEMORY_FORMATS[layout], plan.workspace_bytes, norm_act)
+    fmt = _MEMORY_FORMATS[layout]
+    ctx = _Ctx(dtype, device, fmt, plan.workspace_bytes, norm_act, max_chunk_frames=max_chunk_frames)
     frames = 1 + vae.config.temporal_compression_ratio * (t - 1)
     s = vae.config.spatial_compression_ratio
     out = torch.zeros((b, frames, h * s, w * s, 3), dtype=torch.float32, device=device)
@@ -840,7 +1148,7 @@ def _decode(
         for i in range(b):
             zi = vae.post_quant_conv(z[i : i + 1]).contiguous(memory_format=ctx.memory_format)
             moments = _decode_sample(vae, zi, plan, ctx, out[i], frozen)
-    return out.mul_(0.5).add_(0.5).clamp_(0, 1), moments
+    return (out if raw else out.mul_(0.5).add_(0.5).clamp_(0, 1)), moments
 
 
 def decode_video_fast(
@@ -852,14 +1160,16 @@ def decode_video_fast(
     layout: str = "ncdhw",
     cudnn_benchmark: bool = False,
     triton_norm: bool = False,
+    upsample_fusion: str = "auto",
 ) -> Tensor:
     """latents [B, T, H, W, C] (scaled) → frames fp32 [B, F, 8H, 8W, 3] in [0, 1], F = 4(T-1)+1: the output of
     `k6fast.vae.decode_video`, without diffusers' overlapping tiles.
 
     `budget_bytes`: what the decode may allocate on the VAE's device beyond what is allocated when it starts
     (activations, temporaries, carried frames, the fp32 output). When the whole decode fits, the result is diffusers'
-    untiled decode up to float rounding (`plan_video_decode(...).exact`); otherwise the up blocks stream and their
-    GroupNorms use running statistics. `chunk_latent_frames` forces streaming in slabs of that many latent frames.
+    untiled decode up to float rounding (`plan_video_decode(...).exact`), plain or lean (`upsample_fusion`, see
+    `plan_video_decode`); otherwise the up blocks stream and their GroupNorms use running statistics.
+    `chunk_latent_frames` forces streaming in slabs of that many latent frames.
     `layout` "ndhwc" keeps activations channels-last (cuDNN's native 3D layout); `cudnn_benchmark` lets cuDNN time
     its convolution algorithms during this decode only; `triton_norm` runs GroupNorm+SiLU as one Triton kernel
     (kernels/groupnorm_silu.py) instead of PyTorch's three passes through fp32. Samples of a batch are decoded one
@@ -868,7 +1178,11 @@ def decode_video_fast(
     if latents.ndim != 5:
         raise ValueError(f"expected latents [B, T, H, W, C], found {tuple(latents.shape)}")
     plan = plan_video_decode(
-        vae, tuple(latents.shape[1:4]), budget_bytes=budget_bytes, chunk_latent_frames=chunk_latent_frames
+        vae,
+        tuple(latents.shape[1:4]),
+        budget_bytes=budget_bytes,
+        chunk_latent_frames=chunk_latent_frames,
+        upsample_fusion=upsample_fusion,
     )
     logger.info("video decode: %s", plan.describe())
     frames, _ = _decode(vae, latents, plan, layout=layout, cudnn_benchmark=cudnn_benchmark, triton_norm=triton_norm)

@@ -8,7 +8,8 @@ What it holds:
   frames than x holds). x, out: [B, C, T, H, W], both unit-stride along W (NCDHW) or both along C (NDHWC); out may
   be a window of a larger buffer (a convolution's padded input). PyTorch runs it as addcmul, silu and a copy
   through an fp32 temporary, about 20 bytes per bf16 element; the kernel reads 2 and writes 2.
-- `groupnorm_silu_ref`: the same in PyTorch, frame by frame (which bounds the fp32 temporary).
+- `groupnorm_silu_ref`: the same in PyTorch, frame by frame, in blocks of rows past 64 MiB of fp32 (which
+  bounds the fp32 temporary).
 
 Check: `pytest tests/test_groupnorm_silu.py` (CPU + interpreter; `-m gpu` on a GPU machine).
 Benchmark: `python measurements/bench_vae_decode.py` (the decode, with and without the kernel).
@@ -61,16 +62,24 @@ def _inner_dim(x: Tensor, out: Tensor) -> int | None:
     return None
 
 
+# The reference's fp32 temporary: a frame, or rows of one (a full-resolution frame of the VAE decoder's last up
+# block is 425 MB in fp32).
+_REF_BLOCK_BYTES = 64 << 20
+
+
 def groupnorm_silu_ref(x: Tensor, scale: Tensor, shift: Tensor, out: Tensor, *, act: bool = True) -> Tensor:
     """out = silu(x * scale + shift) (no silu if not act) in fp32, rounded once to out's dtype; returns out.
     x, out: [B, C, T, H, W] any strides; scale, shift: fp32 [B, C]."""
     b, c = scale.shape
     scale4, shift4 = scale.view(b, c, 1, 1), shift.view(b, c, 1, 1)
+    h, w = x.shape[3:]
+    rows = max(1, _REF_BLOCK_BYTES // (b * c * w * 4))
     for i in range(x.shape[2]):
-        y = torch.addcmul(shift4, x[:, :, i], scale4)
-        if act:
-            torch.nn.functional.silu(y, inplace=True)
-        out[:, :, i].copy_(y)
+        for r0 in range(0, h, rows):
+            y = torch.addcmul(shift4, x[:, :, i, r0 : r0 + rows], scale4)
+            if act:
+                torch.nn.functional.silu(y, inplace=True)
+            out[:, :, i, r0 : r0 + rows].copy_(y)
     return out
 
 

@@ -353,8 +353,9 @@ _NVFP4_CONFIGS = [
 ]
 
 
-def _even_k(args: dict) -> dict:
-    return {"EVEN_K": args["K"] % args["BLOCK_K"] == 0}
+def _even_k(args: dict) -> bool:
+    """triton.heuristics: the value of EVEN_K itself (not a dict) from the call's arguments and the config."""
+    return args["K"] % args["BLOCK_K"] == 0
 
 
 _nvfp4_linear_tuned = triton.autotune(configs=_NVFP4_CONFIGS, key=["M", "N", "K", "HAS_BIAS", "DOT_FP32"])(

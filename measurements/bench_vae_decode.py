@@ -2,15 +2,21 @@
 vs k6fast.video_decode, at W1 (latents 31 x 60 x 108 → 121 frames of 864x480) and at 512x320x25 (7 x 40 x 64).
 
 Correctness first, at 512x320x25 where diffusers' untiled decode fits (tiling and framewise decoding off, in fp32 as
-the reference): each bf16 decode's max error against it in pixel units (0-255); k6fast's exact decode passes when
-err <= 2 * err(diffusers untiled bf16) + 0.5 px. At W1 (no untiled diffusers decode: its attention mask alone is
-80 GB) the budget-bound decode is compared with k6fast's exact decode and with diffusers' tiled one.
+the reference): each bf16 decode's max error against it in pixel units (0-255); k6fast's exact decodes (plain, and
+lean: upsamplers fused with the next resnet, shortcut stored or recomputed) pass when err <= 2 * err(diffusers
+untiled bf16) + 0.5 px. At W1 (no untiled diffusers decode: its attention mask alone is 80 GB) each decode is
+compared with diffusers' tiled one and with k6fast's first exact decode.
 Then timing: one warm-up, median of --repeats, CUDA events; peak VRAM above what was allocated before the decode.
+The exact W1 runs (last variant) are planned at each --exact-budget-gb: at 32 GiB the plan is the lean whole-clip
+decode (the plain one needs 41 GiB), at 48 GiB the plain one; the plan's mode is in each row. On a large GPU,
+cudnn_benchmark may pick algorithms with workspaces a 32 GiB card would not offer: --cap-gb 32 emulates that card.
 Random weights unless --vae names a checkpoint (a VAE folder, or a model folder holding vae/).
 
 Run:  python measurements/bench_vae_decode.py --out vae_decode_h200.json [--budget-gb 8] [--vae DIR]
+      [--exact-budget-gb 32,48] [--upsample-fusion auto,recomputed] [--cap-gb 32]
       (--smoke: a narrow VAE at tiny sizes on the CPU, to check this script end to end; its numbers mean nothing)
-Target: k6fast at --budget-gb >= 2x diffusers' tiled decode at W1, its peak within the budget.
+Targets: k6fast at --budget-gb >= 2x diffusers' tiled decode at W1, its peak within the budget; the exact decode at
+32 GiB within 32 GiB (peak VRAM <= ~30 GiB).
 """
 
 from __future__ import annotations
@@ -33,6 +39,7 @@ from k6fast.video_decode import decode_video_fast, plan_video_decode
 GiB = 1 << 30
 GEOMETRIES = {"small": (7, 40, 64), "W1": (31, 60, 108)}
 SMOKE_GEOMETRIES = {"small": (3, 6, 8), "W1": (5, 12, 16)}
+FUSIONS = ("auto", "off", "stored", "recomputed")  # decode_video_fast's upsample_fusion
 # name → decode_video_fast options: activation layout, cuDNN algorithm timing, the Triton GroupNorm+SiLU kernel.
 VARIANTS = {
     "ncdhw": {"layout": "ncdhw", "cudnn_benchmark": False, "triton_norm": False},
@@ -152,10 +159,24 @@ def main() -> int:
     parser.add_argument("--vae", help="a saved AutoencoderKLHunyuanVideo (or a model folder with vae/); default random")
     parser.add_argument("--budget-gb", type=float, default=8.0, help="GiB the decode may allocate (W1 target run)")
     parser.add_argument(
-        "--exact-budget-gb", type=float, default=48.0, help="GiB for an exact W1 decode (last variant); 0 skips it"
+        "--exact-budget-gb",
+        default="32,48",
+        help="comma-separated GiB budgets for exact W1 decodes of the last variant (32: lean, 48: plain); 0 skips",
+    )
+    parser.add_argument(
+        "--upsample-fusion",
+        help=f"comma-separated of {', '.join(FUSIONS)} for the exact W1 decodes (default auto; --smoke: auto, "
+        "stored, recomputed so that every path runs)",
     )
     parser.add_argument(
         "--variants", default="ncdhw,ndhwc+bench,ndhwc+bench+triton", help=f"comma-separated of {', '.join(VARIANTS)}"
+    )
+    parser.add_argument(
+        "--cap-gb",
+        type=float,
+        default=0.0,
+        help="cap this process's CUDA allocations at this many GiB, as on a card that size (cuDNN then only picks "
+        "algorithms whose workspace fits); 0: no cap",
     )
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--no-profile", action="store_true", help="skip the kernel profile of one k6fast decode")
@@ -166,12 +187,20 @@ def main() -> int:
     unknown = [v for v in variants if v not in VARIANTS]
     if unknown:
         parser.error(f"--variants: expected names from {', '.join(VARIANTS)}, found {', '.join(unknown)}")
+    exact_budgets = [float(gb) for gb in args.exact_budget_gb.split(",") if gb and float(gb) > 0]
+    fusions = (args.upsample_fusion or ("auto,stored,recomputed" if args.smoke else "auto")).split(",")
+    if any(f not in FUSIONS for f in fusions):
+        parser.error(f"--upsample-fusion: expected names from {', '.join(FUSIONS)}, found {args.upsample_fusion}")
     if not args.smoke and not torch.cuda.is_available():
         parser.error("needs a CUDA device (or --smoke)")
     device = torch.device("cpu" if args.smoke else "cuda")
     geometries = SMOKE_GEOMETRIES if args.smoke else GEOMETRIES
 
     env = environment(device)
+    if args.cap_gb > 0 and device.type == "cuda":
+        total = torch.cuda.get_device_properties(device).total_memory
+        torch.cuda.set_per_process_memory_fraction(min(1.0, args.cap_gb * GiB / total), device)
+        env["allocation_cap_gib"] = args.cap_gb
     vae = load_vae(args.vae, device, args.smoke)
     budget = int(args.budget_gb * GiB)
     result: dict = {"env": env, "vae": args.vae or "random default config", "budget_gb": args.budget_gb, "small": {}}
@@ -201,15 +230,22 @@ def main() -> int:
         passed = plan.exact and px(frames, reference)["max_px"] <= bar
         small[f"k6fast[{name}]"] = px(frames, reference) | {"exact": plan.exact, "pass": passed}
         ok &= passed
+    last = variants[-1]
+    for fusion in ("stored", "recomputed") if last not in failed else ():
+        lean = plan_video_decode(vae, (t, h, w), budget_bytes=budget, upsample_fusion=fusion)
+        frames = decode_video_fast(vae, latents, budget_bytes=budget, upsample_fusion=fusion, **VARIANTS[last])
+        passed = lean.mode == "whole-clip lean" and px(frames, reference)["max_px"] <= bar
+        small[f"k6fast[{last} lean {fusion}]"] = px(frames, reference) | {"exact": lean.exact, "pass": passed}
+        ok &= passed
     streamed = decode_video_fast(vae, latents, budget_bytes=budget, chunk_latent_frames=1)
     small["k6fast slabs of 1 (running statistics)"] = px(streamed, reference)
     del reference, streamed
     print("\n512x320x25, max | mean error vs diffusers' untiled fp32 decode (px):")
     for name, row in small.items():
         if "error" in row:
-            print(f"  {name:40s} {row['error']}")
+            print(f"  {name:44s} {row['error']}")
             continue
-        print(f"  {name:40s} {row['max_px']:9.3f} | {row['mean_px']:8.4f}  {row.get('pass', '')}")
+        print(f"  {name:44s} {row['max_px']:9.3f} | {row['mean_px']:8.4f}  {row.get('pass', '')}")
     if not ok:
         print("FAIL: k6fast's exact decode is not within 2x diffusers' bf16 error + 0.5 px; timings follow anyway")
 
@@ -218,13 +254,17 @@ def main() -> int:
     latents = torch.randn(1, t, h, w, 16, generator=g, device=device)
     rows: dict[str, dict] = {}
     rows["diffusers tiled"], tiled = measure(lambda: diffusers_tiled(vae, latents), args.repeats, device)
-    runs = [(name, budget, args.budget_gb) for name in variants if name not in failed]
-    if args.exact_budget_gb > 0 and variants[-1] not in failed:
-        runs.append((f"{variants[-1]} exact", int(args.exact_budget_gb * GiB), args.exact_budget_gb))
+    # (label, budget GiB, decode_video_fast options)
+    runs = [(name, args.budget_gb, VARIANTS[name]) for name in variants if name not in failed]
+    for gb in exact_budgets if last not in failed else ():
+        for fusion in fusions:
+            label = f"{last} exact@{gb:g}" + ("" if fusion == "auto" else f" {fusion}")
+            runs.append((label, gb, VARIANTS[last] | {"upsample_fusion": fusion}))
     outputs: dict[str, torch.Tensor] = {}
-    for label, run_budget, run_gb in runs:
-        options = VARIANTS[label.split()[0]]
-        plan = plan_video_decode(vae, (t, h, w), budget_bytes=run_budget)
+    for label, run_gb, options in runs:
+        run_budget = int(run_gb * GiB)
+        fusion = options.get("upsample_fusion", "auto")
+        plan = plan_video_decode(vae, (t, h, w), budget_bytes=run_budget, upsample_fusion=fusion)
 
         def run(run_budget=run_budget, options=options) -> torch.Tensor:
             return decode_video_fast(vae, latents, budget_bytes=run_budget, **options)
@@ -237,37 +277,45 @@ def main() -> int:
                 torch.cuda.empty_cache()
             continue
         stats |= {"budget_gib": run_gb, "within_budget": stats["peak_gib"] <= run_gb, "plan": plan.describe()}
-        stats |= {"exact": plan.exact, "speedup": round(rows["diffusers tiled"]["median_s"] / stats["median_s"], 2)}
+        stats |= {"mode": plan.mode, "exact": plan.exact, "planned_peak_gib": round(plan.estimated_peak_bytes / GiB, 2)}
+        stats["speedup"] = round(rows["diffusers tiled"]["median_s"] / stats["median_s"], 2)
         stats["vs_diffusers_tiled"] = px(frames, tiled)
         outputs[label] = frames
         rows[f"k6fast[{label}]"] = stats
-    exact_key = next((k for k in outputs if k.endswith("exact")), None)
+    exact_key = next((k for k in outputs if " exact@" in k), None)
     for label, frames in outputs.items():
         if exact_key is not None and label != exact_key:
             rows[f"k6fast[{label}]"]["vs_k6fast_exact"] = px(frames, outputs[exact_key])
     result["W1"] = rows
     print(f"\nW1 (121 x 864x480), median of {args.repeats}; peak above the resident weights and latents:")
-    print(f"  {'decode':30s} {'time s':>8s} {'speedup':>8s} {'peak GiB':>9s} {'budget':>7s}  vs tiled max|mean px")
+    head = f"{'decode':48s} {'time s':>8s} {'speedup':>8s} {'peak GiB':>9s} {'budget':>7s}  vs tiled max|mean px"
+    print(f"  {head}  vs k6fast[{exact_key}]")
     for name, row in rows.items():
         if "error" in row:
-            print(f"  {name:30s} {row['error']}")
+            print(f"  {name:48s} {row['error']}")
             continue
         vs = row.get("vs_diffusers_tiled", {"max_px": 0.0, "mean_px": 0.0})
+        vs_exact = row.get("vs_k6fast_exact")
         print(
-            f"  {name:30s} {row['median_s']:8.3f} {row.get('speedup', 1.0):8.2f} {row['peak_gib']:9.2f} "
+            f"  {name:48s} {row['median_s']:8.3f} {row.get('speedup', 1.0):8.2f} {row['peak_gib']:9.2f} "
             f"{row.get('budget_gib', float('nan')):7.1f}  {vs['max_px']:.1f} | {vs['mean_px']:.2f}"
+            + (f"  {vs_exact['max_px']:.2f} | {vs_exact['mean_px']:.3f}" if vs_exact else "")
         )
         if "plan" in row:
-            print(f"  {'':30s} {row['plan']}")
-    target = rows.get(f"k6fast[{variants[-1]}]", {"error": "not run"})
+            print(f"  {'':48s} {row['plan']}")
+    target = rows.get(f"k6fast[{last}]", {"error": "not run"})
     best = max((r.get("speedup", 0.0) for k, r in rows.items() if "exact" not in k and "error" not in r), default=0.0)
     result["target_met"] = best >= 2.0 and all(r.get("within_budget", True) for r in rows.values())
     print(f"\ntarget (>= 2x at {args.budget_gb} GiB, within budget): {'met' if result['target_met'] else 'NOT met'}")
+    for name, row in rows.items():
+        if " exact@" in name and "error" not in row:
+            verdict = "within" if row["within_budget"] else "OVER"
+            print(f"{name}: {row['mode']}, peak {row['peak_gib']:.2f} GiB, {verdict} its {row['budget_gib']:g} GiB")
 
     if not args.no_profile and device.type == "cuda" and "error" not in target:
-        table = profile(lambda: decode_video_fast(vae, latents, budget_bytes=budget, **VARIANTS[variants[-1]]))
-        result["profile"] = {"variant": variants[-1], "table": table}
-        print(f"\nCUDA kernels of one k6fast[{variants[-1]}] decode at W1:\n{table}")
+        table = profile(lambda: decode_video_fast(vae, latents, budget_bytes=budget, **VARIANTS[last]))
+        result["profile"] = {"variant": last, "table": table}
+        print(f"\nCUDA kernels of one k6fast[{last}] decode at W1:\n{table}")
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(json.dumps(result, indent=2) + "\n")

@@ -26,11 +26,11 @@ part1)
   [ -d /tmp/syn ] || k6 make-synthetic /tmp/syn --preset pro-distill --blocks 12 | tail -2
   # The arms' code paths at a small geometry first (fp8 + k6 attention + fused + compile + cache), 3 steps.
   step smoke fast arm 512x320x25
-  timeout 240 k6 generate --model /tmp/syn --arm fast --steps 3 --size 512x320 --frames 25 \
+  timeout 240 python3 -m k6fast.cli generate --model /tmp/syn --arm fast --steps 3 --size 512x320 --frames 25 \
     --prompt "A brass band marches through rain" --out "$out/smoke_fast.mp4" 2>&1 | tail -8
   # #4: the whole request's peak at W1 under a 32 GiB budget; 4 of 12 blocks resident = the 60-block model's 18/60.
   step whole request W1 budget 32
-  K6_VRAM_BUDGET_GB=32 K6_MAX_RESIDENT_BLOCKS=4 timeout 200 k6 generate --model /tmp/syn \
+  K6_VRAM_BUDGET_GB=32 K6_MAX_RESIDENT_BLOCKS=4 timeout 200 python3 -m k6fast.cli generate --model /tmp/syn \
     --prompt "A brass band marches through rain" --out "$out/w1_budget32.mp4" 2>&1 | tail -22
   rm -f "$out/w1_budget32.mp4" "$out/smoke_fast.mp4"  # keep the sidecars (telemetry), not the videos
   # #4: small geometry with the chunked 8-thread reader (was 3.75x resident with 4 threads, one per tensor).

@@ -327,3 +327,11 @@ def test_quantize_on_gpu_matches_cpu_bit_for_bit():
     assert torch.equal(a[0].cpu(), b[0]) and torch.equal(a[1].view(torch.uint8).cpu(), b[1].view(torch.uint8))
     assert torch.equal(a[2].cpu(), b[2])
     assert torch.equal(dequantize_nvfp4(*a).cpu(), dequantize_nvfp4(*b))
+
+
+def test_even_k_heuristic_returns_the_flag_itself() -> None:
+    # triton.heuristics wants the value; a dict here made Triton 3.6 fail at launch ("unhashable type: 'dict'").
+    from k6fast.kernels import nvfp4
+
+    assert nvfp4._even_k({"K": 4096, "BLOCK_K": 64}) is True
+    assert nvfp4._even_k({"K": 96, "BLOCK_K": 64}) is False

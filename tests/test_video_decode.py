@@ -3,7 +3,8 @@
 Errors are in pixel units (0-255): |a - b| * 255 on frames in [0, 1]. The parity bar is 0.01 px, float rounding;
 what the tests measured on 2 cores is stated next to each bound. Two VAEs: the tiny checkpoint's (channels
 (8, 16, 16, 16), one resnet per level) and a narrow one with the real architecture (two resnets per level, three
-per up block, the mid-block attention) at channels (32, 64, 64, 64).
+per up block, the mid-block attention) at channels (32, 64, 64, 64). The lean whole-clip decode is checked on the
+decoder's raw output (before [0, 1] clamping), relative to its largest magnitude.
 """
 
 from __future__ import annotations
@@ -45,6 +46,14 @@ def untiled(vae, latents: torch.Tensor) -> torch.Tensor:
     """diffusers' untiled decode: tiling off AND framewise decoding off (disable_tiling() alone keeps the latter)."""
     with _diffusers_mode(vae, tiling=False, framewise=False):
         return decode_video(vae, latents)
+
+
+@torch.no_grad()
+def untiled_raw(vae, latents: torch.Tensor) -> torch.Tensor:
+    """diffusers' untiled decoder output [B, F, H, W, 3] as is: no [0, 1] shift, no clamping."""
+    z = latents.permute(0, 4, 1, 2, 3).to(vae.dtype) / vae.config.scaling_factor
+    with _diffusers_mode(vae, tiling=False, framewise=False):
+        return vae.decode(z).sample.permute(0, 2, 3, 4, 1).float()
 
 
 def _narrow_vae():
@@ -167,6 +176,27 @@ def test_decoding_a_prefix_is_not_the_prefix_of_the_decode(narrow_case) -> None:
     assert err > 1.0
 
 
+@pytest.mark.parametrize("mode", ["stored", "recomputed"])
+@pytest.mark.parametrize("latent_frames", [1, 2, 5])
+def test_lean_whole_clip_decode_matches_untiled_within_1e_5_relative(narrow_vae, latent_frames, mode) -> None:
+    # Every upsampler fused with the resnet after it (up.2 → up.3.resnets.0 crosses the 64 → 32 shortcut, the others
+    # an identity one), in chunks of 1, 2 and 3 frames: chunk boundaries inside the fused convolutions' history, and
+    # the clip's first frame. Measured: <= 3.9e-6 of the output's largest magnitude.
+    latents = _latents(latent_frames, 3, 4, seed=10 + latent_frames)
+    ref = untiled_raw(narrow_vae, latents)
+    plan = plan_video_decode(narrow_vae, (latent_frames, 3, 4), budget_bytes=HUGE, upsample_fusion=mode)
+    assert plan.exact and plan.mode == "whole-clip lean", plan.describe()
+    assert [f.upsampler for f in plan.fusions] == [f"up.{b}.upsamplers.0" for b in range(3)]
+    assert all(f.recompute_shortcut == (mode == "recomputed") for f in plan.fusions)
+    norms = sum(isinstance(m, torch.nn.GroupNorm) for m in narrow_vae.decoder.modules())
+    for chunk in (1, 2, 3):
+        frames, moments = vd._decode(narrow_vae, latents, plan, max_chunk_frames=chunk, raw=True)
+        assert frames.shape == ref.shape == (1, 4 * latent_frames - 3, 24, 32, 3)
+        rel = ((frames - ref).abs().max() / ref.abs().max()).item()
+        assert rel < 1e-5, f"{mode}, chunks of {chunk}: {rel:.2e} of the largest magnitude from untiled"
+        assert len(moments) == norms  # whole-clip statistics of every GroupNorm, the fused ones' included
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # What streaming costs: running GroupNorm statistics
 # ---------------------------------------------------------------------------------------------------------------
@@ -276,6 +306,8 @@ def test_invalid_arguments_say_what_was_expected(tiny_vae) -> None:
         decode_video_fast(tiny_vae, latents, budget_bytes=HUGE, chunk_latent_frames=0)
     with pytest.raises(ValueError, match="does not fit a budget of 0.00 GiB"):
         decode_video_fast(tiny_vae, latents, budget_bytes=1 << 20)
+    with pytest.raises(ValueError, match="upsample_fusion must be one of auto, off, stored, recomputed, found 'on'"):
+        decode_video_fast(tiny_vae, latents, budget_bytes=HUGE, upsample_fusion="on")
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -296,18 +328,48 @@ W1 = (31, 60, 108)
 
 
 @pytest.mark.parametrize(
-    ("budget_gib", "exact", "tiles"),
-    [(64, True, 1), (48, True, 1), (32, False, 1), (8, False, 1), (4, False, 4)],
+    ("budget_gib", "mode", "tiles"),
+    [
+        (64, "whole-clip", 1),
+        (48, "whole-clip", 1),
+        (32, "whole-clip lean", 1),
+        (28, "whole-clip lean", 1),
+        (24, "streamed", 1),
+        (8, "streamed", 1),
+        (4, "streamed", 4),
+    ],
 )
-def test_w1_plan_fits_the_budget(real_vae, budget_gib: int, exact: bool, tiles: int) -> None:
+def test_w1_plan_fits_the_budget(real_vae, budget_gib: int, mode: str, tiles: int) -> None:
     budget = budget_gib << 30
     plan = plan_video_decode(real_vae, W1, budget_bytes=budget)
-    assert plan.exact == exact and len(plan.tiles) == tiles, plan.describe()
-    assert plan.estimated_peak_bytes <= budget
+    exact = mode != "streamed"
+    assert plan.mode == mode and plan.exact == exact and len(plan.tiles) == tiles, plan.describe()
+    assert plan.describe().startswith(mode) and plan.estimated_peak_bytes <= budget
     if not exact:
         # The mid block and the up blocks at the latent's frame count always see the whole clip.
         names = [op.name for op in vd.decoder_ops(real_vae)]
         assert plan.split >= names.index("up.1.upsamplers.0"), names[plan.split]
+
+
+def test_w1_lean_whole_clip_decode_fits_32_gib(real_vae) -> None:
+    # W1 in bf16: the plain whole-clip decode peaks at the 256 → 128 resnet after the last upsampler (its 25.7 GB
+    # input next to its output): 36.9 GiB of activations, 41.3 GiB planned. Fused with that upsampler, with its
+    # shortcut stored: 28.3 GiB, 31.4 GiB planned; recomputed: 24.9 GiB (the next resnet's), 27.7 GiB at 28 GiB.
+    ops, elt, workspace = vd.decoder_ops(real_vae), 2, 1 << 30
+    geoms = vd._geometry(ops, *W1)
+    up = [op.name for op in ops].index("up.2.upsamplers.0")
+    plain, at = vd._whole_clip_peak(ops, geoms, {}, elt, workspace)
+    stored, _ = vd._whole_clip_peak(ops, geoms, {up: False}, elt, workspace)
+    recomputed, _ = vd._whole_clip_peak(ops, geoms, {up: True}, elt, workspace)
+    assert ops[at].name == "up.3.resnets.0" and recomputed < stored < 30 << 30 < plain
+    plan = plan_video_decode(real_vae, W1, budget_bytes=32 << 30)
+    assert plan.exact and plan.fusions == (vd.UpsampleFusion("up.2.upsamplers.0", "up.3.resnets.0", False),)
+    plain_plan = plan_video_decode(real_vae, W1, budget_bytes=48 << 30)
+    assert plain_plan.mode == "whole-clip" and plan.estimated_peak_bytes <= 32 << 30
+    assert plan.estimated_peak_bytes < plain_plan.estimated_peak_bytes - (8 << 30)
+    assert plan_video_decode(real_vae, W1, budget_bytes=32 << 30, upsample_fusion="off").mode == "streamed"
+    tight = plan_video_decode(real_vae, W1, budget_bytes=28 << 30)
+    assert tight.exact and [f.recompute_shortcut for f in tight.fusions] == [True]
 
 
 def test_w1_plan_prefers_whole_clip_statistics_to_large_slabs(real_vae) -> None:
@@ -328,8 +390,9 @@ def test_cudnn_benchmark_flag_is_scoped() -> None:
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_gpu_bf16_decodes_within_twice_diffusers_bf16_error() -> None:
-    # Exact plans in every layout/kernel combination, and slabs of 2 with whole-clip statistics, against the fp32
-    # untiled decode: each within 2x the error of diffusers' own bf16 untiled decode + 0.5 px.
+    # Exact plans in every layout/kernel combination, the lean ones (fused upsamplers) too, and slabs of 2 with
+    # whole-clip statistics, against the fp32 untiled decode: each within 2x the error of diffusers' own bf16
+    # untiled decode + 0.5 px.
     from diffusers import AutoencoderKLHunyuanVideo
 
     torch.manual_seed(0)
@@ -343,6 +406,10 @@ def test_gpu_bf16_decodes_within_twice_diffusers_bf16_error() -> None:
             options = {"layout": layout, "cudnn_benchmark": True, "triton_norm": triton_norm}
             ours = decode_video_fast(vae, latents, budget_bytes=8 << 30, **options)
             assert _px(ours, exact)[0] <= bar, (options, _px(ours, exact), bar)
+    for fusion in ("stored", "recomputed"):
+        options = {"layout": "ndhwc", "cudnn_benchmark": True, "triton_norm": True, "upsample_fusion": fusion}
+        ours = decode_video_fast(vae, latents, budget_bytes=8 << 30, **options)
+        assert _px(ours, exact)[0] <= bar, (options, _px(ours, exact), bar)
     _, moments = vd._decode(vae, latents, plan_video_decode(vae, (5, 16, 24), budget_bytes=8 << 30))
     plan = vd._plan(vae, (5, 16, 24), 8 << 30, chunk_latent_frames=2)
     streamed, _ = vd._decode(vae, latents, plan, layout="ndhwc", triton_norm=True, frozen=moments)
