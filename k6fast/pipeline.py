@@ -6,6 +6,7 @@ the device in each phase: the text encoders are loaded for the text phase and dr
 
 from __future__ import annotations
 
+import logging
 import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -25,6 +26,9 @@ from .switches import Options, validate_cache_steps
 from .telemetry import Telemetry
 from .text import DEFAULT_NEGATIVE_PROMPT, TextConditioning, TextEncoders, encode_prompts
 from .vae import decode_audio, decode_video, encode_image, load_audio_decoder, load_video_vae
+from .video_decode import decode_video_fast, plan_video_decode
+
+logger = logging.getLogger(__name__)
 
 W1 = (864, 480, 121)  # width, height, frames: the headline workload
 FPS = 24.0
@@ -174,6 +178,44 @@ class Pipeline:
             self._text = TextEncoders(self.ckpt.root, self.device, self.dtype)
         return self._text.encode(prompt), None if negative is None else self._text.encode(negative)
 
+    def _free_budget(self) -> int:
+        """What the budget leaves on the device beyond what is allocated now."""
+        if self.device.type != "cuda":
+            return self.budget_bytes
+        return max(0, self.budget_bytes - torch.cuda.memory_allocated(self.device))
+
+    def _decode_video(self, latents: torch.Tensor, telemetry: Telemetry) -> torch.Tensor:
+        """latents [1, T, H, W, C] → frames [1, F, 8H, 8W, 3] in [0, 1], by K6_VIDEO_DECODE (see the switch)."""
+        mode = self.options.video_decode
+        if mode == "tiled":
+            telemetry.video_decode = "tiled (diffusers)"
+            return decode_video(self.vae, latents, tiled=True)
+        shape = tuple(latents.shape[1:4])
+        plan = plan_video_decode(self.vae, shape, budget_bytes=self._free_budget())
+        if mode == "exact" and not plan.exact and self.runtime is not None:
+            # The exact decode needs the clip's activations whole (W1: ~29 GiB); the DiT's resident blocks leave
+            # the device for it and come back with the next request (its "dit_load" phase).
+            del plan
+            self._drop_dit()
+            plan = plan_video_decode(self.vae, shape, budget_bytes=self._free_budget())
+        if mode == "exact" and not plan.exact:
+            logger.warning(
+                "video decode: the exact decode does not fit the VRAM budget at %dx%dx%d latents; decoding in "
+                "slabs with running GroupNorm statistics instead (%s)", *shape, plan.describe()
+            )  # fmt: skip
+        telemetry.video_decode = plan.describe()
+        cuda = latents.is_cuda
+        # Channels-last activations, cuDNN's timed algorithms and the fused GroupNorm+SiLU kernel: the fastest
+        # variant measured on an H200 (measurements/sessions/2026-11-29_vae-decode); plain PyTorch on the CPU.
+        return decode_video_fast(
+            self.vae,
+            latents,
+            budget_bytes=self._free_budget(),
+            layout="ndhwc" if cuda else "ncdhw",
+            cudnn_benchmark=cuda,
+            triton_norm=cuda,
+        )
+
     def close(self) -> None:
         self._drop_dit()
         if self._text is not None:
@@ -286,7 +328,7 @@ class Pipeline:
         telemetry.dit_calls = out.dit_calls
 
         with telemetry.phase("video_decode"):
-            frames = decode_video(self.vae, out.video)[0].cpu().numpy()
+            frames = self._decode_video(out.video, telemetry)[0].cpu().numpy()
         audio = None
         if out.audio is not None:
             with telemetry.phase("audio_decode"):

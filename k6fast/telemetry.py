@@ -41,6 +41,7 @@ class Telemetry:
     cached_steps: int = 0
     peak_vram_bytes: int = 0
     stream_steps: list[dict] = field(default_factory=list)  # per denoising step: streamed blocks' copy/compute
+    video_decode: str = ""  # how the video was decoded (the decode plan)
 
     def add_stream_step(self, timings: list) -> None:
         """Aggregate one step's `BlockTiming`s: copy, compute and exposed seconds, hidden share of the copies."""
@@ -85,6 +86,7 @@ class Telemetry:
             "cached_steps": self.cached_steps,
             "peak_vram_bytes": self.peak_vram_bytes,
             "stream_steps": self.stream_steps,
+            "video_decode": self.video_decode,
             "peak_host_rss_bytes": peak_host_rss_bytes(),
         }
 
@@ -102,6 +104,8 @@ class Telemetry:
             exposed = sum(s["exposed_s"] for s in self.stream_steps)
             share = f"{100 * (1 - exposed / copy):.1f}%" if copy > 0 else "n/a"
             lines.append(f"streaming: copies {copy:.2f} s, exposed {exposed:.3f} s, hidden {share}")
+        if self.video_decode:
+            lines.append(f"video decode: {self.video_decode}")
         if self.peak_vram_bytes:
             lines.append(f"peak GPU memory: {self.peak_vram_bytes / 2**30:.2f} GiB")
         lines.append(f"peak host RSS: {peak_host_rss_bytes() / 2**30:.2f} GiB")

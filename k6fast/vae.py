@@ -12,10 +12,8 @@ from torch import Tensor
 def load_video_vae(root: Path, device: torch.device, dtype: torch.dtype):
     from diffusers import AutoencoderKLHunyuanVideo
 
-    vae = AutoencoderKLHunyuanVideo.from_pretrained(root / "vae", dtype=dtype).to(device).eval()
-    # Tiles bound the decode's peak memory at real sizes; below the tile size (e.g. the tiny model) it decodes whole.
-    vae.enable_tiling()
-    return vae
+    # Untiled: the reference image's encode is one frame; K6_VIDEO_DECODE=tiled turns tiling on for its decode only.
+    return AutoencoderKLHunyuanVideo.from_pretrained(root / "vae", dtype=dtype).to(device).eval()
 
 
 def load_audio_decoder(root: Path, device: torch.device, dtype: torch.dtype):
@@ -43,9 +41,17 @@ def encode_image(
 
 
 @torch.no_grad()
-def decode_video(vae, latents: Tensor) -> Tensor:
-    """latents: [B, T, H, W, C] (scaled) → frames fp32 [B, F, 8H, 8W, 3] in [0, 1], F = 4(T-1)+1."""
-    video = vae.decode(latents.permute(0, 4, 1, 2, 3).to(vae.dtype) / vae.config.scaling_factor).sample
+def decode_video(vae, latents: Tensor, *, tiled: bool = False) -> Tensor:
+    """latents: [B, T, H, W, C] (scaled) → frames fp32 [B, F, 8H, 8W, 3] in [0, 1], F = 4(T-1)+1, by diffusers'
+    decode: `tiled` = its tiled decode (256 px, 16-frame tiles; below a tile's size it decodes whole); otherwise its
+    plain decode (which is still framewise past 4 latent frames, see k6fast/video_decode.py)."""
+    was_tiled = vae.use_tiling
+    if tiled:
+        vae.enable_tiling()
+    try:
+        video = vae.decode(latents.permute(0, 4, 1, 2, 3).to(vae.dtype) / vae.config.scaling_factor).sample
+    finally:
+        vae.use_tiling = was_tiled
     return (video.float() / 2 + 0.5).clamp(0, 1).permute(0, 2, 3, 4, 1)
 
 

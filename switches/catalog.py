@@ -24,6 +24,16 @@ AUDIO_NORM = Switch(
     choices=("peak", "clip"),
     doc="how the decoded waveform is brought into [-1, 1]: peak-normalise or clip",
 )
+VIDEO_DECODE = Switch(
+    name="K6_VIDEO_DECODE",
+    kind="enum",
+    default="exact",
+    choices=("exact", "streamed", "tiled"),
+    doc="video VAE decode: exact = k6fast's whole-clip decode, equal to diffusers' untiled one (the DiT's weights "
+    "leave the device for it when the budget needs them to); streamed = k6fast's decode in slabs beside the DiT "
+    "(running GroupNorm statistics); tiled = diffusers' tiled decode",
+    lossy=True,
+)
 KEEP_TEXT_ENCODERS = Switch(
     name="K6_KEEP_TEXT_ENCODERS",
     kind="bool",
@@ -154,6 +164,7 @@ SWITCHES: tuple[Switch, ...] = (
     FUSED_ELEMENTWISE,
     COMPILE,
     AUDIO_NORM,
+    VIDEO_DECODE,
     VRAM_BUDGET_GB,
     PREFETCH_BLOCKS,
     MAX_RESIDENT_BLOCKS,
