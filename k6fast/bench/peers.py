@@ -7,7 +7,8 @@ steps and guidance as the k6fast arms.
   on a side stream one block ahead); the text encoders live on the CPU and are moved to the device for the text
   phase only (what `enable_model_cpu_offload` would do for them); the decoders stay resident (small).
 
-Both enable the video VAE's tiling, as k6fast does: an untiled W1 decode is not what anyone runs. For
+Both enable the video VAE's tiling: diffusers' untiled W1 decode needs ~80 GB for its attention mask alone, so
+tiling is how diffusers users run it (k6fast's own exact decode is `K6_VIDEO_DECODE=exact`, its default). For
 `--component dit|block` a peer times `Kandinsky6Transformer3DModel` alone (loaded with `from_pretrained`), fed the
 same synthetic tensors as the k6fast arm.
 """
