@@ -65,6 +65,7 @@ __all__ = [
     "attention_quantized",
     "attention_quantized_ref",
     "quant_attention",
+    "quant_attention_op",
     "quant_attention_ref",
     "quantize_qkv",
     "quantize_qkv_ref",
@@ -289,6 +290,22 @@ def quant_attention(
         return quant_attention_ref(q, k, v, pv_fp8=pv_fp8, sm_scale=sm_scale)
     qkv = quantize_qkv(q, k, v, pv_fp8=_resolve_pv_fp8(pv_fp8, q.device), sm_scale=sm_scale)
     return attention_quantized(qkv)
+
+
+# For compiled callers (the DiT's compiled block): one opaque op. Traced inline, the Python decisions above (reference
+# or kernel, FP8 P·V or not, input checks) break the graph, and a partial graph ending at such a break carries only
+# the guards read before it: a later call on the exact path matched it and recompiled the attention frames
+# (measured: 5-7 s in the second request's exact first step, measurements/sessions/2026-11-29_step-profile).
+@torch.library.custom_op("k6fast::quant_attention", mutates_args=())
+def quant_attention_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """`quant_attention(q, k, v)` with the defaults (FP8 P·V where the GPU has it, sm_scale 1/sqrt(D)); the output
+    is contiguous [B, H, M, D], the layout the fake below promises the compiler."""
+    return quant_attention(q, k, v).contiguous()
+
+
+@quant_attention_op.register_fake
+def _(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    return q.new_empty(q.shape)
 
 
 def quant_attention_ref(

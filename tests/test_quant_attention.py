@@ -404,3 +404,13 @@ def test_quantized_qkv_is_frozen():
     x = qa.quantize_qkv_ref(*dit_like_qkv(1, 1, 3, 3, 64, seed=0), pv_fp8=False)
     with pytest.raises(dataclasses.FrozenInstanceError):
         x.num_q = 4
+
+
+def test_the_compiled_op_matches_the_eager_entry_point() -> None:
+    # The DiT's compiled blocks call `quant_attention_op` (opaque to Dynamo); its fake must promise what it returns.
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, 2, 37, 64, generator=g).bfloat16() for _ in range(3))
+    eager = qa.quant_attention(q, k, v)
+    compiled = torch.compile(lambda a, b, c: qa.quant_attention_op(a, b, c) * 1.0, fullgraph=True)(q, k, v)
+    assert torch.equal(compiled, eager) and compiled.is_contiguous()
+    torch.library.opcheck(qa.quant_attention_op, (q, k, v))

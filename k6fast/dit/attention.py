@@ -105,12 +105,12 @@ class AttentionDispatch:
             self._count(self.kind, site)
             if self.kind == "sage":
                 return self._sage(q, k, v, tensor_layout="NHD", is_causal=False)
-            from ..kernels.quant_attention import quant_attention
+            from ..kernels.quant_attention import quant_attention_op
 
             # The kernel takes bf16/fp16 (it quantizes to INT8/FP8 anyway); an fp32 run hands it bf16.
             dt = q.dtype if q.dtype in (torch.bfloat16, torch.float16) else torch.bfloat16
             q_, k_, v_ = (t.transpose(1, 2).to(dt).contiguous() for t in (q, k, v))
-            return quant_attention(q_, k_, v_).transpose(1, 2).to(q.dtype)
+            return quant_attention_op(q_, k_, v_).transpose(1, 2).to(q.dtype)
         self._count("exact", site)
         attn_mask = None if mask is None else mask[:, None, None, :]
         from torch.nn.attention import sdpa_kernel

@@ -1,0 +1,39 @@
+"""A compiled block with quantized attention (the `fast` arm's shape of things) compiles its two variants, exact and
+quantized, once: no graph break inside the quantized attention, and a second request compiles nothing (it once
+recompiled the exact first step, 5-7 s per W1 request on the H200). Tiny checkpoint, CPU: the k6 kernel's
+head-dim check is widened to the tiny model's 16 so that the quantized path (its PyTorch reference on the CPU) is
+traced as on the GPU."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from k6fast.pipeline import Pipeline, Request
+from k6fast.switches import load_options
+
+pytestmark = pytest.mark.slow
+
+
+def test_second_request_compiles_nothing(tiny_distill, monkeypatch) -> None:
+    from torch._dynamo.utils import counters
+
+    import k6fast.dit.attention as dispatch
+    import k6fast.kernels.quant_attention as qa
+
+    monkeypatch.setattr(dispatch, "SUPPORTED_HEAD_DIMS", (16, 64, 128))
+    monkeypatch.setattr(qa, "SUPPORTED_HEAD_DIMS", (16, 64, 128))
+    torch._dynamo.reset()
+    counters.clear()
+    pipe = Pipeline(tiny_distill, load_options(environ={}, arm="fast"), device="cpu")
+    try:
+        request = Request(prompt="a lighthouse in fog", width=64, height=64, frames=9, steps=10)
+        pipe.generate(request)
+        graphs = counters["stats"]["unique_graphs"]
+        assert graphs >= 2, "expected the exact and the quantized variants of the compiled block"
+        assert not counters["graph_break"], dict(counters["graph_break"])
+        pipe.generate(request)
+        assert counters["stats"]["unique_graphs"] == graphs, "the second request compiled again"
+    finally:
+        pipe.close()
+        torch._dynamo.reset()
