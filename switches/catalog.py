@@ -86,8 +86,9 @@ ATTN = Switch(
     name="K6_ATTN",
     kind="enum",
     default="exact",
-    choices=("exact", "k6", "sage"),
-    doc="attention backend for the quantized call sites: exact SDPA, k6fast's INT8/FP8 kernel, or sageattention",
+    choices=("exact", "k6", "sage", "auto"),
+    doc="attention backend for the quantized call sites: exact SDPA, k6fast's INT8/FP8 kernel, sageattention, or "
+    "auto (k6 on GeForce sm_89/sm_120, exact elsewhere)",
     lossy=True,
 )
 EXACT_ATTN_BLOCKS = Switch(
@@ -115,8 +116,9 @@ GEMM = Switch(
     name="K6_GEMM",
     kind="enum",
     default="bf16",
-    choices=("bf16", "fp16acc", "fp8"),
-    doc="linear layers: cuBLAS bf16, Triton fp16-accumulate (GeForce gain only), or fp8 e4m3 row-wise",
+    choices=("bf16", "fp16acc", "fp8", "auto"),
+    doc="linear layers: cuBLAS bf16, Triton fp16-accumulate (GeForce gain only), fp8 e4m3 row-wise, or auto "
+    "(fp16acc on GeForce, bf16 elsewhere)",
     lossy=True,
 )
 GEMM_MIN_ROWS = Switch(

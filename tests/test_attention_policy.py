@@ -108,3 +108,29 @@ def test_sage_without_its_package_is_a_start_up_error(monkeypatch) -> None:
 def test_gemm_policy(name: str, rows: int, shape: tuple[int, int], fast: bool) -> None:
     assert LinearDispatch(Options().replace(gemm="fp8")).use_fast(rows, shape, name) is fast
     assert LinearDispatch(Options()).use_fast(rows, shape, name) is False
+
+
+def test_auto_choices_follow_the_card(monkeypatch) -> None:
+    from k6fast.dit import arch
+    from k6fast.switches import Options
+
+    cuda = torch.device("cuda", 0)
+    cards = {"NVIDIA GeForce RTX 5090": (12, 0), "NVIDIA GeForce RTX 4090": (8, 9), "NVIDIA GeForce RTX 3090": (8, 6),
+             "NVIDIA H200": (9, 0), "NVIDIA L40S": (8, 9)}  # fmt: skip
+    expected = {"NVIDIA GeForce RTX 5090": ("fp16acc", "k6"), "NVIDIA GeForce RTX 4090": ("fp16acc", "k6"),
+                "NVIDIA GeForce RTX 3090": ("fp16acc", "exact"), "NVIDIA H200": ("bf16", "exact"),
+                "NVIDIA L40S": ("bf16", "exact")}  # fmt: skip
+    auto = Options().replace(gemm="auto", attn="auto")
+    for name, capability in cards.items():
+        monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None, name=name: name)
+        monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None, c=capability: c)
+        resolved = arch.resolve_auto(auto, cuda)
+        assert (resolved.gemm, resolved.attn) == expected[name], name
+    cpu = arch.resolve_auto(auto, torch.device("cpu"))
+    assert (cpu.gemm, cpu.attn) == ("bf16", "exact")
+    explicit = Options().replace(gemm="fp8", attn="k6")
+    assert arch.resolve_auto(explicit, torch.device("cpu")) is explicit
+    with pytest.raises(ValueError, match="resolved for a device"):
+        LinearDispatch(auto)
+    with pytest.raises(ValueError, match="resolved for a device"):
+        AttentionDispatch(auto, torch.device("cpu"))

@@ -53,6 +53,8 @@ class AttentionDispatch:
     """Runs each attention call with the backend the policy picks and counts what ran where."""
 
     def __init__(self, options: Options, device: torch.device):
+        if options.attn == "auto":
+            raise ValueError("K6_ATTN=auto must be resolved for a device first (k6fast.dit.arch.resolve_auto)")
         self.kind = options.attn
         self.sites = SITE_SETS[options.quant_attn_sites]
         self.exact_blocks = options.exact_attn_blocks

@@ -6,11 +6,14 @@ choose per layer and per call site without the forward knowing. `ExactBackend` i
 
 from __future__ import annotations
 
+import logging
 from typing import Protocol
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
+
+logger = logging.getLogger(__name__)
 
 LN_EPS = 1e-5  # nn.LayerNorm's default, as in the reference model
 
@@ -95,9 +98,14 @@ class SwitchedBackend(ExactBackend):
     fastest SDPA backend for the architecture)."""
 
     def __init__(self, options, device: torch.device):
+        from .arch import resolve_auto
         from .attention import AttentionDispatch
         from .linear import LinearDispatch
 
+        resolved = resolve_auto(options, device)
+        if resolved is not options:
+            logger.info("on %s: K6_GEMM=%s, K6_ATTN=%s (auto resolved)", device, resolved.gemm, resolved.attn)
+        options = resolved
         self.attn = AttentionDispatch(options, device)
         self.gemm = LinearDispatch(options)
         self.fused = options.fused_elementwise

@@ -125,6 +125,8 @@ def _stored_gemm_runs(fmt: str, x: Tensor) -> bool:
 
 class LinearDispatch:
     def __init__(self, options: Options):
+        if options.gemm == "auto":
+            raise ValueError("K6_GEMM=auto must be resolved for a device first (k6fast.dit.arch.resolve_auto)")
         self.kind = options.gemm
         self.min_rows = options.gemm_min_rows
         # backend → calls: bf16 / fp16acc / fp8 / nvfp4, and fp8-dequantized / nvfp4-dequantized for stored
