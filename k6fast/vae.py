@@ -44,7 +44,7 @@ def encode_image(
 def decode_video(vae, latents: Tensor, *, tiled: bool = False) -> Tensor:
     """latents: [B, T, H, W, C] (scaled) → frames fp32 [B, F, 8H, 8W, 3] in [0, 1], F = 4(T-1)+1, by diffusers'
     decode: `tiled` = its tiled decode (256 px, 16-frame tiles; below a tile's size it decodes whole); otherwise its
-    plain decode (which is still framewise past 4 latent frames, see k6fast/video_decode.py)."""
+    plain decode (which is still framewise past 4 latent frames, see k6fast/video_decode/)."""
     was_tiled = vae.use_tiling
     if tiled:
         vae.enable_tiling()

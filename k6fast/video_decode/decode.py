@@ -1,0 +1,207 @@
+"""The decode of a batch of latent clips by a plan: the whole-clip ops, then the streamed ones slab by slab over
+each spatial tile, blended into the fp32 output; `decode_video_fast` plans and decodes."""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from collections.abc import Mapping
+
+import torch
+from torch import Tensor, nn
+
+from .decoder import _geometry, decoder_ops
+from .norm_stats import _Moments, _Stream
+from .plan import VideoDecodePlan, plan_video_decode
+from .run_ops import _check_fusions, _Ctx, _run
+
+logger = logging.getLogger(__name__)
+
+LAYOUTS = ("ncdhw", "ndhwc")
+_MEMORY_FORMATS = {"ncdhw": torch.contiguous_format, "ndhwc": torch.channels_last_3d}
+
+
+def _edge_weights(spans: list[tuple[int, int]], halo: int, device: torch.device) -> list[Tensor | None]:
+    """Per window along one axis (output pixels): 1 inside, and across each overlap with a neighbour a linear ramp
+    over the overlap's middle, leaving out `halo` pixels at each window edge (what replicate padding at that edge
+    reached). Normalised so that the windows' weights sum to 1 at every pixel."""
+    if len(spans) == 1:
+        return [None]
+    weights = []
+    for i, (s, e) in enumerate(spans):
+        wgt = torch.ones(e - s, dtype=torch.float64)
+        pos = torch.arange(s, e, dtype=torch.float64) + 0.5
+        if i > 0:  # ramp in from the previous window
+            wgt = wgt * _ramp(pos, s + halo, spans[i - 1][1] - halo)
+        if i + 1 < len(spans):  # ramp out to the next window
+            wgt = wgt * (1 - _ramp(pos, spans[i + 1][0] + halo, e - halo))
+        weights.append(wgt)
+    total = torch.zeros(max(e for _, e in spans), dtype=torch.float64)
+    for (s, e), wgt in zip(spans, weights, strict=True):
+        total[s:e] += wgt
+    return [(wgt / total[s:e]).float().to(device) for (s, e), wgt in zip(spans, weights, strict=True)]
+
+
+def _ramp(pos: Tensor, lo: float, hi: float) -> Tensor:
+    if hi <= lo:  # an overlap narrower than both halos: switch in its middle
+        return (pos >= (lo + hi) / 2).to(pos.dtype)
+    return ((pos - lo) / (hi - lo)).clamp(0, 1)
+
+
+@contextlib.contextmanager
+def _cudnn_benchmark(on: bool):
+    """cudnn.benchmark for this decode only: the process-wide flag is restored on exit."""
+    before = torch.backends.cudnn.benchmark
+    torch.backends.cudnn.benchmark = on
+    try:
+        yield
+    finally:
+        torch.backends.cudnn.benchmark = before
+
+
+def _decode_sample(
+    vae: nn.Module,
+    z: Tensor,
+    plan: VideoDecodePlan,
+    ctx: _Ctx,
+    out: Tensor,
+    frozen: Mapping[str, _Moments] | None,
+) -> dict[str, _Moments]:
+    """z [1, C, T, H, W] (unscaled, post_quant_conv applied) → raw decoder output accumulated into out [F, H, W, 3].
+    Returns the GroupNorm statistics the decode used (whole-clip ones when the plan is exact)."""
+    ops = decoder_ops(vae)
+    fusions = _check_fusions(ops, plan)
+    scale = _geometry(ops, *z.shape[2:])[-1].s_ratio
+    prefix = _Stream(frozen, whole_clip=True)
+
+    def emit_whole(stream: _Stream, t0: int, t1: int, y: Tensor) -> None:
+        f0 = stream.frames_out
+        out[f0 + t0 : f0 + t1].copy_(y[0].permute(1, 2, 3, 0))
+
+    ctx.emit = emit_whole
+    x = _run(ops[: plan.split], z, prefix, ctx, fusions)
+    if x is None:
+        return prefix.moments
+    seg_ops = ops[plan.split :]
+    ratio = scale // plan.segment_scale
+    t_ratio = _geometry(ops, *z.shape[2:])[plan.split].t_ratio
+    latent_frames = plan.latent_shape[0]
+    bounds = list(range(0, latent_frames, plan.slab_latent_frames)) + [latent_frames]
+    slabs = [
+        (0 if a == 0 else 1 + t_ratio * (a - 1), 1 + t_ratio * (e - 1))
+        for a, e in zip(bounds[:-1], bounds[1:], strict=True)
+    ]
+    rows = sorted({(r0 * ratio, r1 * ratio) for r0, r1, _, _ in plan.tiles})
+    cols = sorted({(c0 * ratio, c1 * ratio) for _, _, c0, c1 in plan.tiles})
+    row_w = dict(zip(rows, _edge_weights(rows, plan.halo, out.device), strict=True))
+    col_w = dict(zip(cols, _edge_weights(cols, plan.halo, out.device), strict=True))
+    moments: dict[str, _Moments] = dict(prefix.moments)
+    for r0, r1, c0, c1 in plan.tiles:
+        rs, cs = (r0 * ratio, r1 * ratio), (c0 * ratio, c1 * ratio)
+        wr, wc = row_w[rs], col_w[cs]
+        weight = None if wr is None and wc is None else _outer(wr, wc, rs, cs, out.device)
+
+        def emit_tile(stream: _Stream, t0: int, t1: int, y: Tensor, rs=rs, cs=cs, weight=weight) -> None:
+            f0 = stream.frames_out
+            region = out[f0 + t0 : f0 + t1, rs[0] : rs[1], cs[0] : cs[1]]
+            frames = y[0].permute(1, 2, 3, 0)
+            if weight is None:
+                region.copy_(frames)
+            else:
+                region.addcmul_(frames, weight)
+
+        ctx.emit = emit_tile
+        stream = _Stream(frozen)
+        for s0, s1 in slabs:
+            _run(seg_ops, x[:, :, s0:s1, r0:r1, c0:c1], stream, ctx)
+        moments.update(stream.moments)
+    return moments
+
+
+def _outer(wr: Tensor | None, wc: Tensor | None, rs, cs, device: torch.device) -> Tensor:
+    """Blend weight [h, w, 1] of one tile from its row and column weights (None = all ones)."""
+    if wr is None:
+        wr = torch.ones(rs[1] - rs[0], device=device)
+    if wc is None:
+        wc = torch.ones(cs[1] - cs[0], device=device)
+    return (wr[:, None] * wc[None, :])[..., None]
+
+
+@torch.no_grad()
+def _decode(
+    vae: nn.Module,
+    latents: Tensor,
+    plan: VideoDecodePlan,
+    *,
+    layout: str = "ncdhw",
+    cudnn_benchmark: bool = False,
+    triton_norm: bool = False,
+    frozen: Mapping[str, _Moments] | None = None,
+    max_chunk_frames: int | None = None,
+    raw: bool = False,
+) -> tuple[Tensor, dict[str, _Moments]]:
+    """`decode_video_fast` with an explicit plan; also returns the GroupNorm statistics of the last sample.
+    For tests: `frozen` replaces running statistics with given ones (the whole-clip ones make any plan exact);
+    `max_chunk_frames` caps the frames of every chunk; `raw` returns the decoder's output as is (in [-1, 1] but
+    neither shifted nor clamped)."""
+    if layout not in LAYOUTS:
+        raise ValueError(f"layout must be one of {', '.join(LAYOUTS)}, found {layout!r}")
+    if latents.ndim != 5 or latents.shape[-1] != vae.config.latent_channels:
+        raise ValueError(f"expected latents [B, T, H, W, {vae.config.latent_channels}], found {tuple(latents.shape)}")
+    b, t, h, w, _ = latents.shape
+    if (t, h, w) != plan.latent_shape:
+        raise ValueError(f"expected latents of (T, H, W) {plan.latent_shape} as planned, found {(t, h, w)}")
+    device, dtype = vae.device, vae.dtype
+    z = latents.to(device).permute(0, 4, 1, 2, 3).to(dtype) / vae.config.scaling_factor  # [B, C, T, H, W]
+    from ..kernels.groupnorm_silu import groupnorm_silu, groupnorm_silu_ref
+
+    norm_act = groupnorm_silu if triton_norm else groupnorm_silu_ref
+    fmt = _MEMORY_FORMATS[layout]
+    ctx = _Ctx(dtype, device, fmt, plan.workspace_bytes, norm_act, max_chunk_frames=max_chunk_frames)
+    frames = 1 + vae.config.temporal_compression_ratio * (t - 1)
+    s = vae.config.spatial_compression_ratio
+    out = torch.zeros((b, frames, h * s, w * s, 3), dtype=torch.float32, device=device)
+    moments: dict[str, _Moments] = {}
+    with _cudnn_benchmark(cudnn_benchmark) if device.type == "cuda" else contextlib.nullcontext():
+        for i in range(b):
+            zi = vae.post_quant_conv(z[i : i + 1]).contiguous(memory_format=ctx.memory_format)
+            moments = _decode_sample(vae, zi, plan, ctx, out[i], frozen)
+    return (out if raw else out.mul_(0.5).add_(0.5).clamp_(0, 1)), moments
+
+
+def decode_video_fast(
+    vae: nn.Module,
+    latents: Tensor,
+    *,
+    budget_bytes: int,
+    chunk_latent_frames: int | None = None,
+    layout: str = "ncdhw",
+    cudnn_benchmark: bool = False,
+    triton_norm: bool = False,
+    upsample_fusion: str = "auto",
+) -> Tensor:
+    """latents [B, T, H, W, C] (scaled) → frames fp32 [B, F, 8H, 8W, 3] in [0, 1], F = 4(T-1)+1: the output of
+    `k6fast.vae.decode_video`, without diffusers' overlapping tiles.
+
+    `budget_bytes`: what the decode may allocate on the VAE's device beyond what is allocated when it starts
+    (activations, temporaries, carried frames, the fp32 output). When the whole decode fits, the result is diffusers'
+    untiled decode up to float rounding (`plan_video_decode(...).exact`), plain or lean (`upsample_fusion`, see
+    `plan_video_decode`); otherwise the up blocks stream and their GroupNorms use running statistics.
+    `chunk_latent_frames` forces streaming in slabs of that many latent frames.
+    `layout` "ndhwc" keeps activations channels-last (cuDNN's native 3D layout); `cudnn_benchmark` lets cuDNN time
+    its convolution algorithms during this decode only; `triton_norm` runs GroupNorm+SiLU as one Triton kernel
+    (kernels/groupnorm_silu.py) instead of PyTorch's three passes through fp32. Samples of a batch are decoded one
+    after another.
+    """
+    if latents.ndim != 5:
+        raise ValueError(f"expected latents [B, T, H, W, C], found {tuple(latents.shape)}")
+    plan = plan_video_decode(
+        vae,
+        tuple(latents.shape[1:4]),
+        budget_bytes=budget_bytes,
+        chunk_latent_frames=chunk_latent_frames,
+        upsample_fusion=upsample_fusion,
+    )
+    logger.info("video decode: %s", plan.describe())
+    frames, _ = _decode(vae, latents, plan, layout=layout, cudnn_benchmark=cudnn_benchmark, triton_norm=triton_norm)
+    return frames
