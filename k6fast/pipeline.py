@@ -26,7 +26,7 @@ from .switches import Options, validate_cache_steps
 from .telemetry import Telemetry
 from .text import DEFAULT_NEGATIVE_PROMPT, TextConditioning, TextEncoders, encode_prompts
 from .vae import decode_audio, decode_video, encode_image, load_audio_decoder, load_video_vae
-from .video_decode import decode_video_fast, plan_video_decode
+from .video_decode import VideoDecodePlan, decode_video_fast, plan_video_decode
 
 logger = logging.getLogger(__name__)
 
@@ -179,10 +179,48 @@ class Pipeline:
         return self._text.encode(prompt), None if negative is None else self._text.encode(negative)
 
     def _free_budget(self) -> int:
-        """What the budget leaves on the device beyond what is allocated now."""
+        """What the budget leaves on the device now. Reserved, not allocated: the budget caps what the caching
+        allocator reserves, and free room inside partly used segments is not there for a new large tensor."""
         if self.device.type != "cuda":
             return self.budget_bytes
-        return max(0, self.budget_bytes - torch.cuda.memory_allocated(self.device))
+        torch.cuda.empty_cache()
+        return max(0, self.budget_bytes - torch.cuda.memory_reserved(self.device))
+
+    def _drop_text(self) -> None:
+        if self._text is not None:
+            self._text.close()
+            self._text = None
+
+    def _check_decode_fits(self, request: Request) -> None:
+        """Refuse up front a request whose exact decode cannot fit even with only the decoders on the device, rather
+        than after its denoising."""
+        if self.options.video_decode != "exact":
+            return
+        decoders = sum(
+            t.numel() * t.element_size()
+            for module in (self.vae, self.audio_vae, self.vocoder)
+            for t in (*module.parameters(), *module.buffers())
+        )
+        shape = ((request.frames - 1) // TEMPORAL_STRIDE + 1, request.height // 8, request.width // 8)
+        room = self.budget_bytes - decoders
+        try:
+            exact = plan_video_decode(self.vae, shape, budget_bytes=room).exact
+        except ValueError:
+            exact = False
+        if not exact:
+            raise RequestError(
+                f"the exact video decode of {request.width}x{request.height}x{request.frames} does not fit the "
+                f"{room / 2**30:.1f} GiB the VRAM budget leaves beside the decoders; expected a larger "
+                "K6_VRAM_BUDGET_GB, a smaller geometry, or K6_VIDEO_DECODE=streamed (slabs with running GroupNorm "
+                "statistics) or tiled"
+            )
+
+    def _plan_decode(self, shape: tuple[int, int, int]) -> VideoDecodePlan | None:
+        """The decode's plan inside what the budget leaves now; None where not even a streamed decode fits."""
+        try:
+            return plan_video_decode(self.vae, shape, budget_bytes=self._free_budget())
+        except ValueError:
+            return None
 
     def _decode_video(self, latents: torch.Tensor, telemetry: Telemetry) -> torch.Tensor:
         """latents [1, T, H, W, C] → frames [1, F, 8H, 8W, 3] in [0, 1], by K6_VIDEO_DECODE (see the switch)."""
@@ -191,18 +229,23 @@ class Pipeline:
             telemetry.video_decode = "tiled (diffusers)"
             return decode_video(self.vae, latents, tiled=True)
         shape = tuple(latents.shape[1:4])
-        plan = plan_video_decode(self.vae, shape, budget_bytes=self._free_budget())
-        if mode == "exact" and not plan.exact and self.runtime is not None:
-            # The exact decode needs the clip's activations whole (W1: ~29 GiB); the DiT's resident blocks leave
-            # the device for it and come back with the next request (its "dit_load" phase).
-            del plan
-            self._drop_dit()
-            plan = plan_video_decode(self.vae, shape, budget_bytes=self._free_budget())
-        if mode == "exact" and not plan.exact:
-            logger.warning(
-                "video decode: the exact decode does not fit the VRAM budget at %dx%dx%d latents; decoding in "
-                "slabs with running GroupNorm statistics instead (%s)", *shape, plan.describe()
-            )  # fmt: skip
+        plan = self._plan_decode(shape)
+        # What the decode may send away when it needs the room: the DiT's resident blocks (the next request reloads
+        # them, its "dit_load" phase), then text encoders kept resident. `exact` needs the whole clip (W1: ~29 GiB);
+        # `streamed` only needs something to fit.
+        for release in (self._drop_dit, self._drop_text):
+            if plan is not None and (plan.exact or mode == "streamed"):
+                break
+            release()
+            plan = self._plan_decode(shape)
+        if plan is None or (mode == "exact" and not plan.exact):
+            free = self._free_budget() / 2**30
+            raise RequestError(
+                f"the {'exact ' if mode == 'exact' else ''}video decode of {shape[0]}x{shape[1]}x{shape[2]} latents "
+                f"does not fit the {free:.1f} GiB the VRAM budget leaves with the DiT and text encoders off the "
+                "device; expected a larger K6_VRAM_BUDGET_GB, a smaller geometry, or K6_VIDEO_DECODE=streamed "
+                "(slabs with running GroupNorm statistics) or tiled"
+            )
         telemetry.video_decode = plan.describe()
         cuda = latents.is_cuda
         # Channels-last activations, cuDNN's timed algorithms and the fused GroupNorm+SiLU kernel: the fastest
@@ -210,7 +253,7 @@ class Pipeline:
         return decode_video_fast(
             self.vae,
             latents,
-            budget_bytes=self._free_budget(),
+            plan=plan,
             layout="ndhwc" if cuda else "ncdhw",
             cudnn_benchmark=cuda,
             triton_norm=cuda,
@@ -218,9 +261,7 @@ class Pipeline:
 
     def close(self) -> None:
         self._drop_dit()
-        if self._text is not None:
-            self._text.close()
-            self._text = None
+        self._drop_text()
 
     @property
     def sample_rate(self) -> int:
@@ -270,6 +311,7 @@ class Pipeline:
         # (image posterior, video, audio) is the reference pipeline's.
         generator = torch.Generator("cpu").manual_seed(request.seed)
 
+        self._check_decode_fits(request)
         if self.dit_leaves_for_text:
             self._drop_dit()
         with telemetry.phase("text_encode"):

@@ -1,4 +1,5 @@
-"""Decoders (and the reference-image encoder): diffusers' HunyuanVideo VAE with tiling, MMAudio VAE + vocoder."""
+"""Decoders (and the reference-image encoder): diffusers' HunyuanVideo VAE (loaded untiled; `decode_video` is its
+plain or tiled decode, k6fast.video_decode its exact whole-clip one), MMAudio VAE + vocoder."""
 
 from __future__ import annotations
 

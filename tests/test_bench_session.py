@@ -13,7 +13,14 @@ import pytest
 
 from k6fast.bench.records import load_session, read_jsonl
 from k6fast.bench.report import MARKER, headline, render
-from k6fast.bench.session import BenchError, SessionPlan, check_arm, child_environment, run_session
+from k6fast.bench.session import (
+    BenchError,
+    SessionPlan,
+    check_arm,
+    child_environment,
+    run_session,
+    with_command,
+)
 from k6fast.bench.workload import Geometry, parse_geometry
 
 # Stands in for `python -m k6fast.bench.visit --spec S --out O`: reads the spec, records its pid for the scripted
@@ -238,3 +245,7 @@ def test_session_switches_reach_every_k6fast_visit_and_the_peer_budget() -> None
         parse_session_switch("K6_COMPILE")
     with pytest.raises(ValueError, match="set twice"):
         _plan(["reference"], switches=(pair, pair))
+    with pytest.raises(ValueError, match="secret"):
+        parse_session_switch("K6_API_KEY=hunter2")
+    command = with_command(plan, "out").command
+    assert command.endswith("--set K6_MAX_RESIDENT_BLOCKS=4 --set K6_VRAM_BUDGET_GB=32"), command

@@ -1,19 +1,18 @@
 """The pipeline's video decode by K6_VIDEO_DECODE on the tiny checkpoint (CPU, fp32): `exact` (the default) equals
-diffusers' untiled decode and makes room by sending the DiT off the device when the budget needs it; `tiled` is
-diffusers' tiled decode; `streamed` decodes in slabs inside what the budget leaves."""
+diffusers' untiled decode and makes room by sending the DiT off the device when the budget needs it, or the request
+fails (up front where it can tell); `tiled` is diffusers' tiled decode; `streamed` decodes in slabs inside what the
+budget leaves beside the DiT."""
 
 from __future__ import annotations
-
-import logging
 
 import pytest
 import torch
 
-from k6fast.pipeline import Pipeline
+from k6fast.pipeline import Pipeline, Request, RequestError
 from k6fast.switches import load_options
 from k6fast.telemetry import Telemetry
 from k6fast.vae import decode_video
-from k6fast.video_decode import plan_video_decode
+from k6fast.video_decode import decode_video_fast, plan_video_decode
 
 
 @pytest.fixture(scope="module")
@@ -51,7 +50,7 @@ def test_default_decode_is_exact_and_equals_diffusers_untiled(pipe) -> None:
 
 
 def test_tiled_mode_is_diffusers_tiled_decode(pipe, monkeypatch) -> None:
-    latents = _latents(pipe)
+    latents = _latents(pipe, 5, 40, 40)  # 320 px: wider than diffusers' 256 px tiles, so tiling engages
     monkeypatch.setattr(pipe, "options", pipe.options.replace(video_decode="tiled"))
     telemetry = Telemetry()
     frames = pipe._decode_video(latents, telemetry)
@@ -61,16 +60,19 @@ def test_tiled_mode_is_diffusers_tiled_decode(pipe, monkeypatch) -> None:
     finally:
         pipe.vae.disable_tiling()
     assert torch.equal(frames, expected) and telemetry.video_decode.startswith("tiled")
+    assert (frames - _untiled(pipe.vae, latents)).abs().max().item() > 1e-3  # tiles: not the untiled decode
     assert not pipe.vae.use_tiling  # tiling is on for that decode only
 
 
-def test_exact_decode_sends_the_dit_away_when_the_budget_needs_it(tiny_distill, caplog) -> None:
+SMALL, ROOM = 400 << 20, 2 << 30  # at 5x32x32 latents: only a streamed plan fits 400 MiB (256 MiB kept aside)
+
+
+def test_exact_decode_sends_the_dit_away_when_the_budget_needs_it(tiny_distill) -> None:
     pipe = Pipeline(tiny_distill, load_options(environ={}), device="cpu")
     try:
         latents = _latents(pipe, 5, 32, 32)
-        small, room = 400 << 20, 2 << 30  # 400 MiB: only a streamed plan fits (the planner keeps 256 MiB aside)
-        assert not plan_video_decode(pipe.vae, (5, 32, 32), budget_bytes=small).exact
-        budgets = iter([small, room, room])  # too small beside the DiT; room once it has gone
+        assert not plan_video_decode(pipe.vae, (5, 32, 32), budget_bytes=SMALL).exact
+        budgets = iter([SMALL, ROOM])  # too small beside the DiT; room once it has gone
         pipe._free_budget = lambda: next(budgets)
         telemetry = Telemetry()
         frames = pipe._decode_video(latents, telemetry)
@@ -78,11 +80,40 @@ def test_exact_decode_sends_the_dit_away_when_the_budget_needs_it(tiny_distill, 
         assert "exact" in telemetry.video_decode
         assert (frames - _untiled(pipe.vae, latents)).abs().max().item() < 1e-5
 
-        # Where even an empty device cannot hold the exact decode, it streams and says so.
-        pipe._free_budget = lambda: small
-        with caplog.at_level(logging.WARNING, logger="k6fast.pipeline"):
+        # Where even an emptied device cannot hold the exact decode, the request fails and says what to change.
+        pipe._free_budget = lambda: SMALL
+        with pytest.raises(RequestError, match="K6_VIDEO_DECODE=streamed"):
             pipe._decode_video(latents, telemetry)
-        assert "does not fit the VRAM budget" in caplog.text
-        assert telemetry.video_decode.startswith("streamed")
+    finally:
+        pipe.close()
+
+
+def test_streamed_mode_keeps_the_dit_when_a_streamed_plan_fits(tiny_distill) -> None:
+    pipe = Pipeline(tiny_distill, load_options(environ={}).replace(video_decode="streamed"), device="cpu")
+    try:
+        latents = _latents(pipe, 5, 32, 32)
+        pipe._free_budget = lambda: SMALL
+        telemetry = Telemetry()
+        frames = pipe._decode_video(latents, telemetry)
+        assert pipe.runtime is not None and telemetry.video_decode.startswith("streamed")
+        plan = plan_video_decode(pipe.vae, (5, 32, 32), budget_bytes=SMALL)
+        assert torch.equal(frames, decode_video_fast(pipe.vae, latents, plan=plan))
+        budgets = iter([1 << 20, SMALL])  # nothing fits beside the DiT: it leaves, then a streamed plan fits
+        pipe._free_budget = lambda: next(budgets)
+        pipe._decode_video(latents, telemetry)
+        assert pipe.runtime is None
+    finally:
+        pipe.close()
+
+
+def test_a_request_whose_exact_decode_cannot_fit_fails_before_any_work(tiny_distill, monkeypatch) -> None:
+    import k6fast.pipeline as pipeline_module
+
+    pipe = Pipeline(tiny_distill, load_options(environ={}), device="cpu")
+    try:
+        pipe.budget_bytes = 300 << 20  # below what the tiny decode needs at 64x64x17 (~330 MiB with its reserve)
+        monkeypatch.setattr(pipeline_module, "encode_prompts", lambda *a, **k: pytest.fail("text encoded"))
+        with pytest.raises(RequestError, match="exact video decode of 64x64x17 does not fit"):
+            pipe.generate(Request(prompt="a cat", width=64, height=64, frames=17, steps=2))
     finally:
         pipe.close()

@@ -169,6 +169,8 @@ def check_session_switches(pairs: Sequence[tuple[str, str]]) -> None:
             raise ValueError(f"unknown switch {name!r}" + (f"; did you mean {hint}?" if hint else ""))
         if name in seen:
             raise ValueError(f"switch {name} is set twice for the session")
+        if switch.secret:  # the plan is written to session.json and rendered into measurements/README.md
+            raise ValueError(f"switch {name} is a secret and cannot be a session switch (it would be recorded)")
         seen.add(name)
         switch.parse(value)  # SwitchError (a ValueError) names the variable, the value and what is accepted
 
@@ -299,4 +301,6 @@ def with_command(plan: SessionPlan, out: Path | str) -> SessionPlan:
     argv += ["--dtype", plan.dtype] if plan.dtype else []
     argv += [] if plan.mux else ["--no-mux"]
     argv += ["--idle-timeout", f"{plan.idle_timeout_s:g}", "--visit-timeout", f"{plan.visit_timeout_s:g}"]
+    for name, value in plan.switches:
+        argv += ["--set", f"{name}={value}"]
     return replace(plan, command=shlex.join(argv))

@@ -185,9 +185,10 @@ def _fp8(x: Tensor, wq: Tensor, w_scale: Tensor, bias: Tensor | None) -> Tensor:
     from ..kernels.fp8_linear import fp8_linear
 
     flat = x.reshape(-1, x.shape[-1]).contiguous()
-    # Hopper's fast accumulation (fewer promotions of the wgmma accumulator to fp32): 1.78-1.88x cuBLAS bf16 instead
-    # of 1.66-1.73x at the W1 shapes, for 0.2-0.4 % relative L2 against the exact quantized product
-    # (measurements/sessions/2026-11-29_kernels/gemm.json), small beside e4m3's own ~3 %. The arm is lossy anyway.
+    # Hopper's fast accumulation (fewer promotions of the wgmma accumulator to fp32): this layer, row quantization
+    # included, runs at 1.64-1.73x cuBLAS bf16 instead of 1.58-1.64x at the W1 shapes, for 0.2-0.4 % relative L2
+    # against the exact quantized product (measurements/sessions/2026-11-29_h200-followup/gemm.json), small beside
+    # e4m3's own ~3.5 %. The arm is lossy anyway.
     out = fp8_linear(
         flat, wq, w_scale, bias=None if bias is None else bias.to(x.dtype), out_dtype=x.dtype, fast_accum=True
     )

@@ -343,6 +343,9 @@ class BlockStreamer:
             self._stop = True
             self._cond.notify_all()
         self._thread.join(timeout=30)
+        if self.cuda:
+            # Copies already queued into the slots must finish before their memory can go back to the allocator.
+            self._copy_stream.synchronize()
 
 
 def iter_prefix(index: Mapping[str, TensorLocation], prefixes: tuple[str, ...]) -> Iterator[TensorLocation]:

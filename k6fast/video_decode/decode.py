@@ -173,12 +173,13 @@ def decode_video_fast(
     vae: nn.Module,
     latents: Tensor,
     *,
-    budget_bytes: int,
+    budget_bytes: int | None = None,
     chunk_latent_frames: int | None = None,
     layout: str = "ncdhw",
     cudnn_benchmark: bool = False,
     triton_norm: bool = False,
     upsample_fusion: str = "auto",
+    plan: VideoDecodePlan | None = None,
 ) -> Tensor:
     """latents [B, T, H, W, C] (scaled) → frames fp32 [B, F, 8H, 8W, 3] in [0, 1], F = 4(T-1)+1: the output of
     `k6fast.vae.decode_video`, without diffusers' overlapping tiles.
@@ -187,7 +188,8 @@ def decode_video_fast(
     (activations, temporaries, carried frames, the fp32 output). When the whole decode fits, the result is diffusers'
     untiled decode up to float rounding (`plan_video_decode(...).exact`), plain or lean (`upsample_fusion`, see
     `plan_video_decode`); otherwise the up blocks stream and their GroupNorms use running statistics.
-    `chunk_latent_frames` forces streaming in slabs of that many latent frames.
+    `chunk_latent_frames` forces streaming in slabs of that many latent frames. `plan`: a plan made beforehand
+    (instead of `budget_bytes`), so that the caller decodes with the plan it decided on.
     `layout` "ndhwc" keeps activations channels-last (cuDNN's native 3D layout); `cudnn_benchmark` lets cuDNN time
     its convolution algorithms during this decode only; `triton_norm` runs GroupNorm+SiLU as one Triton kernel
     (kernels/groupnorm_silu.py) instead of PyTorch's three passes through fp32. Samples of a batch are decoded one
@@ -195,13 +197,18 @@ def decode_video_fast(
     """
     if latents.ndim != 5:
         raise ValueError(f"expected latents [B, T, H, W, C], found {tuple(latents.shape)}")
-    plan = plan_video_decode(
-        vae,
-        tuple(latents.shape[1:4]),
-        budget_bytes=budget_bytes,
-        chunk_latent_frames=chunk_latent_frames,
-        upsample_fusion=upsample_fusion,
-    )
+    if (plan is None) == (budget_bytes is None):
+        raise ValueError("expected either budget_bytes (to plan the decode) or a plan from plan_video_decode")
+    if plan is None:
+        plan = plan_video_decode(
+            vae,
+            tuple(latents.shape[1:4]),
+            budget_bytes=budget_bytes,
+            chunk_latent_frames=chunk_latent_frames,
+            upsample_fusion=upsample_fusion,
+        )
+    elif plan.latent_shape != tuple(latents.shape[1:4]):
+        raise ValueError(f"the plan is for latents {plan.latent_shape}, found {tuple(latents.shape[1:4])}")
     logger.info("video decode: %s", plan.describe())
     frames, _ = _decode(vae, latents, plan, layout=layout, cudnn_benchmark=cudnn_benchmark, triton_norm=triton_norm)
     return frames
