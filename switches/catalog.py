@@ -30,8 +30,9 @@ VIDEO_DECODE = Switch(
     default="exact",
     choices=("exact", "streamed", "tiled"),
     doc="video VAE decode: exact = k6fast's whole-clip decode, equal to diffusers' untiled one (the DiT's weights "
-    "leave the device for it when the budget needs them to); streamed = k6fast's decode in slabs beside the DiT "
-    "(running GroupNorm statistics); tiled = diffusers' tiled decode",
+    "leave the device for it when the budget needs them to; a request it cannot fit fails); streamed = k6fast's "
+    "decode inside what the budget leaves beside the DiT (whole-clip where that fits, else slabs with running "
+    "GroupNorm statistics); tiled = diffusers' tiled decode",
     lossy=True,
 )
 KEEP_TEXT_ENCODERS = Switch(
