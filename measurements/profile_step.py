@@ -333,6 +333,9 @@ def profile(args: argparse.Namespace, model: Path, geometry: Geometry, device: t
             run_request(pipe, request, work / f"warmup{i}.mp4")
         result, wall_s = run_request(pipe, request, work / "measured.mp4")
         measured = request_record(result.telemetry, wall_s, pipe.load_seconds)
+        if args.out:  # kept if the profiled step fails: the measured request is the costly part of a GPU run
+            write_record(args.out, {"script": "profile_step", "arm": options.arm_name, "request": measured,
+                                    "step": None, "note": "partial: the profiled step did not finish"})  # fmt: skip
 
         profiler = OneStepProfiler(step, cuda=device.type == "cuda")
         with contextlib.suppress(Cancelled):  # the profiler cancels the request after its step
@@ -453,11 +456,15 @@ def main(argv: list[str] | None = None) -> dict:
             model = make_tiny(work / "tiny", variant="distill", seed=0)
         record = profile(args, model, geometry, device, work)
     if args.out:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        with open(args.out, "w") as f:
-            json.dump(record, f, indent=1)
+        write_record(args.out, record)
     print_report(record)
     return record
+
+
+def write_record(path: Path, record: dict) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "w") as f:
+        json.dump(record, f, indent=1)
 
 
 if __name__ == "__main__":
