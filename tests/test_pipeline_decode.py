@@ -117,3 +117,21 @@ def test_a_request_whose_exact_decode_cannot_fit_fails_before_any_work(tiny_dist
             pipe.generate(Request(prompt="a cat", width=64, height=64, frames=17, steps=2))
     finally:
         pipe.close()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_gpu_sending_the_dit_away_frees_its_memory_and_the_next_request_reloads_it(tiny_distill) -> None:
+    pipe = Pipeline(tiny_distill, load_options(environ={}), device="cuda")
+    try:
+        weights = int(0.9 * pipe.runtime.plan.weight_bytes)  # the planner's footprint; allocations round up
+        before = torch.cuda.memory_allocated(pipe.device)
+        free_before = pipe._free_budget()
+        pipe._drop_dit()
+        assert torch.cuda.memory_allocated(pipe.device) <= before - weights
+        assert pipe._free_budget() >= free_before + weights
+        result = pipe.generate(Request(prompt="a cat", width=64, height=64, frames=17, steps=2))
+        assert pipe.runtime is not None and "dit_load" in result.telemetry.phases
+        assert "exact" in result.telemetry.video_decode
+    finally:
+        pipe.close()
