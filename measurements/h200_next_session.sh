@@ -45,7 +45,7 @@ part2)
 part3)
   step gpu tests
   timeout 150 python3 -m pytest -q -m gpu -p no:cacheprovider "$repo/tests/test_quant_attention.py" \
-    "$repo/tests/test_video_decode.py" "$repo/tests/test_groupnorm_silu.py" 2>&1 | tail -4
+    "$repo/tests/test_video_decode.py" "$repo/tests/test_groupnorm_silu.py" "$repo/tests/test_pipeline_decode.py" 2>&1 | tail -4
   step nvfp4
   timeout 90 python3 "$repo/measurements/bench_nvfp4.py" --out "$out/nvfp4.json" | tail -12
   step attention configs
