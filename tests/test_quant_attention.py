@@ -280,10 +280,10 @@ def test_fp8_path_logic_interpreted(config, monkeypatch):
     # The interpreter's fp32 -> e4m3 conversion is not the GPU's (no subnormals, no carry on rounding up), so the
     # public API refuses FP8 there. The kernel's FP8 bookkeeping (P's 448 folded into exp2 and l, the per-tile FP32
     # add, V's scale and smoothing) is still checked here: the reference is given the interpreter's own conversion.
-    interpreter = pytest.importorskip("triton.runtime.interpreter")
     import numpy as np
     import triton.language as tl
     from triton._C.libtriton import ir
+    from triton.runtime import interpreter
 
     def interpreter_fp8(p448: torch.Tensor) -> torch.Tensor:
         a = p448.float().contiguous().numpy()
