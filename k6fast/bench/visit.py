@@ -187,26 +187,37 @@ def peak_vram(device: torch.device) -> dict[str, int]:
     return {"allocated": torch.cuda.max_memory_allocated(device), "reserved": torch.cuda.max_memory_reserved(device)}
 
 
-class K6Pipeline:
-    """k6fast's Pipeline: text to MP4. The MP4 goes to a temporary folder and is deleted (muxing is timed)."""
+class _K6Runner:
+    """What every k6fast runner shares: the arm's options, the device and dtype, and its provenance."""
 
     def __init__(self, spec: VisitSpec, options):
         self.spec, self.options = spec, options
         self.device, self.dtype = spec.resolved_device(), spec.resolved_dtype()
+
+    def _pipeline(self):
+        """The Pipeline a request runs, planned for the visit's geometry."""
+        from ..pipeline import Pipeline
+
+        g = self.spec.geometry
+        return Pipeline(self.spec.model, self.options, device=self.device, dtype=self.dtype,
+                        plan_geometry=(g.width, g.height, g.frames))  # fmt: skip
+
+    def describe(self) -> dict[str, Any]:
+        from ..switches import provenance
+
+        return provenance(self.options)
+
+
+class K6Pipeline(_K6Runner):
+    """k6fast's Pipeline: text to MP4. The MP4 goes to a temporary folder and is deleted (muxing is timed)."""
+
+    def __init__(self, spec: VisitSpec, options):
+        super().__init__(spec, options)
         self._tmp = tempfile.TemporaryDirectory(prefix="k6fast-bench-")
         self._count = 0
 
     def load(self) -> None:
-        from ..pipeline import Pipeline
-
-        g = self.spec.geometry
-        self.pipe = Pipeline(
-            self.spec.model,
-            self.options,
-            device=self.device,
-            dtype=self.dtype,
-            plan_geometry=(g.width, g.height, g.frames),
-        )
+        self.pipe = self._pipeline()
 
     def run(self) -> dict[str, Any]:
         from ..pipeline import Request
@@ -235,11 +246,6 @@ class K6Pipeline:
         record["peak_vram_reserved_bytes"] = peak_vram(self.device)["reserved"]  # generate resets the peaks
         return {"seconds": seconds, "telemetry": record}
 
-    def describe(self) -> dict[str, Any]:
-        from ..switches import provenance
-
-        return provenance(self.options)
-
 
 def time_call(
     device: torch.device, phase: str, call: Callable[[], object], on_done: Callable[[Any], None] | None = None
@@ -262,27 +268,15 @@ def time_call(
     return {"seconds": seconds, "telemetry": record}
 
 
-class K6DiTRunner:
+class K6DiTRunner(_K6Runner):
     """The DiT exactly as the Pipeline builds it (so whatever runtime the Pipeline uses is what is timed), fed
     synthetic inputs of the request's shapes."""
 
-    def __init__(self, spec: VisitSpec, options):
-        self.spec, self.options = spec, options
-        self.device, self.dtype = spec.resolved_device(), spec.resolved_dtype()
-
     def load(self) -> None:
-        from ..pipeline import Pipeline
-
         g = self.spec.geometry
         # The decoders load too (they take no part in a DiT forward): building the Pipeline is what guarantees
         # the DiT timed is the one a request runs, residency plan and weight streaming included.
-        self.pipe = Pipeline(
-            self.spec.model,
-            self.options,
-            device=self.device,
-            dtype=self.dtype,
-            plan_geometry=(g.width, g.height, g.frames),
-        )
+        self.pipe = self._pipeline()
         audio_len = audio_tokens(self.pipe.ckpt.root, g)
         self.inputs = dit_inputs(self.pipe.ckpt.dit, g, audio_len, self.device, self.dtype, self.spec.seed)
 
@@ -294,20 +288,11 @@ class K6DiTRunner:
     def run(self) -> dict[str, Any]:
         return time_call(self.device, "dit_forward", lambda: self.pipe.dit(**self.inputs), self._stream_timings)
 
-    def describe(self) -> dict[str, Any]:
-        from ..switches import provenance
 
-        return provenance(self.options)
-
-
-class K6BlockRunner:
+class K6BlockRunner(_K6Runner):
     """Fused block 0's weights through `k6fast.dit.blocks.fused_block` with the arm's backend (the switches'
     attention and GEMM dispatch). Per-block and per-step policies (exact attention on the first blocks and steps)
     are told this is a middle block of step 1, so the block is timed on the path most blocks take."""
-
-    def __init__(self, spec: VisitSpec, options):
-        self.spec, self.options = spec, options
-        self.device, self.dtype = spec.resolved_device(), spec.resolved_dtype()
 
     def load(self) -> None:
         from ..checkpoint import open_checkpoint
@@ -341,11 +326,6 @@ class K6BlockRunner:
         result = time_call(self.device, "block", lambda: fused_block(*args))
         result["policy_position"] = self.policy_position
         return result
-
-    def describe(self) -> dict[str, Any]:
-        from ..switches import provenance
-
-        return provenance(self.options)
 
 
 def make_runner(spec: VisitSpec) -> Runner:
