@@ -289,15 +289,13 @@ def fp8_linear_ref(
     w_scale: Tensor,
     bias: Tensor | None = None,
     out_dtype: torch.dtype = torch.bfloat16,
-    *,
-    fast_accum: bool = False,
 ) -> Tensor:
     """The same quantized product as `fp8_linear`, computed in fp32 from dequantized operands.
 
     x: [..., K] float (quantized here with `quantize_rows_fp8_ref`) or (xq [..., K] e4m3, x_scale [..., 1] fp32);
-    wq: [N, K] e4m3; w_scale: [1, N] or [N] fp32; bias: [N] or None → [..., N] out_dtype. `fast_accum` is accepted
-    for signature parity and ignored: this is the exact product of the quantized operands. fp32 matmuls here follow
-    PyTorch's TF32 setting (off by default)."""
+    wq: [N, K] e4m3; w_scale: [1, N] or [N] fp32; bias: [N] or None → [..., N] out_dtype. The exact
+    product of the quantized operands (no fast accumulation); fp32 matmuls here follow PyTorch's TF32 setting (off
+    by default)."""
     xq, x_scale = x if isinstance(x, tuple) else quantize_rows_fp8_ref(x)
     n, k = wq.shape
     a = xq.reshape(-1, k).float() * x_scale.reshape(-1, 1)
@@ -325,7 +323,7 @@ def _fp8_rowwise_mm_op(
         return torch._scaled_mm(
             xq, wq.t(), scale_a=x_scale, scale_b=w_scale, bias=bias, out_dtype=out_dtype, use_fast_accum=fast_accum
         )
-    return fp8_linear_ref((xq, x_scale), wq, w_scale, bias, out_dtype, fast_accum=fast_accum)
+    return fp8_linear_ref((xq, x_scale), wq, w_scale, bias, out_dtype)  # exact: fast_accum has no meaning here
 
 
 @_fp8_rowwise_mm_op.register_fake
