@@ -144,6 +144,11 @@ class Pipeline:
             self._text: TextEncoders | None = None
             self.vae = load_video_vae(self.ckpt.root, self.device, self.dtype)
             self.audio_vae, self.vocoder = load_audio_decoder(self.ckpt.root, self.device, self.dtype)
+            self._decoder_bytes = sum(  # what stays on the device whatever else leaves it
+                t.numel() * t.element_size()
+                for module in (self.vae, self.audio_vae, self.vocoder)
+                for t in (*module.parameters(), *module.buffers())
+            )
             self.scheduler = self._load_scheduler()
         self.load_seconds = telemetry.phases["load"]
 
@@ -196,13 +201,8 @@ class Pipeline:
         than after its denoising."""
         if self.options.video_decode != "exact":
             return
-        decoders = sum(
-            t.numel() * t.element_size()
-            for module in (self.vae, self.audio_vae, self.vocoder)
-            for t in (*module.parameters(), *module.buffers())
-        )
         shape = ((request.frames - 1) // TEMPORAL_STRIDE + 1, request.height // 8, request.width // 8)
-        room = self.budget_bytes - decoders
+        room = self.budget_bytes - self._decoder_bytes
         try:
             exact = plan_video_decode(self.vae, shape, budget_bytes=room).exact
         except ValueError:
