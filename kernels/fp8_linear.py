@@ -407,10 +407,11 @@ def _fp16acc_linear_kernel(
     stride_wn,
     stride_ym,
     HAS_BIAS: tl.constexpr,
-    EVEN_K: tl.constexpr,
+    EVEN_K: tl.constexpr,  # K is a multiple of the chunk (BLOCK_K * CHUNK_STEPS)
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
-    BLOCK_K: tl.constexpr,  # = the fp16 accumulation chunk
+    BLOCK_K: tl.constexpr,
+    CHUNK_STEPS: tl.constexpr,  # BLOCK_K-deep MMAs per fp16 chunk: the chunk is BLOCK_K * CHUNK_STEPS wide
     GROUP_M: tl.constexpr,
 ):
     pid_m, pid_n = grouped_tile(tl.program_id(0), M, N, BLOCK_M, BLOCK_N, GROUP_M)
@@ -425,20 +426,23 @@ def _fp16acc_linear_kernel(
     w_ptrs = w_ptr + rn[None, :].to(tl.int64) * stride_wn + offs_k[:, None]
 
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for k in range(0, tl.cdiv(K, BLOCK_K)):
-        if EVEN_K:
-            a = tl.load(x_ptrs)
-            b = tl.load(w_ptrs)
-        else:
-            k_ok = offs_k < K - k * BLOCK_K
-            a = tl.load(x_ptrs, mask=k_ok[None, :], other=0.0)
-            b = tl.load(w_ptrs, mask=k_ok[:, None], other=0.0)
-        # FP16 accumulation is confined to one BLOCK_K chunk (|partial sums| must stay below 65504; rounding error
-        # grows with the chunk length only), then the chunk is added to the fp32 accumulator.
-        chunk = tl.dot(a.to(tl.float16), b.to(tl.float16), out_dtype=tl.float16)
-        acc += chunk.to(tl.float32)
-        x_ptrs += BLOCK_K
-        w_ptrs += BLOCK_K
+    for c in range(0, tl.cdiv(K, BLOCK_K * CHUNK_STEPS)):
+        # FP16 accumulation is confined to one chunk (|partial sums| must stay below 65504; the rounding error grows
+        # with the chunk length only): the chunk's MMAs chain on an fp16 accumulator (no wait between them), then
+        # the chunk is added to the fp32 accumulator.
+        part = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float16)
+        for s in tl.static_range(CHUNK_STEPS):
+            if EVEN_K:
+                a = tl.load(x_ptrs)
+                b = tl.load(w_ptrs)
+            else:  # steps past K load zeros
+                k_ok = offs_k < K - (c * CHUNK_STEPS + s) * BLOCK_K
+                a = tl.load(x_ptrs, mask=k_ok[None, :], other=0.0)
+                b = tl.load(w_ptrs, mask=k_ok[:, None], other=0.0)
+            part = tl.dot(a.to(tl.float16), b.to(tl.float16), part, out_dtype=tl.float16)
+            x_ptrs += BLOCK_K
+            w_ptrs += BLOCK_K
+        acc += part.to(tl.float32)
 
     if HAS_BIAS:
         acc += tl.load(bias_ptr + rn).to(tl.float32)[None, :]
@@ -446,23 +450,32 @@ def _fp16acc_linear_kernel(
     tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=(offs_m[:, None] < M) & (offs_n[None, :] < N))
 
 
+FP16ACC_CHUNKS = (32, 64, 128, 256)
+
+
+def fp16acc_chunk_steps(k_chunk: int) -> tuple[int, int]:
+    """(BLOCK_K, CHUNK_STEPS) of a chunk width: MMAs at most 64 deep, chained CHUNK_STEPS times on fp16."""
+    block_k = min(k_chunk, 64)
+    return block_k, k_chunk // block_k
+
+
 # Tiles for sm_90 (wgmma, 227 KB shared memory) and sm_89/sm_120 (mma.sync, ~100 KB): configs that do not fit a
 # card's shared memory are skipped by the autotuner. Each chunk ends in a wait for its MMAs and an fp16→fp32 add of
-# the whole tile on the ALUs (~as long as a 32-deep chunk's MMAs on Hopper), so the small-tile configs are there to put
-# several CTAs on an SM and let one CTA's adds overlap another's MMAs.
+# the whole tile on the ALUs, so longer chunks (fewer waits) and configs that put two CTAs on an SM (one CTA's adds
+# overlap the other's MMAs) are what is tried.
 _FP16ACC_CONFIGS = [
     triton.Config({"BLOCK_M": 128, "BLOCK_N": 256, "GROUP_M": 8}, num_warps=8, num_stages=3),
-    triton.Config({"BLOCK_M": 128, "BLOCK_N": 256, "GROUP_M": 8}, num_warps=8, num_stages=4),
     triton.Config({"BLOCK_M": 256, "BLOCK_N": 128, "GROUP_M": 8}, num_warps=8, num_stages=3),
-    triton.Config({"BLOCK_M": 128, "BLOCK_N": 128, "GROUP_M": 8}, num_warps=8, num_stages=4),
+    triton.Config({"BLOCK_M": 128, "BLOCK_N": 128, "GROUP_M": 8}, num_warps=8, num_stages=3),
+    triton.Config({"BLOCK_M": 128, "BLOCK_N": 128, "GROUP_M": 8}, num_warps=4, num_stages=3),
     triton.Config({"BLOCK_M": 128, "BLOCK_N": 128, "GROUP_M": 8}, num_warps=4, num_stages=4),
-    triton.Config({"BLOCK_M": 64, "BLOCK_N": 256, "GROUP_M": 8}, num_warps=4, num_stages=4),
-    triton.Config({"BLOCK_M": 128, "BLOCK_N": 64, "GROUP_M": 8}, num_warps=4, num_stages=5),
-    triton.Config({"BLOCK_M": 64, "BLOCK_N": 128, "GROUP_M": 8}, num_warps=4, num_stages=5),
+    triton.Config({"BLOCK_M": 64, "BLOCK_N": 256, "GROUP_M": 8}, num_warps=4, num_stages=3),
+    triton.Config({"BLOCK_M": 128, "BLOCK_N": 64, "GROUP_M": 8}, num_warps=4, num_stages=4),
+    triton.Config({"BLOCK_M": 64, "BLOCK_N": 128, "GROUP_M": 8}, num_warps=4, num_stages=4),
 ]
-_fp16acc_linear_tuned = triton.autotune(configs=_FP16ACC_CONFIGS, key=["M", "N", "K", "BLOCK_K", "HAS_BIAS"])(
-    _fp16acc_linear_kernel
-)
+_fp16acc_linear_tuned = triton.autotune(
+    configs=_FP16ACC_CONFIGS, key=["M", "N", "K", "BLOCK_K", "CHUNK_STEPS", "HAS_BIAS"]
+)(_fp16acc_linear_kernel)
 # Under the interpreter (CPU tensors) autotuning would time every config on the CPU: one small tile instead.
 _INTERPRETER_TILE = {"BLOCK_M": 32, "BLOCK_N": 32, "GROUP_M": 4}
 
@@ -489,7 +502,8 @@ def fp16acc_linear_triton(
     if m == 0:
         return y.reshape(*x.shape[:-1], n)
     args = (x2, w16, bias if bias is not None else y, y, m, n, k, x2.stride(0), w16.stride(0), y.stride(0))
-    flags = {"HAS_BIAS": bias is not None, "EVEN_K": k % k_chunk == 0, "BLOCK_K": k_chunk}
+    block_k, steps = fp16acc_chunk_steps(k_chunk)
+    flags = {"HAS_BIAS": bias is not None, "EVEN_K": k % k_chunk == 0, "BLOCK_K": block_k, "CHUNK_STEPS": steps}
     if x.device.type == "cuda":
         grid = lambda meta: (triton.cdiv(m, meta["BLOCK_M"]) * triton.cdiv(n, meta["BLOCK_N"]),)
         _fp16acc_linear_tuned[grid](*args, **flags)
@@ -548,8 +562,8 @@ def fp16acc_linear(
         raise ValueError(
             f"fp16acc_linear: expected a float bias ({w.shape[0]},), found {bias.dtype} {tuple(bias.shape)}"
         )
-    if k_chunk not in (32, 64):
-        raise ValueError(f"fp16acc_linear: expected k_chunk 32 or 64, found {k_chunk}")
+    if k_chunk not in FP16ACC_CHUNKS:
+        raise ValueError(f"fp16acc_linear: expected k_chunk one of {FP16ACC_CHUNKS}, found {k_chunk}")
     if out_dtype not in _FLOAT_DTYPES:
         raise ValueError(f"fp16acc_linear: expected out_dtype bfloat16, float16 or float32, found {out_dtype}")
     return _fp16acc_linear_op(x, w, bias, out_dtype, k_chunk)

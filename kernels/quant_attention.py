@@ -15,11 +15,11 @@ The scheme (SageAttention 2, Zhang et al. 2024):
 1. K smoothing: subtract the per-(b, h, channel) mean of K over tokens. Softmax is invariant to adding the same
    value to every score of a row, and q·mean(K) is such a value; removing it takes the large per-channel offsets
    of DiT keys out of the INT8 range, which is where most of K's quantization error would come from.
-2. Q to INT8 per block of 128 query rows, K to INT8 per block of 64 key rows, scale = absmax / 127, rounding half
-   away from zero. sm_scale·log2(e) is folded into Q's scale so the softmax runs on exp2.
+2. Q to INT8 per block of 128 query rows, K to INT8 per block of k_block (64 or 128, per GPU) key rows, scale =
+   absmax / 127, rounding half away from zero. sm_scale·log2(e) is folded into Q's scale so the softmax runs on exp2.
 3. S = int8 Q·Kᵀ accumulated in INT32 (exact), dequantized by q_scale·k_scale; online softmax in FP32 with the
-   running row maximum updated every 64 keys (the kernel and the reference share this granularity because the FP8
-   rounding of P depends on the running maximum).
+   running row maximum updated every k_block keys (the kernel and the reference share this granularity because
+   the FP8 rounding of P depends on the running maximum).
 4. P·V: FP8 e4m3 on GPUs with FP8 tensor cores (sm_89 and newer): V smoothed (its per-(b, h, channel) mean
    removed and added back to O, exact because each row of P sums to 1 after normalisation, together with a
    correction for the mean rounding error of the quantized V, see ``QuantizedQKV.v_offset``), scaled per
@@ -47,6 +47,7 @@ Implementations by architecture (see ``_select_implementation``):
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import logging
 import math
@@ -74,7 +75,9 @@ __all__ = [
 logger = logging.getLogger(__name__)
 
 Q_BLOCK = 128  # query rows per Q scale
-K_BLOCK = 64  # key rows per K scale; also the kernel's key tile and the online-softmax update granularity
+K_BLOCK = 64  # default key rows per K scale (QuantAttentionConfig.block_n); also the kernel's key tile and the
+# online-softmax update granularity, so the quantization and the kernel must agree on it (QuantizedQKV.k_block)
+K_BLOCKS = (64, 128)
 SUPPORTED_HEAD_DIMS = (64, 128)
 SUPPORTED_DTYPES = (torch.bfloat16, torch.float16)
 
@@ -83,7 +86,11 @@ FP8_MAX = 448.0  # largest finite float8 e4m3fn
 # Keeps 127 / absmax and 448 / absmax finite for all-zero blocks (e.g. K after smoothing when N == 1).
 _ABSMAX_FLOOR = 1e-30
 _STATS_CHUNK = 2048  # key rows summed per program in the K-mean / V-absmax pass
-_KV_QUANT_SUB_BLOCKS = 4  # K_BLOCK-row blocks quantized per program
+# Rows per step of that pass: four [rows, D] fp32 accumulators stay in registers at 64 (at 128 they spilled: the
+# prologue took 4.2 ms instead of 2.6 ms at W1 on an H200). The quantization pass scales per k_block rows and gives
+# 128-row blocks twice the warps for the same reason.
+_STATS_ROWS = 64
+_KV_QUANT_ROWS = 256  # key rows quantized per program (k_block-row blocks, one after another)
 
 # An int32 x with |x| < 2**22 plus the bits of 1.5 * 2**23 is the fp32 1.5 * 2**23 + x exactly. This replaces the
 # int32 -> fp32 conversion (I2F runs at 16/clk/SM on sm_90, as slow as exp2) by an integer add. |Q·Kᵀ| <= 127² · 128
@@ -104,12 +111,16 @@ class QuantAttentionConfig:
     """Launch parameters of the attention core; none of them changes the numerics except ``exp2_poly``.
 
     block_m: query rows per program (64 or 128; divides Q_BLOCK so a program sees one Q scale).
+    block_n: keys per tile = keys per K scale = keys per online-softmax update (64 or 128). Changes the numerics
+      (the K scale granularity), so the quantization is done for it: ``quantize_qkv(..., k_block=block_n)``.
     unroll: 64-key tiles per loop iteration (1 or 2).
     exp2_poly: with unroll 2, the second tile of each pair computes exp2 with a cubic polynomial on the FMA units
       instead of the MUFU unit (FlashAttention-4's trick: MUFU does 16 exp2/clk/SM on sm_90, about as long as the
       INT8 and FP8 MMAs of the tile take). It costs about 8 FMA/ALU instructions per element on pipes the softmax
       already keeps busy, so whether it pays is for the benchmark sweep to say. Relative error of P 7.6e-5, far
       below P's FP8/FP16 rounding.
+    maxnreg: registers per thread the compiler may use (None: its choice, up to 255). A cap lets more programs share
+      an SM (65,536 registers), so one program's softmax overlaps another's MMAs, at the price of spills.
     """
 
     block_m: int = 128
@@ -117,6 +128,8 @@ class QuantAttentionConfig:
     num_stages: int = 3
     unroll: int = 1
     exp2_poly: bool = False
+    maxnreg: int | None = None
+    block_n: int = K_BLOCK
 
     def __post_init__(self) -> None:
         if self.block_m not in (64, 128):
@@ -129,22 +142,32 @@ class QuantAttentionConfig:
             raise ValueError(f"unroll: expected 1 or 2, found {self.unroll}")
         if self.exp2_poly and self.unroll != 2:
             raise ValueError(f"exp2_poly needs unroll=2 (it alternates with MUFU exp2), found unroll={self.unroll}")
+        if self.block_n not in K_BLOCKS:
+            raise ValueError(f"block_n: expected one of {K_BLOCKS}, found {self.block_n}")
+        if self.maxnreg is not None and not 64 <= self.maxnreg <= 255:
+            raise ValueError(f"maxnreg: expected None or 64..255, found {self.maxnreg}")
 
 
 _DEFAULT_CONFIG = QuantAttentionConfig()
-# Per (compute capability, head_dim); anything missing runs _DEFAULT_CONFIG. Update from
+# Per compute capability, then (head_dim, FP8 P·V); anything missing runs _DEFAULT_CONFIG. Update from
 # `measurements/bench_attention.py --sweep` results.
-_CONFIGS: dict[tuple[int, int], dict[int, QuantAttentionConfig]] = {
-    (9, 0): {128: QuantAttentionConfig(128, 8, 3), 64: QuantAttentionConfig(128, 8, 3)},
+_CONFIGS: dict[tuple[int, int], dict[tuple[int, bool], QuantAttentionConfig]] = {
+    # head_dim 128 on an H200 at W1 (measurements/sessions/2026-11-29_attention-sweep): FP8 P·V 55.2 ms with one
+    # warpgroup and 128-key tiles vs 68.2 ms for the default; FP16 P·V is best with the default (72.8 ms; 92.3 ms
+    # with the FP8 choice). head_dim 64 not swept yet.
+    (9, 0): {(128, True): QuantAttentionConfig(64, 4, 3, block_n=128)},
 }
 # What `bench_attention.py --sweep` tries; small on purpose (each one is a separate compile).
 CANDIDATE_CONFIGS: tuple[QuantAttentionConfig, ...] = (
     QuantAttentionConfig(128, 8, 3),
-    QuantAttentionConfig(128, 8, 4),
-    QuantAttentionConfig(128, 8, 2),
-    QuantAttentionConfig(128, 8, 3, unroll=2),
-    QuantAttentionConfig(128, 8, 3, unroll=2, exp2_poly=True),
+    QuantAttentionConfig(128, 8, 2, maxnreg=128),
+    # One warpgroup per program: with registers and shared memory for two or three programs per SM, one program's
+    # softmax runs while another's MMAs do (the overlap FA3 gets from ping-pong scheduling). 168 registers x 128
+    # threads fit three programs per SM.
     QuantAttentionConfig(64, 4, 3),
+    QuantAttentionConfig(64, 4, 2, maxnreg=168),
+    QuantAttentionConfig(64, 4, 3, maxnreg=168),
+    QuantAttentionConfig(64, 4, 4, maxnreg=168),
 )
 
 
@@ -154,8 +177,8 @@ class QuantizedQKV:
 
     q8: [B, H, M_pad, D] int8, M_pad = ceil(M / Q_BLOCK) · Q_BLOCK.
     q_scale: [B, H, M_pad / Q_BLOCK] fp32, absmax / 127 · sm_scale · log2(e).
-    k8: [B, H, N_pad, D] int8 of the smoothed K, N_pad = ceil(N / K_BLOCK) · K_BLOCK.
-    k_scale: [B, H, N_pad / K_BLOCK] fp32, absmax / 127.
+    k8: [B, H, N_pad, D] int8 of the smoothed K, N_pad = ceil(N / k_block) · k_block.
+    k_scale: [B, H, N_pad / k_block] fp32, absmax / 127.
     vt: [B, H, D, N_pad] V transposed (tokens contiguous, so V is K-major as the B operand of P·V, which sm_90's
       FP8 wgmma requires): float8_e4m3fn V_q = (V - mean(V)) / v_scale when pv_fp8, else fp16 (V as is).
     v_scale: [B, H, D] fp32 absmax(V - mean(V)) / 448 when pv_fp8, else None.
@@ -177,6 +200,7 @@ class QuantizedQKV:
     num_kv: int
     out_dtype: torch.dtype
     pv_fp8: bool
+    k_block: int = K_BLOCK  # keys per K scale: the attention core must use it as its key tile (block_n)
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -244,10 +268,10 @@ def _on_device(device: torch.device) -> contextlib.AbstractContextManager:
     return torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()
 
 
-def _config_for(device: torch.device, head_dim: int) -> QuantAttentionConfig:
+def _config_for(device: torch.device, head_dim: int, pv_fp8: bool) -> QuantAttentionConfig:
     if device.type != "cuda":
         return _DEFAULT_CONFIG
-    return _CONFIGS.get(torch.cuda.get_device_capability(device), {}).get(head_dim, _DEFAULT_CONFIG)
+    return _CONFIGS.get(torch.cuda.get_device_capability(device), {}).get((head_dim, pv_fp8), _DEFAULT_CONFIG)
 
 
 def _check_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sm_scale: float | None) -> float:
@@ -288,8 +312,10 @@ def quant_attention(
     _check_inputs(q, k, v, sm_scale)
     if _select_implementation(q.device) == "reference":
         return quant_attention_ref(q, k, v, pv_fp8=pv_fp8, sm_scale=sm_scale)
-    qkv = quantize_qkv(q, k, v, pv_fp8=_resolve_pv_fp8(pv_fp8, q.device), sm_scale=sm_scale)
-    return attention_quantized(qkv)
+    pv_fp8 = _resolve_pv_fp8(pv_fp8, q.device)
+    cfg = _config_for(q.device, q.shape[3], pv_fp8)
+    qkv = quantize_qkv(q, k, v, pv_fp8=pv_fp8, sm_scale=sm_scale, k_block=cfg.block_n)
+    return attention_quantized(qkv, config=cfg)
 
 
 # For compiled callers (the DiT's compiled block): one opaque op. Traced inline, the Python decisions above (reference
@@ -309,12 +335,20 @@ def _(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
 
 
 def quant_attention_ref(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, pv_fp8: bool | None = None, sm_scale: float | None = None
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    pv_fp8: bool | None = None,
+    sm_scale: float | None = None,
+    k_block: int | None = None,
 ) -> torch.Tensor:
-    """PyTorch reference of ``quant_attention``: the same scheme step by step in FP32. Same shapes and dtypes."""
+    """PyTorch reference of ``quant_attention``: the same scheme step by step in FP32. Same shapes and dtypes.
+    k_block None: the one the kernel uses on q's device."""
     _check_inputs(q, k, v, sm_scale)
     fp8 = _has_fp8_tensor_cores(q.device) if pv_fp8 is None else bool(pv_fp8)
-    return attention_quantized_ref(quantize_qkv_ref(q, k, v, pv_fp8=fp8, sm_scale=sm_scale))
+    k_block = _config_for(q.device, q.shape[3], fp8).block_n if k_block is None else k_block
+    return attention_quantized_ref(quantize_qkv_ref(q, k, v, pv_fp8=fp8, sm_scale=sm_scale, k_block=k_block))
 
 
 def attention_fp32(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, sm_scale: float | None = None) -> torch.Tensor:
@@ -349,21 +383,36 @@ def _padded(n: int, block: int) -> int:
     return triton.cdiv(n, block) * block
 
 
+def _check_k_block(k_block: int) -> int:
+    if k_block not in K_BLOCKS:
+        raise ValueError(f"k_block: expected one of {K_BLOCKS}, found {k_block}")
+    return k_block
+
+
 def quantize_qkv(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, pv_fp8: bool, sm_scale: float | None = None
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    pv_fp8: bool,
+    sm_scale: float | None = None,
+    k_block: int = K_BLOCK,
 ) -> QuantizedQKV:
-    """Triton prologue: three passes (Q; K and V statistics; K and V quantization). Shapes as ``quant_attention``."""
+    """Triton prologue: three passes (Q; K and V statistics; K and V quantization). Shapes as ``quant_attention``;
+    k_block: keys per K scale, the key tile of the attention core that will read it."""
     scale = _check_inputs(q, k, v, sm_scale)
     _require_triton(q.device)
     pv_fp8 = _resolve_pv_fp8(bool(pv_fp8), q.device)  # refuses FP8 where it cannot run
     with _on_device(q.device):
-        return _quantize_qkv(q, k, v, pv_fp8, scale)
+        return _quantize_qkv(q, k, v, pv_fp8, scale, _check_k_block(k_block))
 
 
-def _quantize_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pv_fp8: bool, scale: float) -> QuantizedQKV:
+def _quantize_qkv(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pv_fp8: bool, scale: float, k_block: int
+) -> QuantizedQKV:
     b, h, m, d = q.shape
     n = k.shape[2]
-    m_pad, n_pad = _padded(m, Q_BLOCK), _padded(n, K_BLOCK)
+    m_pad, n_pad = _padded(m, Q_BLOCK), _padded(n, k_block)
     dev = q.device
 
     q8 = torch.empty((b, h, m_pad, d), dtype=torch.int8, device=dev)
@@ -377,7 +426,7 @@ def _quantize_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pv_fp8: boo
     stats = torch.empty((b, h, n_chunks, 4, d), dtype=torch.float32, device=dev)  # per chunk: ΣK, ΣV, max V, min V
     _kv_stats_kernel[(n_chunks, b * h)](
         k, v, stats, *k.stride(), *v.stride(), h, n, n_chunks,
-        HEAD_DIM=d, BLOCK=K_BLOCK, CHUNK=_STATS_CHUNK, PV_FP8=pv_fp8, num_warps=4,
+        HEAD_DIM=d, BLOCK=_STATS_ROWS, CHUNK=_STATS_CHUNK, PV_FP8=pv_fp8, num_warps=4,
     )  # fmt: skip
     # The second stage of the reductions is over n_chunks (25 at 50,220 tokens) values: negligible, left to torch.
     k_mean = (stats[:, :, :, 0].sum(dim=2) / n).contiguous()
@@ -388,21 +437,22 @@ def _quantize_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pv_fp8: boo
         v_absmax = v_absmax.clamp_min(_ABSMAX_FLOOR).contiguous()
 
     k8 = torch.empty((b, h, n_pad, d), dtype=torch.int8, device=dev)
-    k_scale = torch.empty((b, h, n_pad // K_BLOCK), dtype=torch.float32, device=dev)
+    k_scale = torch.empty((b, h, n_pad // k_block), dtype=torch.float32, device=dev)
     vt = torch.empty((b, h, d, n_pad), dtype=torch.float8_e4m3fn if pv_fp8 else torch.float16, device=dev)
-    n_programs = triton.cdiv(n_pad, K_BLOCK * _KV_QUANT_SUB_BLOCKS)
+    sub_blocks = _KV_QUANT_ROWS // k_block
+    n_programs = triton.cdiv(n_pad, k_block * sub_blocks)
     vq_sum = torch.empty((b, h, n_programs, d), dtype=torch.float32, device=dev) if pv_fp8 else k_mean
     _kv_quantize_kernel[(n_programs, b * h)](
         k, v, k_mean, k_mean if v_mean is None else v_mean, k_mean if v_absmax is None else v_absmax,
         k8, k_scale, vt, vq_sum, n_programs,
         *k.stride(), *v.stride(), h, n, n_pad,
-        HEAD_DIM=d, BLOCK=K_BLOCK, SUB=_KV_QUANT_SUB_BLOCKS, PV_FP8=pv_fp8, num_warps=4,
+        HEAD_DIM=d, BLOCK=k_block, SUB=sub_blocks, PV_FP8=pv_fp8, num_warps=4 * (k_block // 64),
     )  # fmt: skip
     v_scale = v_offset = None
     if pv_fp8:
         v_scale = v_absmax / FP8_MAX
         v_offset = (v_mean - v_scale * (vq_sum.sum(dim=2) / n)).contiguous()
-    return QuantizedQKV(q8, q_scale, k8, k_scale, vt, v_scale, v_offset, m, n, q.dtype, pv_fp8)
+    return QuantizedQKV(q8, q_scale, k8, k_scale, vt, v_scale, v_offset, m, n, q.dtype, pv_fp8, k_block)
 
 
 def _div_rn_ref(num: torch.Tensor | float, den: torch.Tensor | float) -> torch.Tensor:
@@ -420,13 +470,20 @@ def _round_half_away_ref(x: torch.Tensor) -> torch.Tensor:
 
 
 def quantize_qkv_ref(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, pv_fp8: bool, sm_scale: float | None = None
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    pv_fp8: bool,
+    sm_scale: float | None = None,
+    k_block: int = K_BLOCK,
 ) -> QuantizedQKV:
     """PyTorch reference of ``quantize_qkv``: same outputs, same layouts and padding."""
     scale = _check_inputs(q, k, v, sm_scale)
+    _check_k_block(k_block)
     b, h, m, d = q.shape
     n = k.shape[2]
-    m_pad, n_pad = _padded(m, Q_BLOCK), _padded(n, K_BLOCK)
+    m_pad, n_pad = _padded(m, Q_BLOCK), _padded(n, k_block)
 
     qf = torch.nn.functional.pad(q.float(), (0, 0, 0, m_pad - m)).view(b, h, m_pad // Q_BLOCK, Q_BLOCK, d)
     q_absmax = qf.abs().amax(dim=(-2, -1)).clamp_min(_ABSMAX_FLOOR)
@@ -435,7 +492,7 @@ def quantize_qkv_ref(
 
     kf = k.float()
     ks = torch.nn.functional.pad(kf - kf.sum(dim=2, keepdim=True) / n, (0, 0, 0, n_pad - n))
-    ks = ks.view(b, h, n_pad // K_BLOCK, K_BLOCK, d)
+    ks = ks.view(b, h, n_pad // k_block, k_block, d)
     k_absmax = ks.abs().amax(dim=(-2, -1)).clamp_min(_ABSMAX_FLOOR)
     k8 = _round_half_away_ref(ks * _div_rn_ref(127.0, k_absmax)[..., None, None]).view(b, h, n_pad, d)
     k_scale = _div_rn_ref(k_absmax, 127.0)
@@ -452,7 +509,7 @@ def quantize_qkv_ref(
         v_q = torch.nn.functional.pad(vf, (0, 0, 0, n_pad - n)).to(torch.float16)
         v_scale = v_offset = None
     vt = v_q.transpose(-1, -2).contiguous()
-    return QuantizedQKV(q8, q_scale, k8, k_scale, vt, v_scale, v_offset, m, n, q.dtype, pv_fp8)
+    return QuantizedQKV(q8, q_scale, k8, k_scale, vt, v_scale, v_offset, m, n, q.dtype, pv_fp8, k_block)
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -461,9 +518,16 @@ def quantize_qkv_ref(
 
 
 def attention_quantized(qkv: QuantizedQKV, *, config: QuantAttentionConfig | None = None) -> torch.Tensor:
-    """Triton attention core on a ``QuantizedQKV`` -> [B, H, M, D] in qkv.out_dtype. ``config`` None: the table's."""
+    """Triton attention core on a ``QuantizedQKV`` -> [B, H, M, D] in qkv.out_dtype. ``config`` None: the table's,
+    with its key tile set to qkv.k_block; a config given must have block_n == qkv.k_block."""
+    if config is None:
+        config = dataclasses.replace(_config_for(qkv.q8.device, qkv.q8.shape[3], qkv.pv_fp8), block_n=qkv.k_block)
+    if config.block_n != qkv.k_block:
+        raise ValueError(
+            f"config.block_n: expected {qkv.k_block}, the k_block qkv was quantized with, found {config.block_n}"
+        )
     _require_triton(qkv.q8.device)
-    cfg = config if config is not None else _config_for(qkv.q8.device, qkv.q8.shape[3])
+    cfg = config
     if qkv.pv_fp8 and _interpreted():
         raise ValueError("pv_fp8=True: the Triton interpreter rounds FP8 wrongly; expected a pv_fp8=False QuantizedQKV")
     with _on_device(qkv.q8.device):
@@ -478,9 +542,9 @@ def _launch_attention(qkv: QuantizedQKV, cfg: QuantAttentionConfig) -> torch.Ten
         qkv.q8, qkv.q_scale, qkv.k8, qkv.k_scale, qkv.vt,
         qkv.v_scale if qkv.pv_fp8 else qkv.k_scale, qkv.v_offset if qkv.pv_fp8 else qkv.k_scale, out,
         *out.stride(), h, qkv.num_q, qkv.num_kv, m_pad, n_pad,
-        HEAD_DIM=d, BLOCK_M=cfg.block_m, BLOCK_N=K_BLOCK, Q_BLK=Q_BLOCK,
+        HEAD_DIM=d, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, Q_BLK=Q_BLOCK,
         PV_FP8=qkv.pv_fp8, FP8_NO_FOLD=_fp8_no_fold(qkv.q8.device), UNROLL=cfg.unroll, EXP2_POLY=cfg.exp2_poly,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **({} if cfg.maxnreg is None else {"maxnreg": cfg.maxnreg}),
     )  # fmt: skip
     return out
 
@@ -496,7 +560,8 @@ def _p_to_fp8_ref(p448: torch.Tensor) -> torch.Tensor:
 
 
 def attention_quantized_ref(qkv: QuantizedQKV) -> torch.Tensor:
-    """PyTorch reference of ``attention_quantized``: the kernel's online softmax, 64 keys per update, in FP32.
+    """PyTorch reference of ``attention_quantized``: the kernel's online softmax, qkv.k_block keys per update, in
+    FP32.
 
     The INT8 products and FP8/FP16 operands are exact in FP32 (and in TF32), so the matmuls are exact per product
     whatever the float32 matmul precision.
@@ -512,11 +577,12 @@ def attention_quantized_ref(qkv: QuantizedQKV) -> torch.Tensor:
     m_i = torch.full((b * h, m_pad), float("-inf"), device=q8.device)
     l_i = torch.zeros((b * h, m_pad), device=q8.device)
     acc = torch.zeros((b * h, m_pad, d), device=q8.device)
-    for j in range(n_pad // K_BLOCK):
-        cols = slice(j * K_BLOCK, (j + 1) * K_BLOCK)
+    kb = qkv.k_block
+    for j in range(n_pad // kb):
+        cols = slice(j * kb, (j + 1) * kb)
         s = torch.matmul(q8, k8[:, cols].transpose(1, 2)) * (q_scale * k_scale[:, j : j + 1])[:, :, None]
-        if (j + 1) * K_BLOCK > n:
-            s[:, :, n - j * K_BLOCK :] = float("-inf")
+        if (j + 1) * kb > n:
+            s[:, :, n - j * kb :] = float("-inf")
         m_new = torch.maximum(m_i, s.amax(dim=2))
         alpha = torch.exp2(m_i - m_new)
         p = torch.exp2(s - m_new[:, :, None])

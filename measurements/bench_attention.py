@@ -20,6 +20,7 @@ Run on the GPU machine from the repository root:
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime
 import importlib.util
 import json
@@ -102,6 +103,23 @@ def sdpa(backend: SDPBackend) -> Callable[[torch.Tensor, torch.Tensor, torch.Ten
     return run
 
 
+def sweep(args, variant, q, k, v, pv_fp8: bool, tag: str, bound: float) -> None:
+    """The kernel alone under every CANDIDATE_CONFIGS entry, for each key-tile size (= K scale block, so the inputs
+    are quantized again for each)."""
+    rep_ms = args.rep_ms
+    args.rep_ms = args.sweep_rep_ms or rep_ms
+    try:
+        for k_block in (int(x) for x in args.sweep_k_blocks.split(",")):
+            qkv = qa.quantize_qkv(q, k, v, pv_fp8=pv_fp8, k_block=k_block)
+            for cfg in (dataclasses.replace(c, block_n=k_block) for c in qa.CANDIDATE_CONFIGS):
+                extra = (" poly" if cfg.exp2_poly else "") + (f" r{cfg.maxnreg}" if cfg.maxnreg else "")
+                name = f"  {tag} kb{k_block} m{cfg.block_m} w{cfg.num_warps} s{cfg.num_stages} u{cfg.unroll}{extra}"
+                variant(name, lambda cfg=cfg, qkv=qkv: qa.attention_quantized(qkv, config=cfg), bound)
+            del qkv
+    finally:
+        args.rep_ms = rep_ms
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--batch", type=int, default=1)
@@ -113,6 +131,13 @@ def main() -> None:
     parser.add_argument("--v-offset", type=float, default=0.0, help="std of per-channel offsets added to V")
     parser.add_argument("--seed", type=int, default=None, help="default: fresh")
     parser.add_argument("--sweep", action="store_true", help="also time the kernel for every CANDIDATE_CONFIGS entry")
+    parser.add_argument(
+        "--sweep-k-blocks",
+        default="64",
+        help="key-tile sizes (= K scale blocks) the sweep tries, e.g. 64,128",
+    )
+    parser.add_argument("--sweep-pv", default=None, help="P·V paths the sweep runs: fp8pv,fp16pv (default: the GPU's)")
+    parser.add_argument("--sweep-rep-ms", type=int, default=None, help="ms timed per sweep entry (default --rep-ms)")
     parser.add_argument("--warmup-ms", type=int, default=200)
     parser.add_argument("--rep-ms", type=int, default=1500)
     parser.add_argument("--out", type=Path, required=True, help="JSON file to write")
@@ -149,18 +174,17 @@ def main() -> None:
         tag = "fp8pv" if pv_fp8 else "fp16pv"
         bound = FP8_PV_BOUND if pv_fp8 else FP16_PV_BOUND
         variant(f"k6_quant_{tag}", lambda pv_fp8=pv_fp8: qa.quant_attention(q, k, v, pv_fp8=pv_fp8), bound)
-        qkv = qa.quantize_qkv(q, k, v, pv_fp8=pv_fp8)
+        qkv_block = qa._config_for(dev, d, pv_fp8).block_n
+        qkv = qa.quantize_qkv(q, k, v, pv_fp8=pv_fp8, k_block=qkv_block)
         variant(f"k6_quant_{tag}_kernel_only", lambda qkv=qkv: qa.attention_quantized(qkv), bound)
         row = Row(f"k6_quant_{tag}_prologue_only", note="quantize_qkv alone; TFLOP/s not meaningful")
         rows.append(row)
-        time_it(row, lambda pv_fp8=pv_fp8: qa.quantize_qkv(q, k, v, pv_fp8=pv_fp8), flops, args)
+        prologue = lambda pv_fp8=pv_fp8, kb=qkv_block: qa.quantize_qkv(q, k, v, pv_fp8=pv_fp8, k_block=kb)
+        time_it(row, prologue, flops, args)
         row.tflops = None
-        if args.sweep and pv_fp8 == pv_fp8_default:
-            for cfg in qa.CANDIDATE_CONFIGS:
-                poly = " poly" if cfg.exp2_poly else ""
-                name = f"  cfg m{cfg.block_m} w{cfg.num_warps} s{cfg.num_stages} u{cfg.unroll}{poly}"
-                variant(name, lambda cfg=cfg, qkv=qkv: qa.attention_quantized(qkv, config=cfg), bound)
         del qkv
+        if args.sweep and tag in (args.sweep_pv or ("fp8pv" if pv_fp8_default else "fp16pv")).split(","):
+            sweep(args, variant, q, k, v, pv_fp8, tag, bound)
     if importlib.util.find_spec("sageattention") is None:
         print("  sageattention not installed: skipped")
     else:
@@ -186,7 +210,9 @@ def main() -> None:
         "dtype": args.dtype,
         "inputs": {"k_offset_std": 3.0, "v_offset_std": args.v_offset, "seed": seed},
         "flops_per_call": flops,
-        "quant_attention_default_config": asdict(qa._config_for(dev, d)),
+        "quant_attention_default_config": {
+            tag: asdict(qa._config_for(dev, d, fp8)) for tag, fp8 in (("fp8pv", True), ("fp16pv", False))
+        },
         "results": [asdict(r) for r in rows],
     }
     args.out.parent.mkdir(parents=True, exist_ok=True)

@@ -141,13 +141,15 @@ def test_ref_k_smoothing_invariance(pv_fp8):
 
 
 @pytest.mark.parametrize("pv_fp8", [False, True])
-def test_quantize_ref_layout_and_bounds(pv_fp8):
+@pytest.mark.parametrize("k_block", qa.K_BLOCKS)
+def test_quantize_ref_layout_and_bounds(pv_fp8, k_block):
     seed = _seed()
     b, h, m, n, d = 1, 2, 130, 70, 64
     q, k, v = dit_like_qkv(b, h, m, n, d, seed=seed, dtype=torch.float16, v_offset=1.0)
-    x = qa.quantize_qkv_ref(q, k, v, pv_fp8=pv_fp8, sm_scale=0.125)
+    x = qa.quantize_qkv_ref(q, k, v, pv_fp8=pv_fp8, sm_scale=0.125, k_block=k_block)
+    assert x.k_block == k_block
     assert x.q8.shape == (b, h, 256, d) and x.q_scale.shape == (b, h, 2)
-    assert x.k8.shape == (b, h, 128, d) and x.k_scale.shape == (b, h, 2)
+    assert x.k8.shape == (b, h, 128, d) and x.k_scale.shape == (b, h, 128 // k_block)
     assert x.vt.shape == (b, h, d, 128) and x.vt.dtype == (torch.float8_e4m3fn if pv_fp8 else torch.float16)
     assert x.q8.abs().max() <= 127 and x.k8.abs().max() <= 127
     assert not x.q8[:, :, m:].any() and not x.k8[:, :, n:].any() and not x.vt[:, :, :, n:].float().any()
@@ -155,7 +157,7 @@ def test_quantize_ref_layout_and_bounds(pv_fp8):
     step = (x.q_scale / (0.125 * qa.LOG2E)).repeat_interleave(qa.Q_BLOCK, dim=2)[:, :, :m, None]
     assert ((x.q8[:, :, :m].float() * step - q.float()).abs() <= 0.5 * step * (1 + 1e-5)).all()
     k_smooth = k.float() - k.float().mean(dim=2, keepdim=True)
-    k_step = x.k_scale.repeat_interleave(qa.K_BLOCK, dim=2)[:, :, :n, None]
+    k_step = x.k_scale.repeat_interleave(k_block, dim=2)[:, :, :n, None]
     assert ((x.k8[:, :, :n].float() * k_step - k_smooth).abs() <= 0.5 * k_step * (1 + 1e-4) + 1e-6).all()
     v_back = x.vt[:, :, :, :n].float().transpose(-1, -2)
     if pv_fp8:
@@ -181,6 +183,13 @@ def test_input_validation():
         qa.quant_attention_ref(q, q, q, sm_scale=-1.0)
     with pytest.raises(ValueError, match="exp2_poly"):
         qa.QuantAttentionConfig(unroll=1, exp2_poly=True)
+    with pytest.raises(ValueError, match=r"block_n: expected one of \(64, 128\), found 32"):
+        qa.QuantAttentionConfig(block_n=32)
+    with pytest.raises(ValueError, match=r"k_block: expected one of \(64, 128\), found 96"):
+        qa.quantize_qkv_ref(q, q, q, pv_fp8=False, k_block=96)
+    x = qa.quantize_qkv_ref(q, q, q, pv_fp8=False, k_block=128)
+    with pytest.raises(ValueError, match="config.block_n: expected 128, the k_block qkv was quantized with, found 64"):
+        qa.attention_quantized(x, config=qa.QuantAttentionConfig(block_n=64))
 
 
 @pytest.mark.skipif(INTERPRETED, reason="the fallback is taken on CPU without the interpreter")
@@ -240,11 +249,14 @@ def test_kernel_matches_ref_interpreted(shape):
 @pytest.mark.interpret
 @interpreted_only
 @pytest.mark.parametrize("config", qa.CANDIDATE_CONFIGS, ids=str)
-def test_configs_match_ref_interpreted(config):
-    # n = 200 = 3 full tiles + a ragged one: exercises the unrolled pair, the odd leftover tile and the masked tail.
+@pytest.mark.parametrize("k_block", qa.K_BLOCKS)
+def test_configs_match_ref_interpreted(config, k_block):
+    # n = 200 = 3 full 64-key tiles + a ragged one (one full 128-key tile + a ragged one): exercises the unrolled
+    # pair, the odd leftover tile and the masked tail.
     seed = _seed()
     q, k, v = dit_like_qkv(1, 1, 130, 200, 64, seed=seed)
-    x = qa.quantize_qkv_ref(q, k, v, pv_fp8=False)
+    x = qa.quantize_qkv_ref(q, k, v, pv_fp8=False, k_block=k_block)
+    config = dataclasses.replace(config, block_n=k_block)
     out = qa.attention_quantized(x, config=config)
     assert_kernel_vs_ref(out, qa.attention_quantized_ref(x), False, f"{config} seed {seed}")
 

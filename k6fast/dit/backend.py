@@ -40,6 +40,8 @@ class Backend(Protocol):
 
     def gated_add(self, x: Tensor, out: Tensor, gate: Tensor) -> Tensor: ...
 
+    def norm_rope(self, x: Tensor, weight: Tensor, rope: tuple[Tensor, Tensor] | None) -> Tensor: ...
+
     def begin_step(self, step: int) -> None: ...
 
     def begin_block(self, block: int, num_blocks: int) -> None: ...
@@ -69,6 +71,15 @@ def gated_add_ref(x: Tensor, out: Tensor, gate: Tensor) -> Tensor:
     return (x.float() + broadcast_cond(gate, x).float() * out.float()).to(x.dtype)
 
 
+def norm_rope_ref(x: Tensor, weight: Tensor, rope: tuple[Tensor, Tensor] | None, eps: float | None = None) -> Tensor:
+    """Per-head RMSNorm of a query or key, then its rotary embedding. x: [B, N, H, D]; rope: fp32 (cos, sin)
+    [N, D // 2] or None. eps=None: as nn.RMSNorm(eps=None) in the reference model (torch then uses fp32's epsilon)."""
+    from .rope import apply_rope
+
+    y = F.rms_norm(x, (x.shape[-1],), weight.to(x.dtype), eps)
+    return y if rope is None else apply_rope(y, *rope)
+
+
 class ExactBackend:
     """The reference every fast path is checked against: GEMMs in the weights' dtype (cuBLAS on GPU), PyTorch SDPA,
     and the elementwise AdaLN maths as multi-pass fp32 torch ops."""
@@ -84,6 +95,9 @@ class ExactBackend:
 
     def gated_add(self, x: Tensor, out: Tensor, gate: Tensor) -> Tensor:
         return gated_add_ref(x, out, gate)
+
+    def norm_rope(self, x: Tensor, weight: Tensor, rope: tuple[Tensor, Tensor] | None) -> Tensor:
+        return norm_rope_ref(x, weight, rope)
 
     def begin_step(self, step: int) -> None:
         return None
@@ -129,6 +143,14 @@ class SwitchedBackend(ExactBackend):
 
             return gated_residual(x, out.contiguous(), gate)
         return gated_add_ref(x, out, gate)
+
+    def norm_rope(self, x: Tensor, weight: Tensor, rope: tuple[Tensor, Tensor] | None) -> Tensor:
+        if self.fused and x.is_cuda and x.is_contiguous():
+            from ..kernels.qk_norm_rope import rms_norm_rope
+
+            cos, sin = (None, None) if rope is None else (t.contiguous() for t in rope)
+            return rms_norm_rope(x, weight, cos, sin)
+        return norm_rope_ref(x, weight, rope)
 
     def begin_step(self, step: int) -> None:
         self.attn.begin_step(step)

@@ -15,7 +15,6 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from .backend import Backend
-from .rope import apply_rope
 
 Weights = Mapping[str, Tensor]
 
@@ -74,13 +73,7 @@ def attention(
     q = linear(backend, w, f"{name}.to_query", x).unflatten(-1, (num_heads, -1))
     k = linear(backend, w, f"{name}.to_key", kv).unflatten(-1, (num_heads, -1))
     v = linear(backend, w, f"{name}.to_value", kv).unflatten(-1, (num_heads, -1))
-    head_dim = q.shape[-1]
-    # eps=None: torch picks finfo(dtype).eps, as nn.RMSNorm(eps=None) does in the reference model.
-    q = F.rms_norm(q, (head_dim,), w[f"{name}.query_norm.weight"].to(q.dtype))
-    k = F.rms_norm(k, (head_dim,), w[f"{name}.key_norm.weight"].to(k.dtype))
-    if rope_q is not None:
-        q = apply_rope(q, *rope_q)
-    if rope_k is not None:
-        k = apply_rope(k, *rope_k)
+    q = backend.norm_rope(q, w[f"{name}.query_norm.weight"], rope_q)
+    k = backend.norm_rope(k, w[f"{name}.key_norm.weight"], rope_k)
     out = backend.attention(q, k, v, site=site, mask=mask)  # [B, Nq, H, Dh]
     return linear(backend, w, f"{name}.out_layer", out.flatten(-2))
