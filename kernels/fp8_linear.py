@@ -382,7 +382,7 @@ def fp16acc_linear_ref(
     bias: Tensor | None = None,
     *,
     out_dtype: torch.dtype = torch.bfloat16,
-    k_chunk: int = 32,
+    k_chunk: int = 64,
 ) -> Tensor:
     """fp32 matmul of the fp16-rounded operands: x [..., K], w [N, K], bias [N] or None → [..., N] out_dtype.
 
@@ -486,7 +486,7 @@ def fp16acc_linear_triton(
     bias: Tensor | None = None,
     *,
     out_dtype: torch.dtype = torch.bfloat16,
-    k_chunk: int = 32,
+    k_chunk: int = 64,
 ) -> Tensor:
     """The Triton kernel alone, on whatever device x is on (CUDA, or CPU under TRITON_INTERPRET=1).
     Shapes and dtypes as `fp16acc_linear`."""
@@ -532,20 +532,23 @@ def fp16acc_linear(
     bias: Tensor | None = None,
     *,
     out_dtype: torch.dtype = torch.bfloat16,
-    k_chunk: int = 32,
+    k_chunk: int = 64,
 ) -> Tensor:
-    """y = x @ w.t() (+ bias) on FP16 operands, accumulating in FP16 inside each `k_chunk`-wide K chunk (32 or 64)
-    and in FP32 across chunks. Lossy: operands are rounded to fp16 (exact for bf16 values of magnitude 6.1e-5 to
-    65504; larger ones overflow) and each chunk's partial sum is rounded to fp16.
+    """y = x @ w.t() (+ bias) on FP16 operands, accumulating in FP16 inside each `k_chunk`-wide K chunk (32, 64,
+    128 or 256; a chunk wider than 64 chains 64-deep MMAs on its fp16 accumulator) and in FP32 across chunks.
+    Lossy: operands are rounded to fp16 (exact for bf16 values of magnitude 6.1e-5 to 65504; larger ones overflow)
+    and each chunk's partial sum is rounded to fp16.
 
     x: [..., K] bf16/fp16 with rows contiguous; w: [N, K] fp16 (cast once at load; bf16 is cast per call);
     bias: [N] float or None → [..., N] out_dtype (bf16 by default).
 
     Speed: FP16-accumulate MMA runs at twice the FP32-accumulate rate only on GeForce cards (sm_89, sm_120). On
     datacenter cards (A100, H100, H200, B200) both rates are equal, so there this kernel is no faster than cuBLAS
-    BF16 and exists for numerical parity with the GeForce path; on Hopper it is likely slower, because each chunk
-    ends in a wait for its wgmma results and an fp16→fp32 add of the whole tile on the ALUs (k_chunk=64 halves
-    that overhead). Triton on CUDA sm_80+; the reference elsewhere."""
+    BF16 and exists for numerical parity with the GeForce path. Measured on an H200 at the W1 shapes: 0.62x cuBLAS
+    BF16 with k_chunk=64 (0.50x with 32; 0.60-0.64x with 128), where a plain Triton GEMM of the same structure with
+    FP32 accumulation reaches 0.73-0.77x: each chunk ends in a wait for its wgmma results and an fp16→fp32 add of
+    the tile, which Triton does not overlap with the next chunk's MMAs (measurements/sessions/2026-11-29_fp16acc-
+    sweep). Triton on CUDA sm_80+; the reference elsewhere."""
     if x.dtype not in (torch.bfloat16, torch.float16) or w.dtype not in (torch.bfloat16, torch.float16):
         raise ValueError(f"fp16acc_linear: expected bf16/fp16 x and w, found x {x.dtype}, w {w.dtype}")
     if w.ndim != 2 or x.ndim < 1 or x.shape[-1] != w.shape[1]:
