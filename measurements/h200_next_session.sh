@@ -5,8 +5,11 @@
 #
 #   python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site
 #   bash measurements/h200_next_session.sh part1 $OUT   # ~9 min: checkpoint, arms session with the exact decode
-#   bash measurements/h200_next_session.sh part2 $OUT   # ~6 min: the fast arm's recompile fix, decode as generate runs it
-#   bash measurements/h200_next_session.sh part3 $OUT   # ~5 min: NVFP4 GEMMs, attention configs (#5)
+#   bash measurements/h200_next_session.sh part2 $OUT   # ~4 min: the decode as generate runs it (capped allocator)
+#   bash measurements/h200_next_session.sh part3 $OUT   # ~4 min: GPU tests, NVFP4 GEMMs, attention at head_dim 64
+#
+# Done in the 2026-11-29 afternoon session, no longer here: the fast arm's second-request recompile check and the
+# head_dim-128 attention sweep (measurements/sessions/2026-11-29_h200-kernels2, _attention-sweep).
 #
 # Each part writes its records under $OUT (copy them to measurements/sessions/<date>_<topic>/ with a README stating
 # command, commit, GPU and versions). part2 needs part1's /tmp/syn: run it right after part1, while the machine is
@@ -23,7 +26,8 @@ case "$part" in
 part1)
   step make-synthetic
   [ -d /tmp/syn ] || python3 -m k6fast.cli make-synthetic /tmp/syn --preset pro-distill --blocks 12 | tail -1
-  # #10: the arms session again, now with the exact decode (the default) and the quant-attention custom op.
+  # #10: the arms session again, now with the exact decode (the default), the quant-attention custom op, the
+  # 128-key attention tile and the fused q/k RMSNorm+RoPE.
   step arms session W1
   timeout 560 python3 -m k6fast.cli bench --model /tmp/syn --arms reference,diffusers-offload,final,fast \
     --component pipeline --geometry w1 --order ABAB --repeats 1 --requests 1 --visit-timeout 200 \
@@ -31,11 +35,6 @@ part1)
   ;;
 part2)
   test -f /tmp/syn/model_index.json || { echo "run part1 first on this machine"; exit 1; }
-  # #10: the measured request is the second in its process: the fast arm's step 0 must not recompile in the second one any more.
-  step fast arm, second request
-  TORCH_LOGS=recompiles timeout 200 python3 "$repo/measurements/profile_step.py" --model /tmp/syn --arm fast \
-    --geometry 512x320x25 --budget-gb 32 --max-resident-blocks 4 --warmup-requests 1 --out "$out/profile_fast.json" \
-    2>&1 | grep -c "Recompiling" ; python3 -c "import json; print(json.load(open('$out/profile_fast.json'))['request']['step_s'])"
   # #11: the decode as generate runs it under a 32 GiB card budget (the lean variant that recomputes the shortcut).
   step vae decode, capped at 32 GiB
   timeout 200 python3 "$repo/measurements/bench_vae_decode.py" --variants ndhwc+bench+triton --budget-gb 8 \
@@ -45,11 +44,13 @@ part2)
 part3)
   step gpu tests
   timeout 150 python3 -m pytest -q -m gpu -p no:cacheprovider "$repo/tests/test_quant_attention.py" \
-    "$repo/tests/test_video_decode.py" "$repo/tests/test_groupnorm_silu.py" "$repo/tests/test_pipeline_decode.py" 2>&1 | tail -4
+    "$repo/tests/test_video_decode.py" "$repo/tests/test_groupnorm_silu.py" "$repo/tests/test_pipeline_decode.py" \
+    "$repo/tests/test_qk_norm_rope.py" 2>&1 | tail -4
   step nvfp4
   timeout 90 python3 "$repo/measurements/bench_nvfp4.py" --out "$out/nvfp4.json" | tail -12
-  step attention configs
-  timeout 150 python3 "$repo/measurements/bench_attention.py" --sweep --rep-ms 600 --out "$out/attention.json" | tail -16
+  step attention configs, head_dim 64 '(Lite)'
+  timeout 200 python3 "$repo/measurements/bench_attention.py" --head-dim 64 --sweep --sweep-k-blocks 64,128 \
+    --sweep-rep-ms 300 --rep-ms 600 --out "$out/attention_d64.json" | tail -16
   ;;
 *)
   echo "expected part1, part2 or part3, found $part" >&2

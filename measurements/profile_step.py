@@ -60,6 +60,7 @@ K6_KERNELS = {
     "_layernorm_modulate_kernel": FUSED,
     "_gated_residual_kernel": FUSED,
     "_groupnorm_silu_kernel": FUSED,
+    "_rms_norm_rope_kernel": FUSED,
     "_quantize_q_kernel": ATTENTION,
     "_kv_stats_kernel": ATTENTION,
     "_kv_quantize_kernel": ATTENTION,
