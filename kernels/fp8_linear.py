@@ -382,12 +382,13 @@ def fp16acc_linear_ref(
     bias: Tensor | None = None,
     *,
     out_dtype: torch.dtype = torch.bfloat16,
-    k_chunk: int = 64,
+    k_chunk: int | None = None,
 ) -> Tensor:
     """fp32 matmul of the fp16-rounded operands: x [..., K], w [N, K], bias [N] or None → [..., N] out_dtype.
 
     `k_chunk` is accepted for signature parity; the reference accumulates everything in fp32, so the kernel differs
-    from it by its fp16 rounding inside each chunk (≈ 3e-4 relative L2 at K = 4096 and 16384 in a CPU emulation)."""
+    from it by its fp16 rounding inside each chunk (≈ 3e-4 relative L2 at K = 4096 and 16384 in a CPU emulation
+    with 32-wide chunks; 1.7e-3 measured on an H200 with 64-wide chunks and bf16 output, the output rounding)."""
     y = x.to(torch.float16).float() @ w.to(torch.float16).float().t()
     if bias is not None:
         y = y + bias.float()
@@ -453,6 +454,15 @@ def _fp16acc_linear_kernel(
 FP16ACC_CHUNKS = (32, 64, 128, 256)
 
 
+def fp16acc_default_chunk(device: torch.device) -> int:
+    """64 on sm_90 (0.62x cuBLAS BF16 there vs 0.50x with 32, measurements/sessions/2026-11-29_h200-kernels2); 32
+    elsewhere, GeForce included, where no chunk width has been measured and the shorter chunk's fp16 partial sums
+    reach 65504 later."""
+    if device.type == "cuda" and torch.cuda.get_device_capability(device) == (9, 0):
+        return 64
+    return 32
+
+
 def fp16acc_chunk_steps(k_chunk: int) -> tuple[int, int]:
     """(BLOCK_K, CHUNK_STEPS) of a chunk width: MMAs at most 64 deep, chained CHUNK_STEPS times on fp16."""
     block_k = min(k_chunk, 64)
@@ -486,10 +496,11 @@ def fp16acc_linear_triton(
     bias: Tensor | None = None,
     *,
     out_dtype: torch.dtype = torch.bfloat16,
-    k_chunk: int = 64,
+    k_chunk: int | None = None,
 ) -> Tensor:
     """The Triton kernel alone, on whatever device x is on (CUDA, or CPU under TRITON_INTERPRET=1).
     Shapes and dtypes as `fp16acc_linear`."""
+    k_chunk = fp16acc_default_chunk(x.device) if k_chunk is None else k_chunk
     k = x.shape[-1]
     n = w.shape[0]
     x2 = x.reshape(-1, k)
@@ -532,10 +543,11 @@ def fp16acc_linear(
     bias: Tensor | None = None,
     *,
     out_dtype: torch.dtype = torch.bfloat16,
-    k_chunk: int = 64,
+    k_chunk: int | None = None,
 ) -> Tensor:
     """y = x @ w.t() (+ bias) on FP16 operands, accumulating in FP16 inside each `k_chunk`-wide K chunk (32, 64,
-    128 or 256; a chunk wider than 64 chains 64-deep MMAs on its fp16 accumulator) and in FP32 across chunks.
+    128 or 256; a chunk wider than 64 chains 64-deep MMAs on its fp16 accumulator; None: `fp16acc_default_chunk`)
+    and in FP32 across chunks.
     Lossy: operands are rounded to fp16 (exact for bf16 values of magnitude 6.1e-5 to 65504; larger ones overflow)
     and each chunk's partial sum is rounded to fp16.
 
@@ -548,7 +560,7 @@ def fp16acc_linear(
     BF16 with k_chunk=64 (0.50x with 32; 0.60-0.64x with 128), where a plain Triton GEMM of the same structure with
     FP32 accumulation reaches 0.73-0.77x: each chunk ends in a wait for its wgmma results and an fp16→fp32 add of
     the tile, which Triton does not overlap with the next chunk's MMAs (measurements/sessions/2026-11-29_fp16acc-
-    sweep). Triton on CUDA sm_80+; the reference elsewhere."""
+    sweep). GeForce cards are not measured. Triton on CUDA sm_80+; the reference elsewhere."""
     if x.dtype not in (torch.bfloat16, torch.float16) or w.dtype not in (torch.bfloat16, torch.float16):
         raise ValueError(f"fp16acc_linear: expected bf16/fp16 x and w, found x {x.dtype}, w {w.dtype}")
     if w.ndim != 2 or x.ndim < 1 or x.shape[-1] != w.shape[1]:
@@ -565,6 +577,7 @@ def fp16acc_linear(
         raise ValueError(
             f"fp16acc_linear: expected a float bias ({w.shape[0]},), found {bias.dtype} {tuple(bias.shape)}"
         )
+    k_chunk = fp16acc_default_chunk(x.device) if k_chunk is None else k_chunk
     if k_chunk not in FP16ACC_CHUNKS:
         raise ValueError(f"fp16acc_linear: expected k_chunk one of {FP16ACC_CHUNKS}, found {k_chunk}")
     if out_dtype not in _FLOAT_DTYPES:

@@ -23,14 +23,15 @@ The scheme (SageAttention 2, Zhang et al. 2024):
 4. P·V: FP8 e4m3 on GPUs with FP8 tensor cores (sm_89 and newer): V smoothed (its per-(b, h, channel) mean
    removed and added back to O, exact because each row of P sums to 1 after normalisation, together with a
    correction for the mean rounding error of the quantized V, see ``QuantizedQKV.v_offset``), scaled per
-   (b, h, channel) by absmax / 448; P (in [0, 1]) scaled by 448 (folded into exp2's argument); each 64-key tile's
+   (b, h, channel) by absmax / 448; P (in [0, 1]) scaled by 448 (folded into exp2's argument); each key tile's
    FP8 product summed into the FP32 accumulator. Elsewhere P and V in FP16 (V unsmoothed: FP16 keeps 11 significant
    bits whatever the offset).
 
 Accuracy (relative L2 vs exact FP32 attention, measured with the reference on diffuse attention over zero-mean random
 V, the hardest case for a relative metric): INT8 Q·Kᵀ costs about 1.3% (cosine 0.9999); FP8 P and FP8 V each cost
 about 2.6% (e4m3's 3-bit mantissa; no scale choice helps, the error is relative), about 3.6% in all (cosine 0.9993),
-from 218 to 50,220 keys.
+from 218 to 50,220 keys, with 64-key K scales; 128-key K scales (the sm_90 FP8 choice) measured the same on the
+GPU (3.58-3.63 % vs 3.58-3.62 % at W1, measurements/sessions/2026-11-29_attention-sweep).
 When V carries per-channel offsets, as DiT values do, the FP8 path's error falls below 1% of the output.
 
 Implementations by architecture (see ``_select_implementation``):
@@ -75,8 +76,8 @@ __all__ = [
 logger = logging.getLogger(__name__)
 
 Q_BLOCK = 128  # query rows per Q scale
-K_BLOCK = 64  # default key rows per K scale (QuantAttentionConfig.block_n); also the kernel's key tile and the
-# online-softmax update granularity, so the quantization and the kernel must agree on it (QuantizedQKV.k_block)
+K_BLOCK = 64  # default key rows per K scale (QuantAttentionConfig.block_n, QuantizedQKV.k_block). The K scale block
+# is also the kernel's key tile and its online-softmax update granularity, so quantization and kernel must agree.
 K_BLOCKS = (64, 128)
 SUPPORTED_HEAD_DIMS = (64, 128)
 SUPPORTED_DTYPES = (torch.bfloat16, torch.float16)
@@ -108,12 +109,13 @@ _EXP2_C3 = tl.constexpr(0.05517415)
 
 @dataclass(frozen=True)
 class QuantAttentionConfig:
-    """Launch parameters of the attention core; none of them changes the numerics except ``exp2_poly``.
+    """Launch parameters of the attention core; none of them changes the numerics except ``block_n`` and
+    ``exp2_poly``.
 
     block_m: query rows per program (64 or 128; divides Q_BLOCK so a program sees one Q scale).
     block_n: keys per tile = keys per K scale = keys per online-softmax update (64 or 128). Changes the numerics
       (the K scale granularity), so the quantization is done for it: ``quantize_qkv(..., k_block=block_n)``.
-    unroll: 64-key tiles per loop iteration (1 or 2).
+    unroll: key tiles per loop iteration (1 or 2).
     exp2_poly: with unroll 2, the second tile of each pair computes exp2 with a cubic polynomial on the FMA units
       instead of the MUFU unit (FlashAttention-4's trick: MUFU does 16 exp2/clk/SM on sm_90, about as long as the
       INT8 and FP8 MMAs of the tile take). It costs about 8 FMA/ALU instructions per element on pipes the softmax
@@ -737,7 +739,7 @@ def _attend_tile(
     HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, PV_FP8: tl.constexpr, FP8_NO_FOLD: tl.constexpr,
     MASK: tl.constexpr, POLY: tl.constexpr,
 ):  # fmt: skip
-    # One 64-key tile: S = q8·k8ᵀ (int32, exact), online-softmax update, acc += P·V.
+    # One BLOCK_N-key tile: S = q8·k8ᵀ (int32, exact), online-softmax update, acc += P·V.
     k = tl.load(k_ptrs + start_n * HEAD_DIM)  # [BLOCK_N, D] int8; rows past N are zero padding
     qk = tl.dot(q, tl.trans(k))  # [BLOCK_M, BLOCK_N] int32
     sc = q_scale * tl.load(ks_ptr + start_n // BLOCK_N)  # includes sm_scale·log2(e)

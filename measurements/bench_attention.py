@@ -133,8 +133,8 @@ def main() -> None:
     parser.add_argument("--sweep", action="store_true", help="also time the kernel for every CANDIDATE_CONFIGS entry")
     parser.add_argument(
         "--sweep-k-blocks",
-        default="64",
-        help="key-tile sizes (= K scale blocks) the sweep tries, e.g. 64,128",
+        default="64,128",
+        help="key-tile sizes (= K scale blocks) the sweep tries",
     )
     parser.add_argument("--sweep-pv", default=None, help="P·V paths the sweep runs: fp8pv,fp16pv (default: the GPU's)")
     parser.add_argument("--sweep-rep-ms", type=int, default=None, help="ms timed per sweep entry (default --rep-ms)")

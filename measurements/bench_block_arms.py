@@ -115,12 +115,14 @@ def kernel_profile(fn, wall_s: float) -> dict:
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", required=True)
-    ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--repeats", type=int, default=6, help="mirrored rounds (even: each order runs equally often)")
     ap.add_argument("--variants", default=",".join(VARIANTS))
     ap.add_argument("--no-diffusers", action="store_true")
     ap.add_argument("--chain", type=int, default=0, help="also time this many back-to-back calls per repeat")
     ap.add_argument("--profile", action="store_true", help="one profiled call per variant: kernels by category")
     args = ap.parse_args()
+    if args.repeats < 2 or args.repeats % 2:
+        ap.error(f"--repeats: expected an even number >= 2 (forward and reverse rounds alike), found {args.repeats}")
     device = torch.device("cuda", torch.cuda.current_device())
     cfg = DiTConfig.from_dict(transformer_config("pro-distill", 1))
     g = torch.Generator(device).manual_seed(0)

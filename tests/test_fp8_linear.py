@@ -18,8 +18,10 @@ from k6fast.kernels import fp8_linear as fp8_module
 from k6fast.kernels.adaln import layernorm_modulate
 from k6fast.kernels.fp8_linear import (
     E4M3_MAX,
+    FP16ACC_CHUNKS,
     fp8_linear,
     fp8_linear_ref,
+    fp16acc_default_chunk,
     fp16acc_linear,
     fp16acc_linear_ref,
     fp16acc_linear_triton,
@@ -217,29 +219,35 @@ def test_quantize_rows_kernel_interpreted(shape, dtype):
 
 @pytest.mark.interpret
 @needs_interpreter
-@pytest.mark.parametrize(("m", "k", "n"), [(1, 64, 32), (37, 160, 48), (40, 80, 64)])
-@pytest.mark.parametrize("k_chunk", [32, 64, 128, 256])
+@pytest.mark.parametrize(("m", "k", "n"), [(1, 64, 32), (37, 160, 48), (40, 80, 64), (8, 512, 32)])
+@pytest.mark.parametrize("k_chunk", FP16ACC_CHUNKS)
 @pytest.mark.parametrize("with_bias", [False, True])
 def test_fp16acc_kernel_interpreted(m, k, n, k_chunk, with_bias):
-    # m not a multiple of the tile (wrapped rows), K = 80 not a multiple of either chunk (masked tail).
+    # m not a multiple of the tile (wrapped rows); K = 80 a multiple of no chunk (masked tail); K = 512 a multiple of
+    # every chunk (the unmasked path, with 2 or 4 chained MMAs per chunk at 128 and 256).
     x, w, bias = dit_like(m, k, n)
     bias = bias if with_bias else None
     y = fp16acc_linear_triton(x, w, bias, out_dtype=torch.float32, k_chunk=k_chunk)
     expected = fp16acc_linear_ref(x, w, bias, out_dtype=torch.float32)
-    assert rel_l2(y, expected) <= 2e-3, "fp16 rounding inside 32/64-wide chunks only"
+    assert rel_l2(y, expected) <= 2e-3, "fp16 rounding inside the chunks only"
     y_bf16 = fp16acc_linear_triton(x, w.half(), bias, k_chunk=k_chunk)
     assert y_bf16.dtype == torch.bfloat16 and rel_l2(y_bf16, expected) <= 1e-2
 
 
 @pytest.mark.interpret
 @needs_interpreter
-def test_fp16acc_accumulates_in_fp32_across_chunks_interpreted():
-    # Each 32-wide chunk sums to 2048 (exact in fp16); the total 65536 is past fp16's 65504, so it is exact only if
-    # chunks are added in fp32.
+@pytest.mark.parametrize("k_chunk", FP16ACC_CHUNKS)
+def test_fp16acc_accumulates_in_fp32_across_chunks_interpreted(k_chunk):
+    # Each chunk sums to 64·k_chunk <= 16384 (exact in fp16); the total 65536 is past fp16's 65504, so it is exact only
+    # if every chunk starts from zero in fp16 and is added in fp32.
     x = torch.full((16, 1024), 8.0, dtype=torch.bfloat16)
     w = torch.full((16, 1024), 8.0, dtype=torch.float16)
-    y = fp16acc_linear_triton(x, w, out_dtype=torch.float32, k_chunk=32)
+    y = fp16acc_linear_triton(x, w, out_dtype=torch.float32, k_chunk=k_chunk)
     assert (y == 65536.0).all()
+
+
+def test_fp16acc_default_chunk():
+    assert fp16acc_default_chunk(torch.device("cpu")) == 32
 
 
 # ---------------------------------------------------------------------------------------------------------------

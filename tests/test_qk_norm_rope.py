@@ -15,6 +15,7 @@ from kernel_testing import needs_cuda, needs_interpreter, run_interpret_tests, s
 
 from k6fast.dit.backend import ExactBackend, SwitchedBackend, norm_rope_ref
 from k6fast.dit.rope import apply_rope, rope_1d
+from k6fast.kernels import qk_norm_rope
 from k6fast.kernels.qk_norm_rope import rms_norm_rope, rms_norm_rope_ref, rms_norm_rope_triton
 from k6fast.switches import Options
 
@@ -84,13 +85,23 @@ def test_custom_op_passes_opcheck_and_compiles_without_graph_breaks():
     assert torch.equal(compiled(x), rms_norm_rope(x, weight, cos, sin) * 2)
 
 
-def test_backends_route_norm_rope():
+def test_backends_route_norm_rope(monkeypatch):
     x, weight, cos, sin = _inputs((1, 7, 3, 128))
     expected = norm_rope_ref(x, weight, (cos, sin))
-    # On CPU both backends run the reference (the fused kernel is CUDA-only).
     assert torch.equal(ExactBackend().norm_rope(x, weight, (cos, sin)), expected)
-    fused = SwitchedBackend(Options().replace(fused_elementwise=True), torch.device("cpu"))
-    assert torch.equal(fused.norm_rope(x, weight, (cos, sin)), expected)
+    cpu = torch.device("cpu")
+    plain = SwitchedBackend(Options(), cpu)
+    fused = SwitchedBackend(Options().replace(fused_elementwise=True), cpu)
+    assert torch.equal(fused.norm_rope(x, weight, (cos, sin)), expected)  # on CPU tensors: the reference
+    # Where the fused kernels apply (CUDA tensors; pretended here), the fused backend calls the kernel, with the rope
+    # tables or with none; the plain backend never does.
+    calls = []
+    monkeypatch.setattr(qk_norm_rope, "rms_norm_rope", lambda *args, **kw: calls.append(args) or args[0])
+    monkeypatch.setattr(SwitchedBackend, "_fused_for", lambda self, t: self.fused)
+    assert fused.norm_rope(x, weight, (cos, sin)) is x and fused.norm_rope(x, weight, None) is x
+    assert [tuple(a is b for a, b in zip(c, (x, weight, cos, sin), strict=True)) for c in calls[:1]] == [(True,) * 4]
+    assert calls[1][2] is None and calls[1][3] is None
+    assert torch.equal(plain.norm_rope(x, weight, (cos, sin)), expected) and len(calls) == 2
 
 
 # ---------------------------------------------------------------------------------------------------------------

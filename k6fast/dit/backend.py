@@ -130,22 +130,26 @@ class SwitchedBackend(ExactBackend):
     def attention(self, q: Tensor, k: Tensor, v: Tensor, *, site: str, mask: Tensor | None) -> Tensor:
         return self.attn(q, k, v, site=site, mask=mask)
 
+    def _fused_for(self, x: Tensor) -> bool:
+        """Whether the fused kernels take this activation (they are CUDA kernels; on the CPU the references run)."""
+        return self.fused and x.is_cuda
+
     def modulate(self, x: Tensor, scale: Tensor, shift: Tensor) -> Tensor:
-        if self.fused and x.is_cuda:
+        if self._fused_for(x):
             from ..kernels.adaln import layernorm_modulate
 
             return layernorm_modulate(x, scale, shift, eps=LN_EPS)
         return modulate_ref(x, scale, shift)
 
     def gated_add(self, x: Tensor, out: Tensor, gate: Tensor) -> Tensor:
-        if self.fused and x.is_cuda:
+        if self._fused_for(x):
             from ..kernels.adaln import gated_residual
 
             return gated_residual(x, out.contiguous(), gate)
         return gated_add_ref(x, out, gate)
 
     def norm_rope(self, x: Tensor, weight: Tensor, rope: tuple[Tensor, Tensor] | None) -> Tensor:
-        if self.fused and x.is_cuda and x.is_contiguous():
+        if self._fused_for(x) and x.is_contiguous():
             from ..kernels.qk_norm_rope import rms_norm_rope
 
             cos, sin = (None, None) if rope is None else (t.contiguous() for t in rope)
