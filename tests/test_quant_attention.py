@@ -155,7 +155,10 @@ def test_quantize_ref_layout_and_bounds(pv_fp8, k_block):
     assert not x.q8[:, :, m:].any() and not x.k8[:, :, n:].any() and not x.vt[:, :, :, n:].float().any()
     # Q's scale carries sm_scale·log2(e); undo it and check the rounding error is at most half a step.
     step = (x.q_scale / (0.125 * qa.LOG2E)).repeat_interleave(qa.Q_BLOCK, dim=2)[:, :, :m, None]
-    assert ((x.q8[:, :, :m].float() * step - q.float()).abs() <= 0.5 * step * (1 + 1e-5)).all()
+    # Half a step, plus the two fp32 roundings (127 / absmax, then x times it) of a value up to 127 steps: without
+    # that allowance an element within ~1e-5 of a rounding tie fails now and then (seen with fresh seeds).
+    slack = 0.5 * step * (1 + 1e-5) + q.float().abs() * 2.0**-21
+    assert ((x.q8[:, :, :m].float() * step - q.float()).abs() <= slack).all()
     k_smooth = k.float() - k.float().mean(dim=2, keepdim=True)
     k_step = x.k_scale.repeat_interleave(k_block, dim=2)[:, :, :n, None]
     assert ((x.k8[:, :, :n].float() * k_step - k_smooth).abs() <= 0.5 * k_step * (1 + 1e-4) + 1e-6).all()
