@@ -27,7 +27,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from .tiles import grouped_tile
+from .tiles import store_tile, wrapped_tile
 
 logger = logging.getLogger(__name__)
 
@@ -415,13 +415,7 @@ def _fp16acc_linear_kernel(
     CHUNK_STEPS: tl.constexpr,  # BLOCK_K-deep MMAs per fp16 chunk: the chunk is BLOCK_K * CHUNK_STEPS wide
     GROUP_M: tl.constexpr,
 ):
-    pid_m, pid_n = grouped_tile(tl.program_id(0), M, N, BLOCK_M, BLOCK_N, GROUP_M)
-
-    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    # Edge tiles wrap onto valid rows/columns so the K loop needs no M/N masks; the store is masked instead.
-    rm = offs_m % M
-    rn = offs_n % N
+    offs_m, offs_n, rm, rn = wrapped_tile(tl.program_id(0), M, N, BLOCK_M, BLOCK_N, GROUP_M)
     offs_k = tl.arange(0, BLOCK_K)
     x_ptrs = x_ptr + rm[:, None].to(tl.int64) * stride_xm + offs_k[None, :]
     w_ptrs = w_ptr + rn[None, :].to(tl.int64) * stride_wn + offs_k[:, None]
@@ -445,10 +439,7 @@ def _fp16acc_linear_kernel(
             w_ptrs += BLOCK_K
         acc += part.to(tl.float32)
 
-    if HAS_BIAS:
-        acc += tl.load(bias_ptr + rn).to(tl.float32)[None, :]
-    y_ptrs = y_ptr + offs_m[:, None].to(tl.int64) * stride_ym + offs_n[None, :]
-    tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=(offs_m[:, None] < M) & (offs_n[None, :] < N))
+    store_tile(y_ptr, acc, bias_ptr, offs_m, offs_n, M, N, stride_ym, HAS_BIAS)
 
 
 FP16ACC_CHUNKS = (32, 64, 128, 256)

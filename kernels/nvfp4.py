@@ -36,7 +36,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from .tiles import grouped_tile
+from .tiles import store_tile, wrapped_tile
 
 logger = logging.getLogger(__name__)
 
@@ -294,13 +294,7 @@ def _nvfp4_linear_kernel(
     BLOCK_K: tl.constexpr,  # a multiple of 32
     GROUP_M: tl.constexpr,
 ):
-    pid_m, pid_n = grouped_tile(tl.program_id(0), M, N, BLOCK_M, BLOCK_N, GROUP_M)
-
-    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    # Edge tiles wrap onto valid rows/columns so the K loop needs no M/N masks; the store is masked instead.
-    rm = offs_m % M
-    rn = offs_n % N
+    offs_m, offs_n, rm, rn = wrapped_tile(tl.program_id(0), M, N, BLOCK_M, BLOCK_N, GROUP_M)
     offs_k = tl.arange(0, BLOCK_K)
     x_ptrs = x_ptr + rm[:, None].to(tl.int64) * stride_xm + offs_k[None, :]
     # The weight tile is addressed per element as [BLOCK_N, BLOCK_K]: element (n, k) sits in byte n·K/2 + k/2 (nibble
@@ -335,10 +329,7 @@ def _nvfp4_linear_kernel(
         s_ptrs += BLOCK_K // 16
 
     acc = acc * tl.load(g_ptr)
-    if HAS_BIAS:
-        acc += tl.load(bias_ptr + rn).to(tl.float32)[None, :]
-    y_ptrs = y_ptr + offs_m[:, None].to(tl.int64) * stride_ym + offs_n[None, :]
-    tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=(offs_m[:, None] < M) & (offs_n[None, :] < N))
+    store_tile(y_ptr, acc, bias_ptr, offs_m, offs_n, M, N, stride_ym, HAS_BIAS)
 
 
 # Starting points for sm_80/sm_90 (untuned beyond a first sweep): the decode runs on the tile's [BLOCK_K, BLOCK_N]

@@ -18,3 +18,23 @@ def grouped_tile(pid, M, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_
     pid_m = first_pid_m + ((pid % num_pid_in_group) % group_size_m)
     pid_n = (pid % num_pid_in_group) // group_size_m
     return pid_m, pid_n
+
+
+@triton.jit
+def wrapped_tile(pid, M, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr):
+    """(offs_m, offs_n, rm, rn) of program `pid`'s output tile in grouped order: the tile's row and column indices, and
+    the same wrapped into [0, M) and [0, N) so that edge tiles read valid rows and columns and the K loop needs no
+    M/N masks (`store_tile` masks the store instead)."""
+    pid_m, pid_n = grouped_tile(pid, M, N, BLOCK_M, BLOCK_N, GROUP_M)
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    return offs_m, offs_n, offs_m % M, offs_n % N
+
+
+@triton.jit
+def store_tile(y_ptr, acc, bias_ptr, offs_m, offs_n, M, N, stride_ym, HAS_BIAS: tl.constexpr):
+    """acc (+ bias[n] when HAS_BIAS) in y's dtype, stored where the tile lies inside [M, N] (unit column stride)."""
+    if HAS_BIAS:
+        acc += tl.load(bias_ptr + offs_n % N).to(tl.float32)[None, :]
+    y_ptrs = y_ptr + offs_m[:, None].to(tl.int64) * stride_ym + offs_n[None, :]
+    tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=(offs_m[:, None] < M) & (offs_n[None, :] < N))

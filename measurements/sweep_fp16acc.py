@@ -21,7 +21,7 @@ import triton.language as tl
 from bench_common import W1_M, W1_SHAPES, environment, quantiles_ms, rel_l2
 
 from k6fast.kernels.fp8_linear import _fp16acc_linear_kernel, fp16acc_chunk_steps, fp16acc_linear_ref
-from k6fast.kernels.tiles import grouped_tile
+from k6fast.kernels.tiles import store_tile, wrapped_tile
 
 # (BLOCK_M, BLOCK_N, num_warps, num_stages, maxnreg, k_chunk). Shared memory per CTA is num_stages x k_chunk x
 # (BLOCK_M + BLOCK_N) x 2 bytes (a chunk's loads are one pipeline stage). The maxnreg=128 entries fit two 8-warp CTAs
@@ -44,19 +44,16 @@ TILES = [
 def _bf16_gemm_kernel(x_ptr, w_ptr, y_ptr, M, N, K, stride_xm, stride_wn, stride_ym,
                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):  # fmt: skip
     """A plain Triton GEMM (FP32 accumulation, same loads as the fp16acc kernel): what Triton itself reaches here."""
-    pid_m, pid_n = grouped_tile(tl.program_id(0), M, N, BLOCK_M, BLOCK_N, 8)
-    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_m, offs_n, rm, rn = wrapped_tile(tl.program_id(0), M, N, BLOCK_M, BLOCK_N, 8)
     offs_k = tl.arange(0, BLOCK_K)
-    x_ptrs = x_ptr + (offs_m % M)[:, None].to(tl.int64) * stride_xm + offs_k[None, :]
-    w_ptrs = w_ptr + (offs_n % N)[None, :].to(tl.int64) * stride_wn + offs_k[:, None]
+    x_ptrs = x_ptr + rm[:, None].to(tl.int64) * stride_xm + offs_k[None, :]
+    w_ptrs = w_ptr + rn[None, :].to(tl.int64) * stride_wn + offs_k[:, None]
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for _ in range(0, tl.cdiv(K, BLOCK_K)):
         acc = tl.dot(tl.load(x_ptrs), tl.load(w_ptrs), acc)
         x_ptrs += BLOCK_K
         w_ptrs += BLOCK_K
-    y_ptrs = y_ptr + offs_m[:, None].to(tl.int64) * stride_ym + offs_n[None, :]
-    tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=(offs_m[:, None] < M) & (offs_n[None, :] < N))
+    store_tile(y_ptr, acc, y_ptr, offs_m, offs_n, M, N, stride_ym, False)
 
 
 def launch_bf16(x, w, y):
