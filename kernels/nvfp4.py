@@ -60,6 +60,9 @@ _FLOAT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 #   quantize/dequantize PyTorch     PyTorch                                      PyTorch
 #   nvfp4_linear        reference   Triton dequantize-in-prologue GEMM           reference (logged once)
 #
+# The DiT runtime does not call nvfp4_linear: it dequantizes each layer's weight on the GPU and runs cuBLAS bf16,
+# 8.7-9.0x faster than this kernel on an H200 (k6fast/dit/linear.py `_stored_gemm_runs` has the figures).
+#
 # Blackwell (sm_100, sm_120) has NVFP4 tensor cores, and the installed stack exposes them: torch 2.14's
 # `F.scaled_mm` takes `float4_e2m1fn_x2` operands with `ScalingType.BlockWise1x16` e4m3 scales (swizzled 32x4x4),
 # and Triton's `tl.dot_scaled` takes `e2m1` operands. Neither is wired here: the torch path needs the activations

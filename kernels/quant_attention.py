@@ -121,6 +121,8 @@ class QuantAttentionConfig:
       INT8 and FP8 MMAs of the tile take). It costs about 8 FMA/ALU instructions per element on pipes the softmax
       already keeps busy, so whether it pays is for the benchmark sweep to say. Relative error of P 7.6e-5, far
       below P's FP8/FP16 rounding.
+    pipeline: issue each tile's Q·Kᵀ before the previous tile's softmax finishes and keep the tile's P·V in flight
+      through the next tile's softmax (unroll 1 only). Needs registers for a second [block_m, head_dim] FP32 tile.
     maxnreg: registers per thread the compiler may use (None: its choice, up to 255). A cap lets more programs share
       an SM (65,536 registers), so one program's softmax overlaps another's MMAs, at the price of spills.
     """
@@ -132,6 +134,7 @@ class QuantAttentionConfig:
     exp2_poly: bool = False
     maxnreg: int | None = None
     block_n: int = K_BLOCK
+    pipeline: bool = False
 
     def __post_init__(self) -> None:
         if self.block_m not in (64, 128):
@@ -144,6 +147,8 @@ class QuantAttentionConfig:
             raise ValueError(f"unroll: expected 1 or 2, found {self.unroll}")
         if self.exp2_poly and self.unroll != 2:
             raise ValueError(f"exp2_poly needs unroll=2 (it alternates with MUFU exp2), found unroll={self.unroll}")
+        if self.pipeline and self.unroll != 1:
+            raise ValueError(f"pipeline needs unroll=1, found unroll={self.unroll}")
         if self.block_n not in K_BLOCKS:
             raise ValueError(f"block_n: expected one of {K_BLOCKS}, found {self.block_n}")
         if self.maxnreg is not None and not 64 <= self.maxnreg <= 255:
@@ -173,6 +178,12 @@ CANDIDATE_CONFIGS: tuple[QuantAttentionConfig, ...] = (
     QuantAttentionConfig(64, 4, 2, maxnreg=168),
     QuantAttentionConfig(64, 4, 3, maxnreg=168),
     QuantAttentionConfig(64, 4, 4, maxnreg=168),
+    # Overlap inside one program (see `pipeline`). On an H200 (head_dim 128, FP8 P·V) it pays where registers allow:
+    # 64-key tiles 58.4 ms (128, 8, 3) and 61.8 ms (64, 4, 3) vs 68.2 / 63.5 ms without; with 128-key tiles the
+    # second FP32 tile spills (123-199 ms). Splitting 64 rows over two warpgroups to halve the registers costs more
+    # in row-max/sum exchanges than it saves (95-188 ms): not listed.
+    QuantAttentionConfig(64, 4, 3, pipeline=True),
+    QuantAttentionConfig(128, 8, 3, pipeline=True),
 )
 
 
@@ -549,7 +560,8 @@ def _launch_attention(qkv: QuantizedQKV, cfg: QuantAttentionConfig) -> torch.Ten
         *out.stride(), h, qkv.num_q, qkv.num_kv, m_pad, n_pad,
         HEAD_DIM=d, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, Q_BLK=Q_BLOCK,
         PV_FP8=qkv.pv_fp8, FP8_NO_FOLD=_fp8_no_fold(qkv.q8.device), UNROLL=cfg.unroll, EXP2_POLY=cfg.exp2_poly,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **({} if cfg.maxnreg is None else {"maxnreg": cfg.maxnreg}),
+        PIPELINE=cfg.pipeline, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        **({} if cfg.maxnreg is None else {"maxnreg": cfg.maxnreg}),
     )  # fmt: skip
     return out
 
@@ -734,14 +746,47 @@ def _exp2_poly(x):
 
 
 @triton.jit
+def _tile_scores(q, k_ptrs, start_n, HEAD_DIM: tl.constexpr):
+    # S = q8·k8ᵀ of one key tile (int32, exact).
+    k = tl.load(k_ptrs + start_n * HEAD_DIM)  # [BLOCK_N, D] int8; rows past N are zero padding
+    return tl.dot(q, tl.trans(k))  # [BLOCK_M, BLOCK_N] int32
+
+
+@triton.jit
 def _attend_tile(
     acc, l_i, m_i, q, q_scale, k_ptrs, vt_ptrs, ks_ptr, start_n, N,
     HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, PV_FP8: tl.constexpr, FP8_NO_FOLD: tl.constexpr,
     MASK: tl.constexpr, POLY: tl.constexpr,
 ):  # fmt: skip
     # One BLOCK_N-key tile: S = q8·k8ᵀ (int32, exact), online-softmax update, acc += P·V.
-    k = tl.load(k_ptrs + start_n * HEAD_DIM)  # [BLOCK_N, D] int8; rows past N are zero padding
-    qk = tl.dot(q, tl.trans(k))  # [BLOCK_M, BLOCK_N] int32
+    qk = _tile_scores(q, k_ptrs, start_n, HEAD_DIM)
+    return _softmax_pv(
+        acc, l_i, m_i, qk, q_scale, vt_ptrs, ks_ptr, start_n, N, BLOCK_N, PV_FP8, FP8_NO_FOLD, MASK, POLY
+    )  # fmt: skip
+
+
+@triton.jit
+def _softmax_pv(
+    acc, l_i, m_i, qk, q_scale, vt_ptrs, ks_ptr, start_n, N,
+    BLOCK_N: tl.constexpr, PV_FP8: tl.constexpr, FP8_NO_FOLD: tl.constexpr, MASK: tl.constexpr, POLY: tl.constexpr,
+):  # fmt: skip
+    # Online-softmax update with the tile's scores qk, then acc += P·V.
+    p, l_i, m_new, alpha = _tile_probs(l_i, m_i, qk, q_scale, ks_ptr, start_n, N, BLOCK_N, PV_FP8, MASK, POLY)
+    acc = acc * alpha[:, None]
+    if PV_FP8:
+        acc = acc + _tile_pv(p, vt_ptrs, start_n, BLOCK_N, PV_FP8, FP8_NO_FOLD)
+    else:
+        acc = tl.dot(p.to(tl.float16), tl.trans(tl.load(vt_ptrs + start_n)), acc)
+    return acc, l_i, m_new
+
+
+@triton.jit
+def _tile_probs(
+    l_i, m_i, qk, q_scale, ks_ptr, start_n, N,
+    BLOCK_N: tl.constexpr, PV_FP8: tl.constexpr, MASK: tl.constexpr, POLY: tl.constexpr,
+):  # fmt: skip
+    # Online softmax of one tile's scores: P (scaled to e4m3's range with FP8 P·V), the new row sum and max, and
+    # alpha, the factor the accumulator must be rescaled by.
     sc = q_scale * tl.load(ks_ptr + start_n // BLOCK_N)  # includes sm_scale·log2(e)
     f = (qk + _MAGIC_I).to(tl.float32, bitcast=True)  # = 1.5·2**23 + qk exactly; monotonic in qk
     if MASK:
@@ -758,7 +803,12 @@ def _attend_tile(
     if MASK:
         p = tl.where(valid, p, 0.0)
     l_i = l_i * alpha + tl.sum(p, 1)
-    acc = acc * alpha[:, None]
+    return p, l_i, m_new, alpha
+
+
+@triton.jit
+def _tile_pv(p, vt_ptrs, start_n, BLOCK_N: tl.constexpr, PV_FP8: tl.constexpr, FP8_NO_FOLD: tl.constexpr):
+    # One tile's P·V from zero, in FP32 (the caller adds it to the accumulator).
     vt = tl.load(vt_ptrs + start_n)  # [D, BLOCK_N], tokens contiguous: tl.trans makes a K-major B operand
     if PV_FP8:
         # FP8 MMAs keep only ~14 significant bits when they add into their accumulator (DeepSeek-V3 report on
@@ -774,10 +824,9 @@ def _attend_tile(
             pv = tl.dot(p.to(tl.float8e4nv), tl.trans(vt), max_num_imprecise_acc=BLOCK_N)
         else:
             pv = tl.dot(p.to(tl.float8e4nv), tl.trans(vt))
-        acc = acc + pv
     else:
-        acc = tl.dot(p.to(tl.float16), tl.trans(vt), acc)
-    return acc, l_i, m_new
+        pv = tl.dot(p.to(tl.float16), tl.trans(vt))
+    return pv
 
 
 @triton.jit
@@ -787,6 +836,7 @@ def _quant_attention_kernel(
     H, M, N, M_PAD, N_PAD,
     HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, Q_BLK: tl.constexpr,
     PV_FP8: tl.constexpr, FP8_NO_FOLD: tl.constexpr, UNROLL: tl.constexpr, EXP2_POLY: tl.constexpr,
+    PIPELINE: tl.constexpr,
 ):  # fmt: skip
     pid_m = tl.program_id(0)  # fastest: neighbouring programs share one head's K/V in L2
     bh = tl.program_id(1)
@@ -820,6 +870,28 @@ def _quant_attention_kernel(
                 acc, l_i, m_i, q, q_scale, k_ptrs, vt_ptrs, ks_ptr, (n_full - 1) * BLOCK_N, N,
                 HEAD_DIM, BLOCK_N, PV_FP8, FP8_NO_FOLD, False, False,
             )  # fmt: skip
+    elif PIPELINE:
+        # Software-pipelined by hand so that each tile's softmax runs while the tensor cores do the previous tile's
+        # P·V. Triton keeps a wgmma in flight only if its result is consumed after the loop's first full wait in the
+        # next iteration and it accumulates in FP32; the INT8 Q·Kᵀ (int32) always waits at once, so iteration j:
+        # softmax of tile j (P·V of tile j-1 in flight), Q·Kᵀ of tile j+1 and its wait (which also retires that
+        # P·V), fold P·V of tile j-1 into acc, issue P·V of tile j.
+        if n_full > 0:
+            qk = _tile_scores(q, k_ptrs, 0, HEAD_DIM)
+            pv = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
+            alpha_pv = tl.full([BLOCK_M], 1.0, dtype=tl.float32)  # acc's rescale before pv is added
+            for start_n in range(0, (n_full - 1) * BLOCK_N, BLOCK_N):
+                p, l_i, m_i, alpha = _tile_probs(
+                    l_i, m_i, qk, q_scale, ks_ptr, start_n, N, BLOCK_N, PV_FP8, False, False
+                )  # fmt: skip
+                qk = _tile_scores(q, k_ptrs, start_n + BLOCK_N, HEAD_DIM)
+                acc = acc * alpha_pv[:, None] + pv
+                pv = _tile_pv(p, vt_ptrs, start_n, BLOCK_N, PV_FP8, FP8_NO_FOLD)
+                alpha_pv = alpha
+            start_n = (n_full - 1) * BLOCK_N
+            p, l_i, m_i, alpha = _tile_probs(l_i, m_i, qk, q_scale, ks_ptr, start_n, N, BLOCK_N, PV_FP8, False, False)
+            acc = acc * alpha_pv[:, None] + pv
+            acc = acc * alpha[:, None] + _tile_pv(p, vt_ptrs, start_n, BLOCK_N, PV_FP8, FP8_NO_FOLD)
     else:
         for start_n in range(0, n_full * BLOCK_N, BLOCK_N):
             acc, l_i, m_i = _attend_tile(

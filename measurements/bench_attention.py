@@ -27,6 +27,7 @@ import json
 import math
 import os
 import platform
+import re
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -113,7 +114,10 @@ def sweep(args, variant, q, k, v, pv_fp8: bool, tag: str, bound: float) -> None:
             qkv = qa.quantize_qkv(q, k, v, pv_fp8=pv_fp8, k_block=k_block)
             for cfg in (dataclasses.replace(c, block_n=k_block) for c in qa.CANDIDATE_CONFIGS):
                 extra = (" poly" if cfg.exp2_poly else "") + (f" r{cfg.maxnreg}" if cfg.maxnreg else "")
+                extra += " pipe" if cfg.pipeline else ""
                 name = f"  {tag} kb{k_block} m{cfg.block_m} w{cfg.num_warps} s{cfg.num_stages} u{cfg.unroll}{extra}"
+                if args.sweep_match and not re.search(args.sweep_match, name):
+                    continue
                 variant(name, lambda cfg=cfg, qkv=qkv: qa.attention_quantized(qkv, config=cfg), bound)
             del qkv
     finally:
@@ -131,6 +135,9 @@ def main() -> None:
     parser.add_argument("--v-offset", type=float, default=0.0, help="std of per-channel offsets added to V")
     parser.add_argument("--seed", type=int, default=None, help="default: fresh")
     parser.add_argument("--sweep", action="store_true", help="also time the kernel for every CANDIDATE_CONFIGS entry")
+    parser.add_argument(
+        "--sweep-match", default=None, help="regex: sweep only entries whose name matches (e.g. 'pipe|m64 w4 s3 u1$')"
+    )
     parser.add_argument(
         "--sweep-k-blocks",
         default="64,128",

@@ -188,6 +188,8 @@ def test_input_validation():
         qa.QuantAttentionConfig(unroll=1, exp2_poly=True)
     with pytest.raises(ValueError, match=r"block_n: expected one of \(64, 128\), found 32"):
         qa.QuantAttentionConfig(block_n=32)
+    with pytest.raises(ValueError, match="pipeline needs unroll=1"):
+        qa.QuantAttentionConfig(unroll=2, pipeline=True)
     with pytest.raises(ValueError, match=r"k_block: expected one of \(64, 128\), found 96"):
         qa.quantize_qkv_ref(q, q, q, pv_fp8=False, k_block=96)
     x = qa.quantize_qkv_ref(q, q, q, pv_fp8=False, k_block=128)
@@ -269,6 +271,21 @@ def test_configs_match_ref_interpreted(config, k_block):
 
 @pytest.mark.interpret
 @interpreted_only
+@pytest.mark.parametrize("n", [1, 64, 128, 129, 300])
+@pytest.mark.parametrize("k_block", qa.K_BLOCKS)
+def test_pipelined_loop_edges_interpreted(n, k_block):
+    # The pipelined loop has a prologue (first tile's scores), a steady state and an epilogue (last full tile), and
+    # the masked tail after it: key counts with no full tile, exactly one, one plus a ragged tail, and several.
+    seed = _seed()
+    q, k, v = dit_like_qkv(1, 1, 70, n, 64, seed=seed)
+    x = qa.quantize_qkv_ref(q, k, v, pv_fp8=False, k_block=k_block)
+    config = qa.QuantAttentionConfig(64, 4, 3, block_n=k_block, pipeline=True)
+    out = qa.attention_quantized(x, config=config)
+    assert_kernel_vs_ref(out, qa.attention_quantized_ref(x), False, f"n {n} k_block {k_block} seed {seed}")
+
+
+@pytest.mark.interpret
+@interpreted_only
 def test_sm_scale_interpreted():
     seed = _seed()
     q, k, v = dit_like_qkv(1, 2, 37, 90, 128, seed=seed)
@@ -292,7 +309,13 @@ def test_strided_inputs_interpreted():
 @pytest.mark.interpret
 @interpreted_only
 @pytest.mark.parametrize(
-    "config", [qa.QuantAttentionConfig(), qa.QuantAttentionConfig(unroll=2, exp2_poly=True)], ids=str
+    "config",
+    [
+        qa.QuantAttentionConfig(),
+        qa.QuantAttentionConfig(unroll=2, exp2_poly=True),
+        qa.QuantAttentionConfig(64, 4, 3, pipeline=True),
+    ],
+    ids=str,
 )
 def test_fp8_path_logic_interpreted(config, monkeypatch):
     # The interpreter's fp32 -> e4m3 conversion is not the GPU's (no subnormals, no carry on rounding up), so the

@@ -307,7 +307,8 @@ def test_stored_gemm_runs_on_gpu(quantized, fmt):
     try:
         inputs = {k: v.cuda() for k, v in _inputs(ckpt.dit, 0, torch.bfloat16).items()}
         dequantized, stored = (rt.dit(**inputs) for rt in runs)
-        assert fast.gemm.counts[fmt] == 56
+        # nvfp4 weights are dequantized on the GPU and multiplied by cuBLAS (faster than the Triton kernel there).
+        assert fast.gemm.counts[fmt if fmt == "fp8" else f"{fmt}-dequantized"] == 56
         for a, b in zip(stored, dequantized, strict=True):
             # fp8 also quantizes the activations (≈2.5% per layer); nvfp4 differs by summation order and bf16
             # rounding of the dequantized weight only.

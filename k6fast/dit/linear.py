@@ -6,12 +6,13 @@ every residual update. Layers with fewer rows than `K6_GEMM_MIN_ROWS` stay bf16 
 quantization passes cost more than the faster GEMM saves (the audio stream's 218 tokens, text tokens).
 
 Quantized checkpoints (`k6fast quantize`): their fused-block linear weights arrive as `QuantizedWeight`s and run the
-checkpoint's GEMM (fp8 → `fp8_linear` on the stored e4m3 weight, no re-quantization; nvfp4 → `nvfp4_linear`)
-whatever K6_GEMM says. The loss was taken when the checkpoint was written: running bf16 on the dequantized weight
-would give the same lossy weights at bf16 speed with 2-4x the device bytes per layer, and requiring K6_GEMM to match
-would make every arm that runs the bf16 checkpoint fail on the quantized one. K6_GEMM still governs the layers the
-checkpoint keeps in bf16. Where the stored GEMM does not run (fewer rows than K6_GEMM_MIN_ROWS, CPU, fp32
-activations, a GPU without the kernel) the weight is dequantized and multiplied by F.linear: correct everywhere.
+checkpoint's GEMM (fp8 → `fp8_linear` on the stored e4m3 weight, no re-quantization; nvfp4 → dequantized on the
+GPU, then cuBLAS bf16, see `_stored_gemm_runs`) whatever K6_GEMM says. The loss was taken when the checkpoint was
+written: re-running an fp8 layer in bf16 would give the same lossy weights at bf16 speed with 2x the device bytes,
+and requiring K6_GEMM to match would make every arm that runs the bf16 checkpoint fail on the quantized one.
+K6_GEMM still governs the layers the checkpoint keeps in bf16. Where the fp8 GEMM does not run (fewer rows than
+K6_GEMM_MIN_ROWS, CPU, fp32 activations, a GPU without FP8) the weight is dequantized and multiplied by F.linear:
+correct everywhere.
 """
 
 from __future__ import annotations
@@ -111,16 +112,17 @@ def bind_quantized(tensors: dict[str, Tensor], dtype: torch.dtype) -> dict[str, 
 
 
 def _stored_gemm_runs(fmt: str, x: Tensor) -> bool:
-    """Whether the quantized checkpoint's own GEMM runs for these activations (else: dequantize + F.linear)."""
-    if not x.is_cuda or x.dtype not in (torch.bfloat16, torch.float16):
+    """Whether the quantized checkpoint's own GEMM runs for these activations (else: dequantize + F.linear).
+
+    nvfp4 always takes the second path: on an H200, dequantizing the layer's weight on the GPU and running cuBLAS
+    bf16 takes 0.91-0.94x the time of cuBLAS on a bf16 weight, the Triton dequantize-in-prologue GEMM
+    (`kernels.nvfp4.nvfp4_linear`) 8.7-9.0x (measurements/sessions/2026-11-29_attention-pipeline/nvfp4.json). The
+    checkpoint's saving is in the bytes streamed from disk and over PCIe, which the packed weight keeps either way."""
+    if fmt != "fp8" or not x.is_cuda or x.dtype not in (torch.bfloat16, torch.float16):
         return False
-    if fmt == "fp8":
-        from ..kernels.fp8_linear import fp8_native
+    from ..kernels.fp8_linear import fp8_native
 
-        return fp8_native(x.device)
-    from ..kernels.nvfp4 import nvfp4_kernel_available
-
-    return nvfp4_kernel_available(x.device)
+    return fp8_native(x.device)
 
 
 class LinearDispatch:
@@ -129,8 +131,8 @@ class LinearDispatch:
             raise ValueError("K6_GEMM=auto must be resolved for a device first (k6fast.dit.arch.resolve_auto)")
         self.kind = options.gemm
         self.min_rows = options.gemm_min_rows
-        # backend → calls: bf16 / fp16acc / fp8 / nvfp4, and fp8-dequantized / nvfp4-dequantized for stored
-        # weights multiplied by F.linear.
+        # backend → calls: bf16 / fp16acc / fp8, and fp8-dequantized / nvfp4-dequantized for stored weights
+        # multiplied by F.linear.
         self.counts: Counter[str] = Counter()
 
     def use_fast(self, rows: int, weight_shape: tuple[int, ...], name: str) -> bool:
@@ -171,13 +173,7 @@ class LinearDispatch:
             self.counts[weight.fmt if fast else f"{weight.fmt}-dequantized"] += 1
         if not fast:
             return F.linear(x, weight.dequantized(x.dtype), bias)
-        if weight.fmt == "fp8":
-            return _fp8(x, weight.qdata, weight.scale, bias)
-        from ..kernels.nvfp4 import nvfp4_linear
-
-        flat = x.reshape(-1, x.shape[-1]).contiguous()
-        out = nvfp4_linear(flat, weight.qdata, weight.scale, weight.scale_2, bias)
-        return out.reshape(*x.shape[:-1], weight.shape[0])
+        return _fp8(x, weight.qdata, weight.scale, bias)
 
 
 def _fp8(x: Tensor, wq: Tensor, w_scale: Tensor, bias: Tensor | None) -> Tensor:
