@@ -7,6 +7,9 @@ What it holds:
   plus a per-row scale for the FP8 GEMM that follows instead of bf16.
 - `gated_residual(x, out, gate)` / `gated_residual_` (in place into x): y = bf16(x.float() + gate.float() *
   out.float()), diffusers' `apply_gate_sum`, in one pass (6 bytes per element instead of ~38).
+- `gated_residual_modulate(x, out, gate, scale, shift)`: the two above back to back, as the DiT blocks call them
+  (a residual, then the next sub-layer's modulation of the same stream), in one pass over the rows: x_new and h
+  bit-identical to `gated_residual` then `layernorm_modulate`, 8 bytes per element instead of 10 and one launch.
 
 Each has a pure-PyTorch `*_ref` beside it with the same signature; those are the exact diffusers math.
 
@@ -36,6 +39,7 @@ _ACT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 #
 #   op                                   CPU / other   CUDA sm_80+                          CUDA below sm_80
 #   layernorm_modulate, gated_residual(_) reference     Triton                               reference (logged once)
+#   gated_residual_modulate
 #   layernorm_modulate(out_fp8=True)      reference     Triton on sm_89+ (e4m3 conversion),  reference (logged once)
 #                                                       reference on sm_80/86 (logged once)
 # ---------------------------------------------------------------------------------------------------------------
@@ -106,6 +110,12 @@ def _per_sample(vec: Tensor, x: Tensor) -> Tensor:
     return vec
 
 
+def _rows_per_sample(x: Tensor, vectors: tuple[Tensor, ...], op: str, names: tuple[str, ...]) -> int:
+    """Rows of x [rows, D] per modulation sample shared by several vectors: a per-sample [B, D] vector's, else all
+    rows. Broadcast vectors have batch stride 0, so any of them reads the right row at that granularity."""
+    return min(_modulation_layout(x, v, op, name)[2] for v, name in zip(vectors, names, strict=True))
+
+
 def _row_tile(d: int, n_rows: int, elements: int) -> tuple[int, int, int]:
     """→ (BLOCK_D, rows per program, num_warps): a whole row per program; short rows are stacked up to `elements`."""
     block_d = triton.next_power_of_2(d)
@@ -119,6 +129,11 @@ def _row_tile(d: int, n_rows: int, elements: int) -> tuple[int, int, int]:
 # ---------------------------------------------------------------------------------------------------------------
 
 
+# fp32 values per program of the norm kernels: a 4096-wide K6 row, 16 values per thread at 8 warps, stays in
+# registers. Both norm kernels use it, so the fused residual + norm reduces each row exactly as the norm alone does.
+_NORM_TILE = 4096
+
+
 def layernorm_modulate_ref(
     x: Tensor, scale: Tensor, shift: Tensor, *, eps: float = 1e-5, out_fp8: bool = False
 ) -> Tensor | tuple[Tensor, Tensor]:
@@ -130,6 +145,33 @@ def layernorm_modulate_ref(
     scale, shift = _per_sample(scale, x), _per_sample(shift, x)
     y = (normed * (scale.float() + 1.0) + shift.float()).to(dtype=x.dtype)
     return quantize_rows_fp8_ref(y) if out_fp8 else y
+
+
+@triton.jit
+def _modulate_rows(
+    x,  # [ROWS, BLOCK_D] fp32, padding lanes (mask False) 0
+    mask,
+    sample,  # [ROWS] int64: each row's modulation sample
+    cols,
+    D,
+    scale_ptr,
+    stride_scale_b,
+    stride_scale_d,
+    shift_ptr,
+    stride_shift_b,
+    stride_shift_d,
+    eps,
+):
+    """LN(x) * (1 + scale) + shift in fp32, [ROWS, BLOCK_D]. Shared by both norm kernels, so that with the same tile
+    and warps they reduce in the same order and round alike."""
+    # Two-pass moments over the row held in registers: no E[x²] - E[x]² cancellation for rows with a large mean.
+    mean = tl.sum(x, axis=1) / D
+    xc = tl.where(mask, x - mean[:, None], 0.0)
+    rstd = tl.math.rsqrt(tl.sum(xc * xc, axis=1) / D + eps)
+    scale = tl.load(scale_ptr + sample[:, None] * stride_scale_b + cols[None, :] * stride_scale_d, mask=mask, other=0.0)
+    shift = tl.load(shift_ptr + sample[:, None] * stride_shift_b + cols[None, :] * stride_shift_d, mask=mask, other=0.0)
+    # Same order as diffusers: normed * (scale + 1) + shift in fp32, one rounding to the output dtype at the end.
+    return (xc * rstd[:, None]) * (scale.to(tl.float32) + 1.0) + shift.to(tl.float32)
 
 
 @triton.jit
@@ -158,17 +200,11 @@ def _layernorm_modulate_kernel(
     mask = row_ok[:, None] & (cols < D)[None, :]
     rows64 = rows.to(tl.int64)
     x = tl.load(x_ptr + rows64[:, None] * stride_x + cols[None, :], mask=mask, other=0.0).to(tl.float32)
-
-    # Two-pass moments over the row held in registers: no E[x²] - E[x]² cancellation for rows with a large mean.
-    mean = tl.sum(x, axis=1) / D
-    xc = tl.where(mask, x - mean[:, None], 0.0)
-    rstd = tl.math.rsqrt(tl.sum(xc * xc, axis=1) / D + eps)
-
     sample = (rows // rows_per_sample).to(tl.int64)
-    scale = tl.load(scale_ptr + sample[:, None] * stride_scale_b + cols[None, :] * stride_scale_d, mask=mask, other=0.0)
-    shift = tl.load(shift_ptr + sample[:, None] * stride_shift_b + cols[None, :] * stride_shift_d, mask=mask, other=0.0)
-    # Same order as diffusers: normed * (scale + 1) + shift in fp32, one rounding to the output dtype at the end.
-    y = (xc * rstd[:, None]) * (scale.to(tl.float32) + 1.0) + shift.to(tl.float32)
+    y = _modulate_rows(
+        x, mask, sample, cols, D, scale_ptr, stride_scale_b, stride_scale_d, shift_ptr, stride_shift_b, stride_shift_d,
+        eps,
+    )  # fmt: skip
 
     out_offsets = rows64[:, None] * D + cols[None, :]
     if OUT_FP8:
@@ -189,8 +225,9 @@ def layernorm_modulate_triton(
     Shapes and dtypes as `layernorm_modulate`; inputs must have passed its checks."""
     d = x.shape[-1]
     n_rows = x.numel() // d if d else 0
-    sb, sd, rows_per_sample = _modulation_layout(x, scale, "layernorm_modulate", "scale")
+    sb, sd, _ = _modulation_layout(x, scale, "layernorm_modulate", "scale")
     hb, hd, _ = _modulation_layout(x, shift, "layernorm_modulate", "shift")
+    rows_per_sample = _rows_per_sample(x, (scale, shift), "layernorm_modulate", ("scale", "shift"))
     if out_fp8:
         y = torch.empty(x.shape, dtype=torch.float8_e4m3fn, device=x.device)
         q_scale = torch.empty((*x.shape[:-1], 1), dtype=torch.float32, device=x.device)
@@ -199,8 +236,7 @@ def layernorm_modulate_triton(
         q_scale = y  # unused by the kernel when OUT_FP8 is False
     if n_rows == 0:
         return (y, q_scale) if out_fp8 else y
-    # 4096 fp32 values per program: a 4096-wide K6 row, 16 values per thread at 8 warps, stays in registers.
-    block_d, rows, num_warps = _row_tile(d, n_rows, 4096)
+    block_d, rows, num_warps = _row_tile(d, n_rows, _NORM_TILE)
     _layernorm_modulate_kernel[(triton.cdiv(n_rows, rows),)](
         x, scale, shift, y, q_scale, n_rows, d, rows_per_sample, d, sb, sd, hb, hd, eps,
         OUT_FP8=out_fp8, ROWS=rows, BLOCK_D=block_d, num_warps=num_warps,
@@ -356,3 +392,111 @@ def gated_residual_(x: Tensor, out: Tensor, gate: Tensor) -> Tensor:
     _check_gated_residual(x, out, gate, "gated_residual_")
     _gated_residual_inplace_op(x, out, gate)
     return x
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# gated_residual_modulate: gated_residual, then layernorm_modulate of its result, in one pass
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def gated_residual_modulate_ref(
+    x: Tensor, out: Tensor, gate: Tensor, scale: Tensor, shift: Tensor, *, eps: float = 1e-5
+) -> tuple[Tensor, Tensor]:
+    """`gated_residual_ref` then `layernorm_modulate_ref` of its result. Shapes as `gated_residual_modulate`."""
+    x_new = gated_residual_ref(x, out, gate)
+    return x_new, layernorm_modulate_ref(x_new, scale, shift, eps=eps)
+
+
+@triton.jit
+def _gated_residual_modulate_kernel(
+    x_ptr,  # [n_rows, D] contiguous
+    out_ptr,  # [n_rows, D] contiguous, any float dtype
+    gate_ptr,  # modulation vectors: element (sample, d) at sample * stride_b + d * stride_d
+    scale_ptr,
+    shift_ptr,
+    x_new_ptr,  # [n_rows, D] x dtype, contiguous
+    y_ptr,  # [n_rows, D] x dtype, contiguous
+    n_rows,
+    D,
+    rows_per_sample,
+    stride_gate_b,
+    stride_gate_d,
+    stride_scale_b,
+    stride_scale_d,
+    stride_shift_b,
+    stride_shift_d,
+    eps,
+    ROWS: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+):
+    rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
+    cols = tl.arange(0, BLOCK_D)
+    mask = (rows < n_rows)[:, None] & (cols < D)[None, :]
+    offsets = rows.to(tl.int64)[:, None] * D + cols[None, :]
+    x = tl.load(x_ptr + offsets, mask=mask, other=0.0).to(tl.float32)
+    out = tl.load(out_ptr + offsets, mask=mask, other=0.0).to(tl.float32)
+    sample = (rows // rows_per_sample).to(tl.int64)
+    gate = tl.load(gate_ptr + sample[:, None] * stride_gate_b + cols[None, :] * stride_gate_d, mask=mask, other=0.0)
+    # _gated_residual_kernel's expression, rounded to x's dtype as it stores it: the norm below reads exactly what
+    # _layernorm_modulate_kernel would load. Padding lanes are 0 + 0 * 0 = 0, as the norm needs.
+    x_new = (x + gate.to(tl.float32) * out).to(x_new_ptr.dtype.element_ty)
+    tl.store(x_new_ptr + offsets, x_new, mask=mask)
+    y = _modulate_rows(
+        x_new.to(tl.float32), mask, sample, cols, D, scale_ptr, stride_scale_b, stride_scale_d, shift_ptr,
+        stride_shift_b, stride_shift_d, eps,
+    )  # fmt: skip
+    tl.store(y_ptr + offsets, y.to(y_ptr.dtype.element_ty), mask=mask)
+
+
+def gated_residual_modulate_triton(
+    x: Tensor, out: Tensor, gate: Tensor, scale: Tensor, shift: Tensor, *, eps: float = 1e-5
+) -> tuple[Tensor, Tensor]:
+    """The Triton kernel alone, on whatever device x is on (CUDA, or CPU under TRITON_INTERPRET=1).
+    Shapes and dtypes as `gated_residual_modulate`; inputs must have passed its checks."""
+    op = "gated_residual_modulate"
+    d = x.shape[-1]
+    n_rows = x.numel() // d if d else 0
+    gb, gd, _ = _modulation_layout(x, gate, op, "gate")
+    sb, sd, _ = _modulation_layout(x, scale, op, "scale")
+    hb, hd, _ = _modulation_layout(x, shift, op, "shift")
+    rows_per_sample = _rows_per_sample(x, (gate, scale, shift), op, ("gate", "scale", "shift"))
+    x_new, y = torch.empty_like(x), torch.empty_like(x)
+    if n_rows == 0:
+        return x_new, y
+    # The norm kernel's tile and warps (not the residual kernel's larger tile): the same reduction tree per row.
+    block_d, rows, num_warps = _row_tile(d, n_rows, _NORM_TILE)
+    _gated_residual_modulate_kernel[(triton.cdiv(n_rows, rows),)](
+        x, out, gate, scale, shift, x_new, y, n_rows, d, rows_per_sample, gb, gd, sb, sd, hb, hd, eps,
+        ROWS=rows, BLOCK_D=block_d, num_warps=num_warps,
+    )  # fmt: skip
+    return x_new, y
+
+
+@torch.library.custom_op("k6fast::gated_residual_modulate", mutates_args=())
+def _gated_residual_modulate_op(
+    x: Tensor, out: Tensor, gate: Tensor, scale: Tensor, shift: Tensor, eps: float
+) -> tuple[Tensor, Tensor]:
+    if _use_triton("gated_residual_modulate", x.device, need_fp8=False):
+        return gated_residual_modulate_triton(x, out, gate, scale, shift, eps=eps)
+    return gated_residual_modulate_ref(x, out, gate, scale, shift, eps=eps)
+
+
+@_gated_residual_modulate_op.register_fake
+def _(x: Tensor, out: Tensor, gate: Tensor, scale: Tensor, shift: Tensor, eps: float) -> tuple[Tensor, Tensor]:
+    return torch.empty_like(x), torch.empty_like(x)
+
+
+def gated_residual_modulate(
+    x: Tensor, out: Tensor, gate: Tensor, scale: Tensor, shift: Tensor, *, eps: float = 1e-5
+) -> tuple[Tensor, Tensor]:
+    """x_new = `gated_residual(x, out, gate)`, h = `layernorm_modulate(x_new, scale, shift, eps=eps)`, in one pass:
+    both bit-identical to those two calls (the same expressions, the norm's tile and reduction order). Lossless.
+
+    x: [..., tokens, D] bf16 (fp16/fp32 allowed), contiguous; out: like x (any float dtype), contiguous; gate,
+    scale, shift: [D], [1, D] or [B, D] with x [B, ..., D], fp32 or bf16, any strides. Returns (x_new, h), both new
+    [..., D] x.dtype. Triton on CUDA sm_80+, the reference elsewhere (logged once)."""
+    op = "gated_residual_modulate"
+    _check_gated_residual(x, out, gate, op)
+    _modulation_layout(x, scale, op, "scale")
+    _modulation_layout(x, shift, op, "shift")
+    return _gated_residual_modulate_op(x, out, gate, scale, shift, eps)

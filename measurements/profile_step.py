@@ -59,6 +59,7 @@ DEVICE_ACTIVITY_TYPES = ("kernel", "gpu_memcpy", "gpu_memset")
 K6_KERNELS = {
     "_layernorm_modulate_kernel": FUSED,
     "_gated_residual_kernel": FUSED,
+    "_gated_residual_modulate_kernel": FUSED,
     "_groupnorm_silu_kernel": FUSED,
     "_rms_norm_rope_kernel": FUSED,
     "_quantize_q_kernel": ATTENTION,

@@ -133,7 +133,8 @@ FUSED_ELEMENTWISE = Switch(
     name="K6_FUSED_ELEMENTWISE",
     kind="bool",
     default=False,
-    doc="one-pass Triton kernels for LayerNorm+AdaLN and the gated residual (fp32 math, bf16 out)",
+    doc="one-pass Triton kernels (fp32 math): LayerNorm+AdaLN, gated residual (also fused with the next modulation), "
+    "q/k RMSNorm+RoPE; ATen's GELU kept under compile",
 )
 COMPILE = Switch(
     name="K6_COMPILE",

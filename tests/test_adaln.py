@@ -1,4 +1,4 @@
-"""kernels/adaln.py: layernorm_modulate and gated_residual.
+"""kernels/adaln.py: layernorm_modulate, gated_residual and the two fused (gated_residual_modulate).
 
 Three tiers: CPU tests of the references against diffusers' own functions and of the public ops' CPU path;
 `interpret` tests of the Triton kernels at tiny shapes (run in a subprocess with TRITON_INTERPRET=1, so the setting
@@ -18,6 +18,9 @@ from k6fast.kernels import adaln
 from k6fast.kernels.adaln import (
     gated_residual,
     gated_residual_,
+    gated_residual_modulate,
+    gated_residual_modulate_ref,
+    gated_residual_modulate_triton,
     gated_residual_ref,
     gated_residual_triton,
     layernorm_modulate,
@@ -110,6 +113,9 @@ def test_public_ops_on_cpu_equal_the_references(x_shape, mod_shape, caplog):
         q_ref, s_ref = layernorm_modulate_ref(x, scale, shift, out_fp8=True)
         assert torch.equal(q.view(torch.uint8), q_ref.view(torch.uint8)) and torch.equal(s, s_ref)
         assert torch.equal(gated_residual(x, out, gate), gated_residual_ref(x, out, gate))
+        x_new, h = gated_residual_modulate(x, out, gate, scale, shift)
+        assert torch.equal(x_new, gated_residual_ref(x, out, gate))
+        assert torch.equal(h, layernorm_modulate_ref(x_new, scale, shift))
     fallbacks = [r.getMessage() for r in caplog.records if "runs the PyTorch reference" in r.getMessage()]
     assert len([m for m in fallbacks if m.startswith("layernorm_modulate on cpu")]) == 1, fallbacks
 
@@ -126,6 +132,7 @@ def test_empty_rows():
     scale = torch.zeros(96)
     assert layernorm_modulate(x, scale, scale).shape == (0, 96)
     assert gated_residual(x, x, scale).shape == (0, 96)
+    assert [t.shape for t in gated_residual_modulate(x, x, scale, scale, scale)] == [(0, 96), (0, 96)]
 
 
 @pytest.mark.parametrize(
@@ -138,6 +145,8 @@ def test_empty_rows():
         (lambda x, s: gated_residual(x, x[:1], s), r"expected out \(2, 5, 96\)"),
         (lambda x, s: gated_residual(x, x, s.long()), "expected gate float32, bfloat16 or float16"),
         (lambda x, s: layernorm_modulate(x[0, 0], s[0], s[0]), "at least 2 dims"),
+        (lambda x, s: gated_residual_modulate(x, x, s, s, s[:, :95]), r"expected shift of shape \(96,\)"),
+        (lambda x, s: gated_residual_modulate(x, x.transpose(0, 1), s, s, s), "expected a contiguous out"),
     ],
 )
 def test_errors_say_expected_and_found(call, message):
@@ -154,6 +163,7 @@ def test_custom_ops_pass_opcheck():
     torch.library.opcheck(ops.layernorm_modulate_fp8.default, (x, scale, shift, 1e-5))
     torch.library.opcheck(ops.gated_residual.default, (x, out, gate))
     torch.library.opcheck(ops.gated_residual_.default, (x.clone(), out, gate))
+    torch.library.opcheck(ops.gated_residual_modulate.default, (x, out, gate, scale, shift, 1e-5))
 
 
 def test_torch_compile_traces_without_graph_breaks():
@@ -162,7 +172,8 @@ def test_torch_compile_traces_without_graph_breaks():
     def block(x, out, scale, shift, gate):
         y = layernorm_modulate(x, scale, shift)
         q, s = layernorm_modulate(x, scale, shift, out_fp8=True)
-        return gated_residual(x, out + y, gate), q.float() * s
+        x_new, h = gated_residual_modulate(x, out, gate, scale, shift)
+        return gated_residual(x, out + y, gate), q.float() * s, x_new, h
 
     compiled = torch.compile(block, backend="aot_eager", fullgraph=True)
     for got, expected in zip(compiled(x, out, scale, shift, gate), block(x, out, scale, shift, gate), strict=True):
@@ -245,6 +256,38 @@ def test_gated_residual_kernel_interpreted(x_shape, mod_shape):
 
 @pytest.mark.interpret
 @needs_interpreter
+@pytest.mark.parametrize(("x_shape", "mod_shape"), CASES[:3])  # the fourth adds interpreter time, not a path
+def test_gated_residual_modulate_kernel_interpreted(x_shape, mod_shape):
+    x, out, scale, shift, gate = _inputs(x_shape, mod_shape)
+    x_new, h = gated_residual_modulate_triton(x, out, gate, scale, shift)
+    # The two kernels in sequence, exactly; they are checked against the references above.
+    assert torch.equal(x_new, gated_residual_triton(x, out, gate))
+    assert torch.equal(h, layernorm_modulate_triton(x_new, scale, shift))
+    expected_x, _ = gated_residual_modulate_ref(x, out, gate, scale, shift)
+    _assert_bf16_close(x_new, expected_x)
+    _assert_bf16_close(h, layernorm_modulate_ref(x_new, scale, shift), atol=1e-5)
+
+
+@pytest.mark.interpret
+@needs_interpreter
+def test_mixed_modulation_shapes_interpreted():
+    # One vector shared by all samples beside per-sample ones: each must still read its own sample's row. fp32, so
+    # the fused kernel's fp32 path is checked too.
+    x, out, scale, shift, gate = _inputs((2, 7, 96), (2, 96), dtype=torch.float32)
+    x_new, h = gated_residual_modulate_triton(x, out, gate[:1], scale, shift[0])
+    expected_x, expected_h = gated_residual_modulate_ref(x, out, gate[:1], scale, shift[0])
+    torch.testing.assert_close(x_new, expected_x)
+    torch.testing.assert_close(h, expected_h, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(
+        layernorm_modulate_triton(x, scale[:1], shift),
+        layernorm_modulate_ref(x, scale[:1], shift),
+        rtol=1e-5,
+        atol=1e-5,
+    )
+
+
+@pytest.mark.interpret
+@needs_interpreter
 def test_fused_fp8_matches_norm_then_quantize_interpreted():
     x, _, scale, shift, _ = _inputs((3, 96), (96,), dtype=torch.float32)
     q, s = layernorm_modulate_triton(x, scale, shift, out_fp8=True)
@@ -321,3 +364,16 @@ def test_layernorm_modulate_fp8_gpu(x_shape, mod_shape):
     assert mismatched <= 1e-4 and scales_mismatched <= 1e-4, (
         f"fused vs unfused: {mismatched:.2e} of bytes and {scales_mismatched:.2e} of scales differ"
     )
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize(("x_shape", "mod_shape"), GPU_CASES)
+def test_gated_residual_modulate_gpu(x_shape, mod_shape):
+    x, out, scale, shift, gate = _inputs(x_shape, mod_shape, device="cuda")
+    x_new, h = gated_residual_modulate(x, out, gate, scale, shift)
+    # Bit-identical to the two kernels in sequence (tested against fp32 math above): the same residual expression,
+    # and the norm's tile, warps and so reduction order.
+    x_pair = gated_residual(x, out, gate)
+    assert torch.equal(x_new, x_pair), "x_new differs from gated_residual"
+    assert torch.equal(h, layernorm_modulate(x_pair, scale, shift)), "h differs from layernorm_modulate of x_new"

@@ -1,14 +1,21 @@
 """k6fast's DiT forward against diffusers' Kandinsky6Transformer3DModel, float32 on CPU: max relative error ≤ 1e-5
-for video and audio, with/without audio, image tail frame, and text padding mask."""
+for video and audio, with/without audio, image tail frame, and text padding mask. And the switch-configured backend
+against the reference one: bit-identical with every switch off, and with the fused elementwise ops routed through
+their public kernels' entry points (which run their references on the CPU)."""
 
 from __future__ import annotations
+
+from collections import Counter
 
 import pytest
 import torch
 from diffusers import Kandinsky6Transformer3DModel
 
+from k6fast.dit.backend import SwitchedBackend
 from k6fast.dit.config import DiTConfig, expected_shapes
 from k6fast.dit.model import K6DiT
+from k6fast.kernels import adaln, gelu
+from k6fast.switches import Options
 
 TINY = dict(
     in_visual_dim=4,
@@ -106,6 +113,41 @@ def test_forward_matches_diffusers_without_pro_flags(flags: dict) -> None:
     video, audio_out = ours(**kwargs)
     assert _rel(video, expected[0]) <= 1e-5
     assert _rel(audio_out, expected[1]) <= 1e-5
+
+
+@pytest.mark.parametrize("audio", [True, False])
+def test_switched_backend_equals_exact_backend(audio: bool, monkeypatch) -> None:
+    _, ours = _pair()
+    kwargs = _inputs(ours.cfg, audio=audio, image=False, masked=True)
+    expected = ours(**kwargs)  # ExactBackend
+    cpu = torch.device("cpu")
+
+    def run(options: Options) -> tuple[torch.Tensor, torch.Tensor | None]:
+        return K6DiT(ours.cfg, ours.weights, backend=SwitchedBackend(options, cpu))(**kwargs)
+
+    results = {"switches off": run(Options())}
+    # Fused on, with the fused kernels taken as for CUDA tensors: every pair of a residual and the modulation after
+    # it, and every GELU, goes through the kernels' public ops (their CPU path is the reference).
+    calls = Counter()
+
+    def counted(module, name):
+        original = getattr(module, name)
+        monkeypatch.setattr(module, name, lambda *a, **kw: calls.update([name]) or original(*a, **kw))
+
+    counted(adaln, "gated_residual_modulate")
+    counted(gelu, "gelu")
+    monkeypatch.setattr(SwitchedBackend, "_fused_for", lambda self, t: self.fused)
+    results["fused"] = run(Options().replace(fused_elementwise=True))
+    for name, (video, audio_out) in results.items():
+        assert torch.equal(video, expected[0]), name
+        assert (audio_out is None) if not audio else torch.equal(audio_out, expected[1]), name
+    # Two text branches (video, audio) of text blocks, one pair and one GELU each. A fused block: video
+    # self-attention → text → (audio: → video←audio) → FFN modulation, the same on the audio stream; one GELU each.
+    text, fused = 2 * ours.cfg.num_text_blocks, ours.cfg.num_visual_blocks
+    assert calls == {
+        "gated_residual_modulate": text + fused * (6 if audio else 2),
+        "gelu": text + fused * (2 if audio else 1),
+    }
 
 
 def test_mask_changes_output() -> None:

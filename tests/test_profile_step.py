@@ -58,6 +58,7 @@ KERNEL_NAMES = {
     "fused_elementwise": [  # k6fast's Triton kernels and Inductor's
         "_layernorm_modulate_kernel",
         "_gated_residual_kernel",
+        "_gated_residual_modulate_kernel",
         "triton_poi_fused_add_mul_0",
         "triton_red_fused__to_copy_add_native_layer_norm_1",
         # An Inductor layout copy feeding SDPA is named after it, but it is elementwise work.

@@ -40,6 +40,12 @@ class Backend(Protocol):
 
     def gated_add(self, x: Tensor, out: Tensor, gate: Tensor) -> Tensor: ...
 
+    def gated_add_modulate(
+        self, x: Tensor, out: Tensor, gate: Tensor, scale: Tensor, shift: Tensor
+    ) -> tuple[Tensor, Tensor]: ...
+
+    def gelu(self, x: Tensor) -> Tensor: ...
+
     def norm_rope(self, x: Tensor, weight: Tensor, rope: tuple[Tensor, Tensor] | None) -> Tensor: ...
 
     def begin_step(self, step: int) -> None: ...
@@ -96,6 +102,17 @@ class ExactBackend:
     def gated_add(self, x: Tensor, out: Tensor, gate: Tensor) -> Tensor:
         return gated_add_ref(x, out, gate)
 
+    def gated_add_modulate(
+        self, x: Tensor, out: Tensor, gate: Tensor, scale: Tensor, shift: Tensor
+    ) -> tuple[Tensor, Tensor]:
+        """A residual, then the next sub-layer's modulation of the updated stream: (x + gate * out, its AdaLN).
+        x, out: [B, N, D]; gate, scale, shift: [B, D]."""
+        x = self.gated_add(x, out, gate)
+        return x, self.modulate(x, scale, shift)
+
+    def gelu(self, x: Tensor) -> Tensor:
+        return F.gelu(x)
+
     def norm_rope(self, x: Tensor, weight: Tensor, rope: tuple[Tensor, Tensor] | None) -> Tensor:
         return norm_rope_ref(x, weight, rope)
 
@@ -147,6 +164,22 @@ class SwitchedBackend(ExactBackend):
 
             return gated_residual(x, out.contiguous(), gate)
         return gated_add_ref(x, out, gate)
+
+    def gated_add_modulate(
+        self, x: Tensor, out: Tensor, gate: Tensor, scale: Tensor, shift: Tensor
+    ) -> tuple[Tensor, Tensor]:
+        if self._fused_for(x):
+            from ..kernels.adaln import gated_residual_modulate
+
+            return gated_residual_modulate(x, out.contiguous(), gate, scale, shift, eps=LN_EPS)
+        return super().gated_add_modulate(x, out, gate, scale, shift)
+
+    def gelu(self, x: Tensor) -> Tensor:
+        if self._fused_for(x):
+            from ..kernels.gelu import gelu
+
+            return gelu(x)
+        return F.gelu(x)
 
     def norm_rope(self, x: Tensor, weight: Tensor, rope: tuple[Tensor, Tensor] | None) -> Tensor:
         if self._fused_for(x) and x.is_contiguous():

@@ -25,9 +25,9 @@ def text_block(
     shift, scale, gate = sa.chunk(3, dim=-1)
     h = backend.modulate(x, scale, shift)
     out = attention(backend, w, "attn", h, None, num_heads, site="text_self", rope_q=rope, rope_k=rope, mask=mask)
-    x = backend.gated_add(x, out, gate)
-    shift, scale, gate = ff.chunk(3, dim=-1)
-    return backend.gated_add(x, feed_forward(backend, w, "feed_forward", backend.modulate(x, scale, shift)), gate)
+    ff_shift, ff_scale, ff_gate = ff.chunk(3, dim=-1)
+    x, h = backend.gated_add_modulate(x, out, gate, ff_scale, ff_shift)
+    return backend.gated_add(x, feed_forward(backend, w, "feed_forward", h), ff_gate)
 
 
 @dataclass(frozen=True)
@@ -50,7 +50,9 @@ def fused_block(
 
     Order of operations follows the reference exactly: video self-attention, video←text (held back), audio
     self-attention and audio←text, then the two cross-modal attentions, which read the *pre-text-attention*
-    normalised streams of the other modality as keys/values, then the feed-forwards."""
+    normalised streams of the other modality as keys/values, then the feed-forwards. Each residual update that the
+    reference follows with a modulation of the same stream goes through `backend.gated_add_modulate` (one pass on
+    the fused backend; the same two steps on the reference one)."""
     heads_v, heads_a = cfg.model_dim // cfg.head_dim, cfg.model_dim_a // cfg.head_dim_a
     vw, aw = "video_dec_block", "audio_dec_block"
 
@@ -60,15 +62,15 @@ def fused_block(
     out = attention(
         backend, w, f"{vw}.self_attention", h, None, heads_v, site="video_self", rope_q=inp.rope_v, rope_k=inp.rope_v
     )
-    vis = backend.gated_add(vis, out, gate)
     shift, scale, gate_v = ca_p.chunk(3, dim=-1)
-    vis_pre_ca = backend.modulate(vis, scale, shift)
+    vis, vis_pre_ca = backend.gated_add_modulate(vis, out, gate, scale, shift)
     vis_from_text = attention(
         backend, w, f"{vw}.cross_attention", vis_pre_ca, inp.text_v, heads_v, site="video_text", mask=inp.text_mask
     )
+    ff_shift, ff_scale, ff_gate = ff_p.chunk(3, dim=-1)
 
     if aud is None:
-        vis = backend.gated_add(vis, vis_from_text, gate_v)
+        vis, vis_for_ff = backend.gated_add_modulate(vis, vis_from_text, gate_v, ff_scale, ff_shift)
     else:
         sa_p, ca_p, ff_p_a = modulation(backend, w, f"{aw}.visual_modulation.out_layer", inp.temb_a).chunk(3, dim=-1)
         shift, scale, gate = sa_p.chunk(3, dim=-1)
@@ -84,13 +86,11 @@ def fused_block(
             rope_q=inp.rope_a,
             rope_k=inp.rope_a,
         )
-        aud = backend.gated_add(aud, out, gate)
         shift, scale, gate_a = ca_p.chunk(3, dim=-1)
-        aud_pre_ca = backend.modulate(aud, scale, shift)
+        aud, aud_pre_ca = backend.gated_add_modulate(aud, out, gate, scale, shift)
         aud_from_text = attention(
             backend, w, f"{aw}.cross_attention", aud_pre_ca, inp.text_a, heads_a, site="audio_text", mask=inp.text_mask
         )
-        aud = backend.gated_add(aud, aud_from_text, gate_a)
 
         # fix_modulation: each cross-modal modulation reads its own modality's time embedding.
         t_va, t_av = (inp.temb_v, inp.temb_a) if cfg.fix_modulation else (inp.temb_a, inp.temb_v)
@@ -105,9 +105,9 @@ def fused_block(
             va_shift, va_scale, va_gate = va_params.chunk(3, dim=-1)
             av_shift, av_scale, av_gate = av_params.chunk(3, dim=-1)
             gate_into_vis, gate_into_aud = va_gate, av_gate
-        vis = backend.gated_add(vis, vis_from_text, gate_v)
-        vis_for_va = backend.modulate(vis, va_scale, va_shift)
-        aud_for_av = backend.modulate(aud, av_scale, av_shift)
+        # The text residuals wait for the cross-modal modulations they are fused with (independent work, same values).
+        vis, vis_for_va = backend.gated_add_modulate(vis, vis_from_text, gate_v, va_scale, va_shift)
+        aud, aud_for_av = backend.gated_add_modulate(aud, aud_from_text, gate_a, av_scale, av_shift)
         rope_v, rope_a = (inp.rope_v, inp.rope_a) if cfg.ca_rope else (None, None)
         vis_from_aud = attention(
             backend,
@@ -131,14 +131,11 @@ def fused_block(
             rope_q=rope_a,
             rope_k=rope_v,
         )
-        vis = backend.gated_add(vis, vis_from_aud, gate_into_vis)
-        aud = backend.gated_add(aud, aud_from_vis, gate_into_aud)
+        vis, vis_for_ff = backend.gated_add_modulate(vis, vis_from_aud, gate_into_vis, ff_scale, ff_shift)
+        ff_shift_a, ff_scale_a, ff_gate_a = ff_p_a.chunk(3, dim=-1)
+        aud, aud_for_ff = backend.gated_add_modulate(aud, aud_from_vis, gate_into_aud, ff_scale_a, ff_shift_a)
 
-    shift, scale, gate = ff_p.chunk(3, dim=-1)
-    ff = feed_forward(backend, w, f"{vw}.feed_forward", backend.modulate(vis, scale, shift))
-    vis = backend.gated_add(vis, ff, gate)
+    vis = backend.gated_add(vis, feed_forward(backend, w, f"{vw}.feed_forward", vis_for_ff), ff_gate)
     if aud is not None:
-        shift, scale, gate = ff_p_a.chunk(3, dim=-1)
-        ff = feed_forward(backend, w, f"{aw}.feed_forward", backend.modulate(aud, scale, shift))
-        aud = backend.gated_add(aud, ff, gate)
+        aud = backend.gated_add(aud, feed_forward(backend, w, f"{aw}.feed_forward", aud_for_ff), ff_gate_a)
     return vis, aud

@@ -50,8 +50,9 @@ def time_embedding(backend: Backend, w: Weights, name: str, timestep: Tensor, di
 
 
 def feed_forward(backend: Backend, w: Weights, name: str, x: Tensor) -> Tensor:
+    """Linear, exact-erf GELU, linear. x: [B, N, D] → [B, N, D]."""
     h = linear(backend, w, f"{name}.net.0.proj", x)
-    return linear(backend, w, f"{name}.net.2", F.gelu(h))
+    return linear(backend, w, f"{name}.net.2", backend.gelu(h))
 
 
 def attention(
