@@ -300,6 +300,24 @@ def gated_residual_ref(x: Tensor, out: Tensor, gate: Tensor) -> Tensor:
 
 
 @triton.jit
+def _gated_rows(
+    x_ptr, out_ptr, gate_ptr, n_rows, D, rows_per_sample, stride_gate_b, stride_gate_d,
+    ROWS: tl.constexpr, BLOCK_D: tl.constexpr,
+):  # fmt: skip
+    """This program's rows of x + gate * out in fp32 (padding lanes 0), with their offsets, mask, columns and
+    modulation samples. Shared by both residual kernels, so they compute the residual alike."""
+    rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
+    cols = tl.arange(0, BLOCK_D)
+    mask = (rows < n_rows)[:, None] & (cols < D)[None, :]
+    offsets = rows.to(tl.int64)[:, None] * D + cols[None, :]
+    x = tl.load(x_ptr + offsets, mask=mask, other=0.0).to(tl.float32)
+    out = tl.load(out_ptr + offsets, mask=mask, other=0.0).to(tl.float32)
+    sample = (rows // rows_per_sample).to(tl.int64)
+    gate = tl.load(gate_ptr + sample[:, None] * stride_gate_b + cols[None, :] * stride_gate_d, mask=mask, other=0.0)
+    return x + gate.to(tl.float32) * out, offsets, mask, cols, sample
+
+
+@triton.jit
 def _gated_residual_kernel(
     x_ptr,  # [n_rows, D] contiguous
     out_ptr,  # [n_rows, D] contiguous, any float dtype
@@ -313,15 +331,10 @@ def _gated_residual_kernel(
     ROWS: tl.constexpr,
     BLOCK_D: tl.constexpr,
 ):
-    rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
-    cols = tl.arange(0, BLOCK_D)
-    mask = (rows < n_rows)[:, None] & (cols < D)[None, :]
-    offsets = rows.to(tl.int64)[:, None] * D + cols[None, :]
-    x = tl.load(x_ptr + offsets, mask=mask, other=0.0).to(tl.float32)
-    out = tl.load(out_ptr + offsets, mask=mask, other=0.0).to(tl.float32)
-    sample = (rows // rows_per_sample).to(tl.int64)
-    gate = tl.load(gate_ptr + sample[:, None] * stride_gate_b + cols[None, :] * stride_gate_d, mask=mask, other=0.0)
-    tl.store(y_ptr + offsets, (x + gate.to(tl.float32) * out).to(y_ptr.dtype.element_ty), mask=mask)
+    y, offsets, mask, _, _ = _gated_rows(
+        x_ptr, out_ptr, gate_ptr, n_rows, D, rows_per_sample, stride_gate_b, stride_gate_d, ROWS, BLOCK_D
+    )
+    tl.store(y_ptr + offsets, y.to(y_ptr.dtype.element_ty), mask=mask)
 
 
 def gated_residual_triton(x: Tensor, out: Tensor, gate: Tensor, *, inplace: bool = False) -> Tensor:
@@ -429,17 +442,12 @@ def _gated_residual_modulate_kernel(
     ROWS: tl.constexpr,
     BLOCK_D: tl.constexpr,
 ):
-    rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
-    cols = tl.arange(0, BLOCK_D)
-    mask = (rows < n_rows)[:, None] & (cols < D)[None, :]
-    offsets = rows.to(tl.int64)[:, None] * D + cols[None, :]
-    x = tl.load(x_ptr + offsets, mask=mask, other=0.0).to(tl.float32)
-    out = tl.load(out_ptr + offsets, mask=mask, other=0.0).to(tl.float32)
-    sample = (rows // rows_per_sample).to(tl.int64)
-    gate = tl.load(gate_ptr + sample[:, None] * stride_gate_b + cols[None, :] * stride_gate_d, mask=mask, other=0.0)
-    # _gated_residual_kernel's expression, rounded to x's dtype as it stores it: the norm below reads exactly what
+    x_new, offsets, mask, cols, sample = _gated_rows(
+        x_ptr, out_ptr, gate_ptr, n_rows, D, rows_per_sample, stride_gate_b, stride_gate_d, ROWS, BLOCK_D
+    )
+    # Rounded to x's dtype as _gated_residual_kernel stores it: the norm below reads exactly what
     # _layernorm_modulate_kernel would load. Padding lanes are 0 + 0 * 0 = 0, as the norm needs.
-    x_new = (x + gate.to(tl.float32) * out).to(x_new_ptr.dtype.element_ty)
+    x_new = x_new.to(x_new_ptr.dtype.element_ty)
     tl.store(x_new_ptr + offsets, x_new, mask=mask)
     y = _modulate_rows(
         x_new.to(tl.float32), mask, sample, cols, D, scale_ptr, stride_scale_b, stride_scale_d, shift_ptr,
