@@ -312,10 +312,15 @@ def register(subparsers) -> argparse.ArgumentParser:
         help="copy a checkpoint with its fused-block linear weights stored fp8 or nvfp4 (lossy; fewer streamed bytes)",
         description="Write DST, a copy of the Diffusers-layout checkpoint SRC whose fused-block linear weights are "
         "stored quantized (fp8: e4m3 + per-channel scale, 0.5x the bytes; nvfp4: E2M1 + e4m3 per-16 scales + a "
-        "global scale, 0.28x). Other files are hard-linked. The runtime then runs that format's GEMM on those "
-        "layers whatever K6_GEMM says.",
+        "global scale, 0.28x). Other files are hard-linked. The runtime runs those layers from the stored format "
+        "whatever K6_GEMM says (fp8: an FP8 GEMM on sm_89+; nvfp4: dequantized on the GPU, then bf16).",
     )
-    p.add_argument("--format", required=True, choices=QUANT_FORMATS, help="fp8 (any sm_89+ GPU) or nvfp4 (sm_80+)")
+    p.add_argument(
+        "--format",
+        required=True,
+        choices=QUANT_FORMATS,
+        help="fp8 (FP8 GEMM on sm_89+, dequantized elsewhere) or nvfp4 (dequantized on any device)",
+    )
     p.add_argument("src", help="source checkpoint directory (bf16, Diffusers layout)")
     p.add_argument("dst", help="output directory (must be missing or empty)")
     p.add_argument("--device", default="cpu", help="where to quantize: cpu (default) or cuda (faster, same bits)")

@@ -61,7 +61,7 @@ _FLOAT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 #   nvfp4_linear        reference   Triton dequantize-in-prologue GEMM           reference (logged once)
 #
 # The DiT runtime does not call nvfp4_linear: it dequantizes each layer's weight on the GPU and runs cuBLAS bf16,
-# 8.7-9.0x faster than this kernel on an H200 (k6fast/dit/linear.py `_stored_gemm_runs` has the figures).
+# 8.0-8.2x faster than this kernel on an H200 (k6fast/dit/linear.py `_stored_gemm_runs` has the figures).
 #
 # Blackwell (sm_100, sm_120) has NVFP4 tensor cores, and the installed stack exposes them: torch 2.14's
 # `F.scaled_mm` takes `float4_e2m1fn_x2` operands with `ScalingType.BlockWise1x16` e4m3 scales (swizzled 32x4x4),
@@ -211,17 +211,27 @@ def quantize_nvfp4_ref(w: Tensor) -> tuple[Tensor, Tensor, Tensor]:
     return _pack(codes.view(w.shape)), block_scales, global_scale
 
 
+_DEQUANT_CHUNK = 1 << 22  # weight elements dequantized per step (≈ 55 MB of temporaries)
+
+
 def dequantize_nvfp4(
     packed: Tensor, block_scales: Tensor, global_scale: Tensor, dtype: torch.dtype = torch.bfloat16
 ) -> Tensor:
     """(packed uint8 [N, K/2], block_scales e4m3 [N, K/16], global_scale fp32 []) → w [N, K] of `dtype`.
 
-    Computed in fp32 (code value · block scale · global scale), rounded once to `dtype`."""
+    Computed in fp32 (code value · block scale · global scale), rounded once to `dtype`. The runtime calls this for
+    every layer of an nvfp4 checkpoint, so the fp32 intermediates (≈ 13 bytes per element) are made for
+    `_DEQUANT_CHUNK` elements at a time, not for a whole 16,384 x 4,096 weight (0.9 GB)."""
     n, k = _check_quantized("dequantize_nvfp4", packed, block_scales, global_scale)
     lut = torch.tensor(E2M1_VALUES + tuple(-v for v in E2M1_VALUES), device=packed.device)
-    values = torch.index_select(lut, 0, _unpack(packed).flatten().int()).view(n, k // BLOCK, BLOCK)
     scale = block_scales.float() * global_scale.reshape(()).float()
-    return (values * scale.unsqueeze(-1)).view(n, k).to(dtype)
+    out = torch.empty((n, k), dtype=dtype, device=packed.device)
+    rows = max(1, _DEQUANT_CHUNK // max(k, 1))
+    for i in range(0, n, rows):
+        codes = _unpack(packed[i : i + rows]).flatten().int()
+        values = torch.index_select(lut, 0, codes).view(-1, k // BLOCK, BLOCK)
+        out[i : i + rows] = (values * scale[i : i + rows].unsqueeze(-1)).view(-1, k)
+    return out
 
 
 def dequantize_nvfp4_ref(

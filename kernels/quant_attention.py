@@ -109,8 +109,9 @@ _EXP2_C3 = tl.constexpr(0.05517415)
 
 @dataclass(frozen=True)
 class QuantAttentionConfig:
-    """Launch parameters of the attention core; none of them changes the numerics except ``block_n`` and
-    ``exp2_poly``.
+    """Launch parameters of the attention core; none of them changes the numerics except ``block_n``, ``exp2_poly``
+    and, with FP16 P·V, ``pipeline`` (each tile's P·V is then added to the FP32 accumulator instead of accumulated by
+    the MMA into it).
 
     block_m: query rows per program (64 or 128; divides Q_BLOCK so a program sees one Q scale).
     block_n: keys per tile = keys per K scale = keys per online-softmax update (64 or 128). Changes the numerics
@@ -121,8 +122,8 @@ class QuantAttentionConfig:
       INT8 and FP8 MMAs of the tile take). It costs about 8 FMA/ALU instructions per element on pipes the softmax
       already keeps busy, so whether it pays is for the benchmark sweep to say. Relative error of P 7.6e-5, far
       below P's FP8/FP16 rounding.
-    pipeline: issue each tile's Q·Kᵀ before the previous tile's softmax finishes and keep the tile's P·V in flight
-      through the next tile's softmax (unroll 1 only). Needs registers for a second [block_m, head_dim] FP32 tile.
+    pipeline: keep each tile's P·V MMA in flight through the next tile's softmax (the loop order is in the kernel;
+      unroll 1 only). Needs registers for a second [block_m, head_dim] FP32 tile.
     maxnreg: registers per thread the compiler may use (None: its choice, up to 255). A cap lets more programs share
       an SM (65,536 registers), so one program's softmax overlaps another's MMAs, at the price of spills.
     """
@@ -760,17 +761,6 @@ def _attend_tile(
 ):  # fmt: skip
     # One BLOCK_N-key tile: S = q8·k8ᵀ (int32, exact), online-softmax update, acc += P·V.
     qk = _tile_scores(q, k_ptrs, start_n, HEAD_DIM)
-    return _softmax_pv(
-        acc, l_i, m_i, qk, q_scale, vt_ptrs, ks_ptr, start_n, N, BLOCK_N, PV_FP8, FP8_NO_FOLD, MASK, POLY
-    )  # fmt: skip
-
-
-@triton.jit
-def _softmax_pv(
-    acc, l_i, m_i, qk, q_scale, vt_ptrs, ks_ptr, start_n, N,
-    BLOCK_N: tl.constexpr, PV_FP8: tl.constexpr, FP8_NO_FOLD: tl.constexpr, MASK: tl.constexpr, POLY: tl.constexpr,
-):  # fmt: skip
-    # Online-softmax update with the tile's scores qk, then acc += P·V.
     p, l_i, m_new, alpha = _tile_probs(l_i, m_i, qk, q_scale, ks_ptr, start_n, N, BLOCK_N, PV_FP8, MASK, POLY)
     acc = acc * alpha[:, None]
     if PV_FP8:

@@ -1,4 +1,5 @@
-"""Elementwise micro-benchmark at the K6 W1 shapes: k6fast's fused AdaLN, residual and GELU kernels vs PyTorch.
+"""Elementwise micro-benchmark at the K6 W1 shapes: k6fast's fused AdaLN and residual kernels, and its GELU op
+(ATen's kernel kept under compile), vs PyTorch.
 
 Shapes: M = 50220 video tokens, D = 4096, FFN width 16384. Each kernel is set against the PyTorch sequence it replaces
 (eager and torch.compile'd) and against a memory-bandwidth bound (minimal bytes moved / measured copy GB/s).
@@ -24,7 +25,7 @@ Ops and variants, each checked for correctness before it is timed:
 Minimal bytes per element: 2 + 2 (norm), 2 + 1 (norm → e4m3, plus 4 per row), 2 + 2 + 2 (gated residual),
 2 + 2 + 2 + 2 (gated residual + norm: x, out in; x_new, h out), 2 + 2 (GELU).
 Target: triton ≥ 2× the torch sequence; gated_residual_modulate faster than two_kernels by the read of x it saves;
-gelu: the fastest of the three is what the fused path runs.
+gelu: op_compiled (what the fused path runs) no slower than Inductor's compile (a warning says so if it is).
 
 Run:  python measurements/bench_elementwise.py --out measurements/results/elementwise_h200.json
 """
@@ -50,8 +51,6 @@ from k6fast.kernels.adaln import (
 )
 from k6fast.kernels.fp8_linear import quantize_rows_fp8
 from k6fast.kernels.gelu import gelu, gelu_ref
-
-# (elements per program, warps) of the GELU kernel timed beside its default (8192, 8).
 
 
 def copy_bandwidth(numel: int, rep_ms: int) -> float:
@@ -143,7 +142,7 @@ def main() -> None:
     def fused_pair_check(result):
         # Designed to be bit-identical to the two kernels: the fraction of elements of x_new or h that differ.
         differ = sum((a != b).sum().item() for a, b in zip(result, pair, strict=True))
-        return (differ / (2 * elems) if pair_check(result)[0] != float("inf") else float("inf")), 1e-4
+        return (differ / (2 * elems) if pair_check(result)[0] != float("inf") else float("inf")), 0.0
 
     def gelu_check(y):
         return max_abs_err_fp64(y, x_ff), 2 * gelu_ref_err + 1e-6
@@ -268,6 +267,8 @@ def main() -> None:
         if p50(op, fast) and p50(op, slow):
             saved = p50(op, slow) - p50(op, fast)
             print(f"{op}: {saved:.3f} ms saved per call vs {what} ({p50(op, slow) / p50(op, fast):.2f}x)")
+    if p50("gelu", "op_compiled") and p50("gelu", "compile") and p50("gelu", "op_compiled") > p50("gelu", "compile"):
+        print("warning: Inductor's GELU beat the op the fused path runs; kernels/gelu.py's choice needs a look")
     if not all(r["ok"] for r in results):
         raise SystemExit("some variants failed their correctness check and were not timed")
 

@@ -3,9 +3,9 @@
 M = 50220 video tokens; (K, N) = (4096, 4096) attention projections, (4096, 16384) FFN up, (16384, 4096) FFN down.
 Variants per shape, each checked for correctness before it is timed:
   cublas_bf16        F.linear(x, w), bf16: the baseline
-  nvfp4              nvfp4_linear(x, packed, block_scales, global_scale): what a layer of an nvfp4 checkpoint costs
+  nvfp4              nvfp4_linear(x, packed, block_scales, global_scale): the Triton dequantize-in-prologue GEMM
                      (checked against the fp32 product of the dequantized weight, and against the bf16 product)
-  nvfp4_dequant      dequantize_nvfp4 + F.linear: the fallback path (and an upper bound a fused kernel must beat)
+  nvfp4_dequant      dequantize_nvfp4 + F.linear: what the DiT runtime runs for an nvfp4 checkpoint's layer
   fp8_stored         fp8_linear(x, wq, w_scale) on a pre-quantized e4m3 weight: an fp8 checkpoint's layer
 The nvfp4 kernel exists to cut the bytes a streamed block moves (0.28x of bf16), not for speed: there is no target
 against cuBLAS; the numbers say what the streamed-byte saving costs in GEMM time.

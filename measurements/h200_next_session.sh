@@ -7,7 +7,8 @@
 #   bash measurements/h200_next_session.sh decode $OUT   # ~5 min: checkpoint, the decode as generate runs it
 #
 # Done since, no longer here: the arms session with the exact decode (2026-11-29_h200-arms-w1-exact), NVFP4 GEMMs and
-# the head_dim-64 attention configs (2026-11-29_attention-pipeline), the GPU tests of the 128-key attention prologue.
+# the head_dim-64 attention configs (2026-11-29_attention-pipeline), the GPU tests of the 128-key attention prologue,
+# the video decode, GroupNorm+SiLU, pipeline decode and q/k RMSNorm+RoPE (2026-11-29_block-fusions).
 #
 # Records go under $OUT (copy them to measurements/sessions/<date>_<topic>/ with a README stating command, commit,
 # GPU and versions). Call `python3 -m k6fast.cli`, never a shell function, under `timeout`.

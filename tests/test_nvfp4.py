@@ -165,6 +165,16 @@ def test_zero_weights_and_blocks_stay_finite():
 # ---------------------------------------------------------------------------------------------------------------
 
 
+@pytest.mark.parametrize("chunk", [64, 5 * 256, 1 << 22])
+def test_dequantize_in_chunks_equals_whole(monkeypatch, chunk):
+    # Chunks of 1 row (fewer elements than a row), 5 rows (the last one ragged) and all 48 rows of a K = 256 weight.
+    _, w, _ = dit_like(8, 256, 48)
+    q = quantize_nvfp4(w)
+    expected = dequantize_nvfp4_ref(*q, dtype=torch.bfloat16)
+    monkeypatch.setattr(nvfp4_module, "_DEQUANT_CHUNK", chunk)
+    assert torch.equal(dequantize_nvfp4(*q, dtype=torch.bfloat16), expected)
+
+
 def test_linear_ref_is_the_fp32_product_of_the_dequantized_weight():
     x, w, bias = dit_like(37, 256, 64)
     q = quantize_nvfp4(w)

@@ -135,6 +135,12 @@ def fused_block(
         ff_shift_a, ff_scale_a, ff_gate_a = ff_p_a.chunk(3, dim=-1)
         aud, aud_for_ff = backend.gated_add_modulate(aud, aud_from_vis, gate_into_aud, ff_scale_a, ff_shift_a)
 
+    # The FFN's 4x-wide hidden state is the block's memory peak: drop the video-sized intermediates first (eager runs
+    # would otherwise hold them to the end; a compiled block frees by last use anyway). With audio, h and out are
+    # audio-sized.
+    del h, out, vis_pre_ca, vis_from_text
+    if aud is not None:
+        del vis_for_va, vis_from_aud
     vis = backend.gated_add(vis, feed_forward(backend, w, f"{vw}.feed_forward", vis_for_ff), ff_gate)
     if aud is not None:
         aud = backend.gated_add(aud, feed_forward(backend, w, f"{aw}.feed_forward", aud_for_ff), ff_gate_a)

@@ -216,8 +216,8 @@ SCALE_SUFFIXES = (".weight_scale", ".weight_scale_2")
 
 
 def fast_gemm_layer(name: str, weight_shape: tuple[int, ...]) -> bool:
-    """The layers a fast GEMM (fp16acc, fp8, nvfp4) may take, whatever the row count: not an exact layer, and N and
-    K multiples of 16 (FP8 tensor cores need both)."""
+    """The layers a fast GEMM (fp16acc, fp8) or a quantized checkpoint (fp8, nvfp4) may take, whatever the row
+    count: not an exact layer, and N and K multiples of 16 (FP8 tensor cores need both)."""
     if any(part in name for part in EXACT_LAYERS) or len(weight_shape) != 2:
         return False
     return weight_shape[0] % 16 == 0 and weight_shape[1] % 16 == 0

@@ -1,5 +1,5 @@
 """Linear-layer dispatch: cuBLAS bf16 (reference), Triton fp16-accumulate, or fp8 e4m3 row-wise, per layer; and the
-weights of quantized checkpoints (fp8, nvfp4), which carry their own GEMM.
+weights of quantized checkpoints (fp8: its own GEMM; nvfp4: dequantized on the GPU, then cuBLAS).
 
 Modulation, time-embedding and pooled-text layers always stay exact (fp32): one row each, and their outputs scale
 every residual update. Layers with fewer rows than `K6_GEMM_MIN_ROWS` stay bf16 too: below a few thousand rows the
@@ -115,8 +115,8 @@ def _stored_gemm_runs(fmt: str, x: Tensor) -> bool:
     """Whether the quantized checkpoint's own GEMM runs for these activations (else: dequantize + F.linear).
 
     nvfp4 always takes the second path: on an H200, dequantizing the layer's weight on the GPU and running cuBLAS
-    bf16 takes 0.91-0.94x the time of cuBLAS on a bf16 weight, the Triton dequantize-in-prologue GEMM
-    (`kernels.nvfp4.nvfp4_linear`) 8.7-9.0x (measurements/sessions/2026-11-29_attention-pipeline/nvfp4.json). The
+    bf16 reaches 0.91-0.94x the speed of cuBLAS on a bf16 weight, the Triton dequantize-in-prologue GEMM
+    (`kernels.nvfp4.nvfp4_linear`) 0.11x (measurements/sessions/2026-11-29_attention-pipeline/nvfp4.json). The
     checkpoint's saving is in the bytes streamed from disk and over PCIe, which the packed weight keeps either way."""
     if fmt != "fp8" or not x.is_cuda or x.dtype not in (torch.bfloat16, torch.float16):
         return False
