@@ -80,13 +80,9 @@ def _log_reference_once(op: str, device: str, why: str) -> None:
     logger.log(level, "%s on %s runs the PyTorch reference: %s", op, device, why)
 
 
-def nvfp4_kernel_available(device: torch.device) -> bool:
-    """True where the Triton NVFP4 GEMM runs: CUDA sm_80 or newer (bf16 MMA)."""
-    return device.type == "cuda" and torch.cuda.get_device_capability(device) >= (8, 0)
-
-
 def _use_nvfp4_kernel(device: torch.device) -> bool:
-    if nvfp4_kernel_available(device):
+    """True where the Triton NVFP4 GEMM runs: CUDA sm_80 or newer (bf16 MMA); elsewhere logs the fallback once."""
+    if device.type == "cuda" and torch.cuda.get_device_capability(device) >= (8, 0):
         return True
     if device.type == "cuda":
         major, minor = torch.cuda.get_device_capability(device)

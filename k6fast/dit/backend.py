@@ -179,7 +179,7 @@ class SwitchedBackend(ExactBackend):
             from ..kernels.gelu import gelu
 
             return gelu(x)
-        return F.gelu(x)
+        return super().gelu(x)
 
     def norm_rope(self, x: Tensor, weight: Tensor, rope: tuple[Tensor, Tensor] | None) -> Tensor:
         if self._fused_for(x) and x.is_contiguous():
