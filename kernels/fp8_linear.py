@@ -10,6 +10,7 @@ What it holds:
 - `fp16acc_linear(x, w, bias)`: a Triton GEMM on FP16 operands that accumulates in FP16 inside each K chunk and
   in FP32 across chunks. Only GeForce cards (sm_89, sm_120) run FP16-accumulate MMA at twice the FP32-accumulate
   rate; on datacenter cards (A100/H100/H200/B200) both rates are equal, so this kernel has no speed gain there.
+  On sm_90 the default 64-wide chunk runs a Gluon wgmma kernel instead (kernels/fp16acc_wgmma.py).
 
 Each public op has a pure-PyTorch `*_ref` beside it with the same signature.
 
@@ -27,6 +28,8 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
+from .fp16acc_wgmma import BLOCK_K as WGMMA_CHUNK
+from .fp16acc_wgmma import fp16acc_wgmma, fp16acc_wgmma_supported
 from .tiles import store_tile, wrapped_tile
 
 logger = logging.getLogger(__name__)
@@ -43,7 +46,7 @@ _FLOAT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 #   op                          CPU         CUDA sm_89 / sm_9x / sm_10x / sm_12x     other CUDA
 #   quantize_rows_fp8           reference   Triton                                    reference (logged once)
 #   fp8_linear (GEMM)           reference   torch._scaled_mm row-wise                 reference (logged once)
-#   fp16acc_linear              reference   Triton (any sm_80+)                       reference below sm_80
+#   fp16acc_linear              reference   Triton (any sm_80+; Gluon wgmma on sm_90)  reference below sm_80
 #
 # PyTorch's row-wise `_scaled_mm` has CUTLASS kernels for sm_89 (Ada), sm_9x (Hopper), sm_10x/sm_11x (datacenter
 # Blackwell, Thor) and sm_12x (GeForce/RTX Blackwell, e.g. RTX 5090; added mid-2025 in pytorch#155991) in the torch
@@ -516,9 +519,19 @@ def fp16acc_linear_triton(
     return y.reshape(*x.shape[:-1], n)
 
 
+def _fp16acc_linear_wgmma(x: Tensor, w: Tensor, bias: Tensor | None, out_dtype: torch.dtype) -> Tensor:
+    # The sm_90 kernel reads fp16 operands by TMA, so bf16 activations are converted in one pass first.
+    k = x.shape[-1]
+    x16 = x.reshape(-1, k).to(torch.float16)
+    w16 = w if w.dtype == torch.float16 else w.to(torch.float16)
+    return fp16acc_wgmma(x16, w16, bias, out_dtype=out_dtype).reshape(*x.shape[:-1], w.shape[0])
+
+
 @torch.library.custom_op("k6fast::fp16acc_linear", mutates_args=())
 def _fp16acc_linear_op(x: Tensor, w: Tensor, bias: Tensor | None, out_dtype: torch.dtype, k_chunk: int) -> Tensor:
     if _use_fp16acc_kernel(x.device):
+        if k_chunk == WGMMA_CHUNK and fp16acc_wgmma_supported(x, w):
+            return _fp16acc_linear_wgmma(x, w, bias, out_dtype)
         return fp16acc_linear_triton(x, w, bias, out_dtype=out_dtype, k_chunk=k_chunk)
     return fp16acc_linear_ref(x, w, bias, out_dtype=out_dtype, k_chunk=k_chunk)
 
@@ -547,11 +560,11 @@ def fp16acc_linear(
 
     Speed: FP16-accumulate MMA runs at twice the FP32-accumulate rate only on GeForce cards (sm_89, sm_120). On
     datacenter cards (A100, H100, H200, B200) both rates are equal, so there this kernel is no faster than cuBLAS
-    BF16 and exists for numerical parity with the GeForce path. Measured on an H200 at the W1 shapes: 0.62x cuBLAS
-    BF16 with k_chunk=64 (0.50x with 32; 0.60-0.64x with 128), where a plain Triton GEMM of the same structure with
-    FP32 accumulation reaches 0.73-0.77x: each chunk ends in a wait for its wgmma results and an fp16→fp32 add of
-    the tile, which Triton does not overlap with the next chunk's MMAs (measurements/sessions/2026-11-29_fp16acc-
-    sweep). GeForce cards are not measured. Triton on CUDA sm_80+; the reference elsewhere."""
+    BF16 and exists for numerical parity with the GeForce path. On sm_90 with k_chunk=64 a Gluon kernel
+    (kernels/fp16acc_wgmma.py: TMA, fp16-accumulator wgmma kept in flight) runs the call: 0.55-0.65x cuBLAS BF16 at
+    the W1 shapes including the activations' conversion to fp16 (0.63-0.78x on fp16 activations), where the Triton
+    kernel reaches 0.53-0.62x (measurements/sessions/2026-11-29_fp16acc-wgmma; the Triton kernel's tiles and chunks:
+    2026-11-29_fp16acc-sweep). GeForce cards are not measured. Triton on CUDA sm_80+; the reference elsewhere."""
     if x.dtype not in (torch.bfloat16, torch.float16) or w.dtype not in (torch.bfloat16, torch.float16):
         raise ValueError(f"fp16acc_linear: expected bf16/fp16 x and w, found x {x.dtype}, w {w.dtype}")
     if w.ndim != 2 or x.ndim < 1 or x.shape[-1] != w.shape[1]:
