@@ -8,11 +8,12 @@ each waits for the one before. Gluon exposes `warpgroup_mma(..., is_async=True)`
 - the CTA tile is two 64-row halves, each with its own fp16 accumulator; per 64-wide K step both halves' MMAs are
   issued back to back, and half 0's fp16 -> fp32 add runs while half 1's MMAs are still in flight.
 
-Measured on an H200 at the W1 shapes (measurements/sessions/2026-11-29_fp16acc-wgmma): 0.63-0.78x cuBLAS BF16 on
-fp16 activations, against 0.53-0.62x for the Triton kernel in the same run; 0.55-0.65x when bf16 activations are
-converted first (that pass costs 0.54 ms at K = 4096 and 2.1 ms at K = 16384). The rest of the gap: the fp16 -> fp32
-adds (two instructions an element on the ALUs) and L2 traffic, which cuBLAS cuts with 2-CTA clusters and TMA
-multicast. FP16 accumulation has no rate advantage on Hopper; this exists so the fp16acc arm is not much slower there.
+Measured on an H200 at the W1 shapes (measurements/sessions/2026-11-29_fp16acc-wgmma, one run): the default tile
+0.71-0.78x cuBLAS BF16 on fp16 activations; `fp16acc_linear` on bf16 activations (conversion pass + kernel)
+0.62-0.69x, where the Triton kernel reaches 0.58-0.62x (the conversion costs 0.55 ms at K = 4096, 2.2 ms at
+K = 16384). The rest of the gap: the fp16 -> fp32 adds (two ALU instructions an element, every 64-wide step) and L2
+traffic, which cuBLAS cuts with 2-CTA clusters and TMA multicast. FP16 accumulation has no rate advantage on
+Hopper; this kernel only keeps the fp16acc arm from being slower there than it must be.
 
 `fp16acc_wgmma(x16, w16, bias)` is the launcher; `fp16acc_wgmma_supported` says whether a call can use it.
 The reference is `fp8_linear.fp16acc_linear_ref` (tests/test_fp16acc_wgmma.py).

@@ -561,9 +561,9 @@ def fp16acc_linear(
     Speed: FP16-accumulate MMA runs at twice the FP32-accumulate rate only on GeForce cards (sm_89, sm_120). On
     datacenter cards (A100, H100, H200, B200) both rates are equal, so there this kernel is no faster than cuBLAS
     BF16 and exists for numerical parity with the GeForce path. On sm_90 with k_chunk=64 a Gluon kernel
-    (kernels/fp16acc_wgmma.py: TMA, fp16-accumulator wgmma kept in flight) runs the call: 0.55-0.65x cuBLAS BF16 at
-    the W1 shapes including the activations' conversion to fp16 (0.63-0.78x on fp16 activations), where the Triton
-    kernel reaches 0.53-0.62x (measurements/sessions/2026-11-29_fp16acc-wgmma; the Triton kernel's tiles and chunks:
+    (kernels/fp16acc_wgmma.py: TMA, fp16-accumulator wgmma kept in flight) runs the call: 0.62-0.69x cuBLAS BF16 at
+    the W1 shapes including the activations' conversion to fp16 (0.71-0.78x on fp16 activations), where the Triton
+    kernel reaches 0.58-0.62x (measurements/sessions/2026-11-29_fp16acc-wgmma; the Triton kernel's tiles and chunks:
     2026-11-29_fp16acc-sweep). GeForce cards are not measured. Triton on CUDA sm_80+; the reference elsewhere."""
     if x.dtype not in (torch.bfloat16, torch.float16) or w.dtype not in (torch.bfloat16, torch.float16):
         raise ValueError(f"fp16acc_linear: expected bf16/fp16 x and w, found x {x.dtype}, w {w.dtype}")
