@@ -42,9 +42,9 @@ try:  # Gluon is experimental; a Triton without it (or with a different API) fal
 except ImportError:  # pragma: no cover - exercised only on Tritons without Gluon
     GLUON_AVAILABLE = False
 
-__all__ = ["CHUNKS", "GLUON_AVAILABLE", "WgmmaTile", "fp16acc_wgmma", "fp16acc_wgmma_supported"]
+__all__ = ["GLUON_AVAILABLE", "WgmmaTile", "fp16acc_wgmma", "fp16acc_wgmma_supported"]
 
-BLOCK_K = 64  # one TMA box and one MMA deep: 64 fp16 = 128 bytes, the widest swizzle
+BLOCK_K = 64  # the K step and the fp16 chunk: one TMA box of 64 fp16 = 128 bytes, the widest swizzle
 
 
 @dataclass(frozen=True)
@@ -59,9 +59,7 @@ class WgmmaTile:
     group_m: int = 8
 
 
-CHUNKS = (64, 128)  # fp16 chunk widths: one or two chained 64-wide MMAs per K step
-# Per chunk: a 128-wide step's ring slot is twice as large, so the 192 KB budget holds two slots of the default tile.
-DEFAULT_TILES = {64: WgmmaTile(), 128: WgmmaTile(stages=2)}
+DEFAULT_TILE = WgmmaTile()
 
 
 if GLUON_AVAILABLE:
@@ -79,7 +77,6 @@ if GLUON_AVAILABLE:
         HAS_BIAS: gl.constexpr,
         STAGES: gl.constexpr,
         GROUP_M: gl.constexpr,
-        SUB: gl.constexpr,  # 64-wide MMAs per K step, chained on the fp16 accumulator: the chunk is 64 * SUB wide
         num_warps: gl.constexpr,
     ):
         BLOCK_M: gl.constexpr = a_desc.block_type.shape[0]
@@ -104,16 +101,16 @@ if GLUON_AVAILABLE:
         mma_layout: gl.constexpr = gl.NVMMADistributedLayout(
             version=[3, 0], warps_per_cta=[4, num_warps // 4], instr_shape=[16, BLOCK_N // (num_warps // 4), 16]
         )
-        a_ring = gl.allocate_shared_memory(a_desc.dtype, [STAGES * SUB] + a_desc.block_type.shape, a_desc.layout)
-        b_ring = gl.allocate_shared_memory(b_desc.dtype, [STAGES * SUB] + b_desc.block_type.shape, b_desc.layout)
+        a_ring = gl.allocate_shared_memory(a_desc.dtype, [STAGES] + a_desc.block_type.shape, a_desc.layout)
+        b_ring = gl.allocate_shared_memory(b_desc.dtype, [STAGES] + b_desc.block_type.shape, b_desc.layout)
         ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         for s in gl.static_range(STAGES):
             mbarrier.init(ready.index(s), count=1)
 
-        n_steps = gl.cdiv(K, BLOCK_KK * SUB)  # the last step's columns past K are TMA's zero fill
-        tile_bytes: gl.constexpr = SUB * (a_desc.block_type.nbytes + b_desc.block_type.nbytes)
+        n_steps = gl.cdiv(K, BLOCK_KK)  # the last step's columns past K are TMA's zero fill
+        tile_bytes: gl.constexpr = a_desc.block_type.nbytes + b_desc.block_type.nbytes
         for s in gl.static_range(STAGES - 1):  # prologue: the first STAGES-1 steps in flight
-            _load_step(a_desc, b_desc, a_ring, b_ring, ready, s, off_m, off_n, n_steps, tile_bytes, SUB)
+            _load_step(a_desc, b_desc, a_ring, b_ring, ready, s, off_m, off_n, n_steps, tile_bytes)
 
         # The tile is two 64-row halves, each with its own fp16 chunk accumulator (part0, part1: one 64-wide K step
         # each, issued back to back) and fp32 sum (acc0, acc1): half 0's fp16 -> fp32 add runs while half 1's MMAs
@@ -126,19 +123,15 @@ if GLUON_AVAILABLE:
         for step in range(n_steps):
             slot = step % STAGES
             mbarrier.wait(ready.index(slot), (step // STAGES) & 1)
-            for j in gl.static_range(SUB):
-                a = a_ring.index(slot * SUB + j)
-                b = b_ring.index(slot * SUB + j).permute((1, 0))  # w's [BLOCK_N, BLOCK_K] tile, K-major B operand
-                part0 = warpgroup_mma(a.slice(0, HALF_M), b, part0, use_acc=j > 0, is_async=True)
-            for j in gl.static_range(SUB):
-                a = a_ring.index(slot * SUB + j)
-                b = b_ring.index(slot * SUB + j).permute((1, 0))
-                part1 = warpgroup_mma(a.slice(HALF_M, HALF_M), b, part1, use_acc=j > 0, is_async=True)
-            part0 = warpgroup_mma_wait(num_outstanding=SUB, deps=(part0,))
+            a = a_ring.index(slot)
+            b = b_ring.index(slot).permute((1, 0))  # w's [BLOCK_N, BLOCK_K] tile as the K-major B operand
+            part0 = warpgroup_mma(a.slice(0, HALF_M), b, part0, use_acc=False, is_async=True)
+            part1 = warpgroup_mma(a.slice(HALF_M, HALF_M), b, part1, use_acc=False, is_async=True)
+            part0 = warpgroup_mma_wait(num_outstanding=1, deps=(part0,))
             acc0 += part0.to(gl.float32)
             part1 = warpgroup_mma_wait(num_outstanding=0, deps=(part1,))
             # Every MMA up to this step's has retired: the slot of step - 1 takes step + STAGES - 1.
-            _load_step(a_desc, b_desc, a_ring, b_ring, ready, step + STAGES - 1, off_m, off_n, n_steps, tile_bytes, SUB)
+            _load_step(a_desc, b_desc, a_ring, b_ring, ready, step + STAGES - 1, off_m, off_n, n_steps, tile_bytes)
             acc1 += part1.to(gl.float32)
 
         for s in gl.static_range(STAGES):
@@ -149,19 +142,14 @@ if GLUON_AVAILABLE:
                     mma_layout)  # fmt: skip
 
     @gluon.jit
-    def _load_step(
-        a_desc, b_desc, a_ring, b_ring, ready, step, off_m, off_n, n_steps, tile_bytes: gl.constexpr, SUB: gl.constexpr
-    ):
-        # TMA loads of one K step (SUB 64-wide boxes of x and of w) into its ring slot; a step past the end is
-        # predicated off.
-        slot = step % ready.shape[0]
+    def _load_step(a_desc, b_desc, a_ring, b_ring, ready, step, off_m, off_n, n_steps, tile_bytes: gl.constexpr):
+        # TMA loads of one K step (x and w tiles) into its ring slot; a step past the end is predicated off.
+        slot = step % a_ring.shape[0]
+        k = step * a_desc.block_type.shape[1]
         live = step < n_steps
         mbarrier.expect(ready.index(slot), tile_bytes, pred=live)
-        for j in gl.static_range(SUB):
-            k = (step * SUB + j) * a_desc.block_type.shape[1]
-            buf = slot * SUB + j
-            tma.async_copy_global_to_shared(a_desc, [off_m, k], ready.index(slot), a_ring.index(buf), pred=live)
-            tma.async_copy_global_to_shared(b_desc, [off_n, k], ready.index(slot), b_ring.index(buf), pred=live)
+        tma.async_copy_global_to_shared(a_desc, [off_m, k], ready.index(slot), a_ring.index(slot), pred=live)
+        tma.async_copy_global_to_shared(b_desc, [off_n, k], ready.index(slot), b_ring.index(slot), pred=live)
 
     @gluon.jit
     def _store_half(acc, off_m, y_ptr, bias_ptr, off_n, M, N, stride_ym, HAS_BIAS: gl.constexpr,
@@ -196,20 +184,14 @@ def fp16acc_wgmma(
     bias: Tensor | None = None,
     *,
     out_dtype: torch.dtype = torch.bfloat16,
-    k_chunk: int = 64,
-    tile: WgmmaTile | None = None,
+    tile: WgmmaTile = DEFAULT_TILE,
 ) -> Tensor:
-    """y = x16 @ w16.t() (+ bias), FP16 accumulation inside each `k_chunk`-wide K chunk (64, or 128 when K is a
-    multiple of 128), FP32 across chunks.
+    """y = x16 @ w16.t() (+ bias), FP16 accumulation inside each 64-wide K chunk, FP32 across chunks.
     x16: [M, K] fp16, w16: [N, K] fp16, both contiguous (see `fp16acc_wgmma_supported`) → [M, N] out_dtype."""
     if x16.dtype != torch.float16 or w16.dtype != torch.float16:
         raise ValueError(f"fp16acc_wgmma: expected fp16 x and w, found {x16.dtype}, {w16.dtype}")
     m, k = x16.shape
     n = w16.shape[0]
-    # A 128-wide step past K would need a TMA box lying wholly outside the tensor; such K take 64-wide chunks.
-    if k_chunk not in CHUNKS or (k_chunk > BLOCK_K and k % k_chunk != 0):
-        raise ValueError(f"fp16acc_wgmma: expected k_chunk 64, or 128 with K a multiple of 128; found {k_chunk}, K={k}")
-    tile = DEFAULT_TILES[k_chunk] if tile is None else tile
     y = torch.empty((m, n), dtype=out_dtype, device=x16.device)
     if m == 0:
         return y
@@ -218,7 +200,6 @@ def fp16acc_wgmma(
     grid = (triton.cdiv(m, tile.block_m) * triton.cdiv(n, tile.block_n),)
     _fp16acc_wgmma_kernel[grid](
         a_desc, b_desc, y, bias if bias is not None else y, m, n, k, y.stride(0),
-        HAS_BIAS=bias is not None, STAGES=tile.stages, GROUP_M=tile.group_m, SUB=k_chunk // BLOCK_K,
-        num_warps=tile.num_warps,
+        HAS_BIAS=bias is not None, STAGES=tile.stages, GROUP_M=tile.group_m, num_warps=tile.num_warps,
     )  # fmt: skip
     return y

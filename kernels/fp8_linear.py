@@ -28,7 +28,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from .fp16acc_wgmma import CHUNKS as WGMMA_CHUNKS
+from .fp16acc_wgmma import BLOCK_K as WGMMA_CHUNK
 from .fp16acc_wgmma import fp16acc_wgmma, fp16acc_wgmma_supported
 from .tiles import store_tile, wrapped_tile
 
@@ -519,25 +519,19 @@ def fp16acc_linear_triton(
     return y.reshape(*x.shape[:-1], n)
 
 
-def _wgmma_takes(x: Tensor, w: Tensor, k_chunk: int) -> bool:
-    k = x.shape[-1]
-    return k_chunk in WGMMA_CHUNKS and (k_chunk == 64 or k % k_chunk == 0) and fp16acc_wgmma_supported(x, w)
-
-
-def _fp16acc_linear_wgmma(x: Tensor, w: Tensor, bias: Tensor | None, out_dtype: torch.dtype, k_chunk: int) -> Tensor:
+def _fp16acc_linear_wgmma(x: Tensor, w: Tensor, bias: Tensor | None, out_dtype: torch.dtype) -> Tensor:
     # The sm_90 kernel reads fp16 operands by TMA, so bf16 activations are converted in one pass first.
     k = x.shape[-1]
     x16 = x.reshape(-1, k).to(torch.float16)
     w16 = w if w.dtype == torch.float16 else w.to(torch.float16)
-    y = fp16acc_wgmma(x16, w16, bias, out_dtype=out_dtype, k_chunk=k_chunk)
-    return y.reshape(*x.shape[:-1], w.shape[0])
+    return fp16acc_wgmma(x16, w16, bias, out_dtype=out_dtype).reshape(*x.shape[:-1], w.shape[0])
 
 
 @torch.library.custom_op("k6fast::fp16acc_linear", mutates_args=())
 def _fp16acc_linear_op(x: Tensor, w: Tensor, bias: Tensor | None, out_dtype: torch.dtype, k_chunk: int) -> Tensor:
     if _use_fp16acc_kernel(x.device):
-        if _wgmma_takes(x, w, k_chunk):
-            return _fp16acc_linear_wgmma(x, w, bias, out_dtype, k_chunk)
+        if k_chunk == WGMMA_CHUNK and fp16acc_wgmma_supported(x, w):
+            return _fp16acc_linear_wgmma(x, w, bias, out_dtype)
         return fp16acc_linear_triton(x, w, bias, out_dtype=out_dtype, k_chunk=k_chunk)
     return fp16acc_linear_ref(x, w, bias, out_dtype=out_dtype, k_chunk=k_chunk)
 

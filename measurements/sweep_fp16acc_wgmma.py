@@ -1,11 +1,10 @@
 """The Gluon FP16-accumulate GEMM (kernels/fp16acc_wgmma.py) at the W1 shapes, beside cuBLAS BF16 and the Triton
 fp16acc kernel in the same process, over its tiles.
 
-Per shape: cuBLAS BF16 (F.linear), the Triton kernel (`fp16acc_linear_triton`, autotuned, 64-wide chunks), the
-bf16 -> fp16 activation conversion alone, each Gluon (tile, chunk) on fp16 activations, and `fp16acc_linear` on bf16
-activations as the runtime calls it on sm_90 (conversion + the chunk's default tile), for both chunk widths. Every
-variant is checked against the fp32 product of the fp16 operands on 2,348 rows before it is timed (p50 of CUDA-event
-timings); odd shapes (ragged M, N, K; bias) too.
+Per shape: cuBLAS BF16 (F.linear), the Triton kernel (`fp16acc_linear_triton`, autotuned), the bf16 -> fp16
+activation conversion alone, each Gluon tile on fp16 activations, and `fp16acc_linear` on bf16 activations as the
+runtime calls it on sm_90 (conversion + the default tile). Every variant is checked against the fp32 product of the
+fp16 operands on 2,348 rows before it is timed (p50 of CUDA-event timings); odd shapes (ragged M, N, K; bias) too.
 
 Run (GPU, sm_90):  python measurements/sweep_fp16acc_wgmma.py --out wgmma.json [--rep-ms 60]
 """
@@ -23,23 +22,17 @@ from bench_common import W1_M, W1_SHAPES, environment, quantiles_ms, rel_l2
 from k6fast.kernels.fp8_linear import fp16acc_linear, fp16acc_linear_ref, fp16acc_linear_triton
 from k6fast.kernels.fp16acc_wgmma import WgmmaTile, fp16acc_wgmma
 
-# (tile, k_chunk). A 128-wide chunk is two chained 64-wide MMAs per K step: half the fp16 -> fp32 adds, a ring slot
-# twice as large (so 2 slots of 128x256, or 3 of 128x128, fill the 192 KB).
 TILES = [
-    (WgmmaTile(128, 256, 8, 4, 8), 64),  # two warpgroups side by side along N, one CTA an SM (192 KB)
-    (WgmmaTile(128, 128, 4, 3, 16), 64),  # one warpgroup, two CTAs an SM (232 registers, 96 KB each)
-    (WgmmaTile(128, 256, 8, 2, 8), 128),
-    (WgmmaTile(128, 128, 4, 3, 8), 128),
-    (WgmmaTile(128, 128, 4, 2, 8), 128),
+    WgmmaTile(128, 256, 8, 4, 8),  # the default: two warpgroups side by side along N, one CTA an SM (192 KB)
+    WgmmaTile(128, 256, 8, 3, 8),
+    WgmmaTile(128, 128, 4, 3, 8),  # one warpgroup, two CTAs an SM (232 registers, 96 KB each)
+    WgmmaTile(128, 128, 4, 3, 16),
 ]
-ODD = [
-    (217, 136, 200, True), (1, 4096, 4096, False), (3000, 4104, 120, True), (50220, 64, 72, False),
-    (217, 256, 200, True), (3000, 4096, 120, False),
-]  # fmt: skip
+ODD = [(217, 136, 200, True), (1, 4096, 4096, False), (3000, 4104, 120, True), (50220, 64, 72, False)]
 
 
-def tile_name(t: WgmmaTile, k_chunk: int) -> str:
-    return f"gluon_c{k_chunk}_{t.block_m}x{t.block_n}_w{t.num_warps}_s{t.stages}_g{t.group_m}"
+def tile_name(t: WgmmaTile) -> str:
+    return f"gluon_{t.block_m}x{t.block_n}_w{t.num_warps}_s{t.stages}_g{t.group_m}"
 
 
 def run_shape(k: int, n: int, g: torch.Generator, rep_ms: int, rows_out: list) -> None:
@@ -70,13 +63,12 @@ def run_shape(k: int, n: int, g: torch.Generator, rep_ms: int, rows_out: list) -
     err = rel_l2(fp16acc_linear_triton(x, w16)[rows], exact)
     emit("triton_fp16acc_c64", lambda: fp16acc_linear_triton(x, w16), err, base)
     emit("convert_x_bf16_to_fp16", lambda: x.half(), None, base)
-    for tile, c in TILES:
-        err = rel_l2(fp16acc_wgmma(x16, w16, tile=tile, k_chunk=c)[rows], exact)
-        emit(tile_name(tile, c), lambda t=tile, c=c: fp16acc_wgmma(x16, w16, tile=t, k_chunk=c), err, base)
-    # What the runtime runs on sm_90: fp16acc_linear on bf16 activations (conversion + the chunk's default tile).
-    for c in (64, 128):
-        err = rel_l2(fp16acc_linear(x, w16, k_chunk=c)[rows], exact)
-        emit(f"fp16acc_linear_op_c{c}", lambda c=c: fp16acc_linear(x, w16, k_chunk=c), err, base)
+    for tile in TILES:
+        err = rel_l2(fp16acc_wgmma(x16, w16, tile=tile)[rows], exact)
+        emit(tile_name(tile), lambda t=tile: fp16acc_wgmma(x16, w16, tile=t), err, base)
+    # What the runtime runs on sm_90: fp16acc_linear on bf16 activations (conversion + the default tile).
+    err = rel_l2(fp16acc_linear(x, w16)[rows], exact)
+    emit("fp16acc_linear_op_sm90", lambda: fp16acc_linear(x, w16), err, base)
 
 
 def main() -> None:
@@ -92,13 +84,11 @@ def main() -> None:
         w = (torch.randn(n, k, device="cuda", generator=g) * 0.05).half()
         bias = torch.randn(n, device="cuda", generator=g) if with_bias else None
         exact = fp16acc_linear_ref(x, w, bias, out_dtype=torch.float32)
-        for tile, k_chunk in TILES:
-            if k % k_chunk != 0 and k_chunk > 64:
-                continue  # refused by the launcher
-            y = fp16acc_wgmma(x, w, bias, tile=tile, k_chunk=k_chunk, out_dtype=torch.float32)
-            err, name = rel_l2(y, exact), tile_name(tile, k_chunk)
-            record["odd"].append({"m": m, "k": k, "n": n, "bias": with_bias, "tile": name, "rel_l2": err})
-            print(f"odd M={m} K={k} N={n} bias={with_bias} {name} rel {err:.1e}{'' if err < 2e-3 else ' FAILED'}")
+        for tile in TILES:
+            err = rel_l2(fp16acc_wgmma(x, w, bias, tile=tile, out_dtype=torch.float32), exact)
+            ok = err < 2e-3
+            record["odd"].append({"m": m, "k": k, "n": n, "bias": with_bias, "tile": tile_name(tile), "rel_l2": err})
+            print(f"odd M={m} K={k} N={n} bias={with_bias} {tile_name(tile)} rel {err:.1e}{'' if ok else ' FAILED'}")
 
     for k, n in W1_SHAPES:
         run_shape(k, n, g, args.rep_ms, record["rows"])

@@ -26,7 +26,7 @@ def rel_l2(a: torch.Tensor, b: torch.Tensor) -> float:
     return ((a.float() - b.float()).norm() / b.float().norm()).item()
 
 
-def _compile_sm90(tile: wg.WgmmaTile, k_chunk: int):
+def _compile_sm90(tile: wg.WgmmaTile):
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon._runtime import GluonASTSource
@@ -38,32 +38,22 @@ def _compile_sm90(tile: wg.WgmmaTile, k_chunk: int):
         "a_desc": f"tensordesc<fp16[{tile.block_m}, {wg.BLOCK_K}],{la!r}>",
         "b_desc": f"tensordesc<fp16[{tile.block_n}, {wg.BLOCK_K}],{lb!r}>",
         "y_ptr": "*bf16", "bias_ptr": "*bf16", "M": "i32", "N": "i32", "K": "i32", "stride_ym": "i32",
-        "HAS_BIAS": "constexpr", "STAGES": "constexpr", "GROUP_M": "constexpr", "SUB": "constexpr",
-        "num_warps": "constexpr",
+        "HAS_BIAS": "constexpr", "STAGES": "constexpr", "GROUP_M": "constexpr", "num_warps": "constexpr",
     }  # fmt: skip
-    const = {"HAS_BIAS": True, "STAGES": tile.stages, "GROUP_M": tile.group_m, "SUB": k_chunk // wg.BLOCK_K,
-             "num_warps": tile.num_warps}  # fmt: skip
+    const = {"HAS_BIAS": True, "STAGES": tile.stages, "GROUP_M": tile.group_m, "num_warps": tile.num_warps}
     src = GluonASTSource(wg._fp16acc_wgmma_kernel, sig, const, {})
     return triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": tile.num_warps})
 
 
-# (tile, k_chunk): every default, and 128x128 with one warpgroup (two CTAs an SM) at both chunks.
-TILE_CHUNKS = [(wg.DEFAULT_TILES[c], c) for c in wg.CHUNKS] + [(wg.WgmmaTile(128, 128, 4, 3, 8), c) for c in wg.CHUNKS]
-TILE_CHUNK_IDS = ["default-c64", "default-c128", "128x128-c64", "128x128-c128"]
-
-
 @needs_gluon
-@pytest.mark.parametrize(("tile", "k_chunk"), TILE_CHUNKS, ids=TILE_CHUNK_IDS)
-def test_compiles_for_sm90_with_async_fp16_wgmma(tmp_path: Path, tile, k_chunk):
+@pytest.mark.parametrize("tile", [wg.DEFAULT_TILE, wg.WgmmaTile(128, 128, 4, 3, 8)], ids=["default", "128x128"])
+def test_compiles_for_sm90_with_async_fp16_wgmma(tmp_path: Path, tile):
     import triton
 
-    ptx = _compile_sm90(tile, k_chunk).asm["ptx"]
+    ptx = _compile_sm90(tile).asm["ptx"]
     mmas = [line for line in ptx.splitlines() if "wgmma.mma_async" in line]
     assert mmas and all(".f16.f16.f16" in line for line in mmas), "expected fp16-accumulator wgmma only"
-    # Half 1's MMAs (k_chunk / 64 groups) stay in flight while half 0's chunk is added to its fp32 sum.
-    assert f"wgmma.wait_group.sync.aligned {k_chunk // wg.BLOCK_K};" in ptx, (
-        "the second half's MMAs must stay in flight"
-    )
+    assert "wgmma.wait_group.sync.aligned 1;" in ptx, "the second half's MMAs must stay in flight"
     ptxas = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "ptxas"
     (tmp_path / "k.ptx").write_text(ptx)
     out = subprocess.run(
@@ -81,14 +71,10 @@ def test_not_supported_for_cpu_tensors():
     assert not wg.fp16acc_wgmma_supported(x, torch.zeros(8, 64, dtype=torch.float16))  # CPU tensors
 
 
-def test_rejects_non_fp16_operands_and_bad_chunks():
-    x = torch.zeros(4, 192, dtype=torch.bfloat16)
-    w = torch.zeros(8, 192, dtype=torch.float16)
+def test_rejects_non_fp16_operands():
+    x = torch.zeros(4, 64, dtype=torch.bfloat16)
     with pytest.raises(ValueError, match="expected fp16 x and w"):
-        wg.fp16acc_wgmma(x, w)
-    for k_chunk in (32, 128, 256):  # 128 needs K a multiple of 128 (192 is not)
-        with pytest.raises(ValueError, match="expected k_chunk 64, or 128 with K a multiple of 128"):
-            wg.fp16acc_wgmma(x.half(), w, k_chunk=k_chunk)
+        wg.fp16acc_wgmma(x, torch.zeros(8, 64, dtype=torch.float16))
 
 
 needs_sm90 = pytest.mark.skipif(
@@ -100,21 +86,18 @@ needs_sm90 = pytest.mark.skipif(
 @pytest.mark.gpu
 @needs_cuda
 @needs_sm90
-@pytest.mark.parametrize(("tile", "k_chunk"), TILE_CHUNKS, ids=TILE_CHUNK_IDS)
+@pytest.mark.parametrize("tile", [wg.DEFAULT_TILE, wg.WgmmaTile(128, 128, 4, 3, 8)], ids=["default", "128x128"])
 @pytest.mark.parametrize(
     ("m", "k", "n", "with_bias"),
-    [(217, 136, 200, True), (1, 4096, 4096, False), (3000, 4104, 120, True), (50220, 64, 72, False),
-     (217, 256, 200, True), (3000, 4096, 120, False)],
-)  # fmt: skip
-def test_matches_reference_gpu(tile, k_chunk, m, k, n, with_bias):
-    if k % k_chunk != 0 and k_chunk > wg.BLOCK_K:
-        pytest.skip("128-wide chunks need K a multiple of 128 (the launcher refuses others; CPU-tested)")
+    [(217, 136, 200, True), (1, 4096, 4096, False), (3000, 4104, 120, True), (50220, 64, 72, False)],
+)
+def test_matches_reference_gpu(tile, m, k, n, with_bias):
     g = torch.Generator(device="cuda").manual_seed(m + k + n)
     x = torch.randn(m, k, device="cuda", generator=g).half()
     w = (torch.randn(n, k, device="cuda", generator=g) * 0.05).half()
     bias = torch.randn(n, device="cuda", generator=g) if with_bias else None
-    y = wg.fp16acc_wgmma(x, w, bias, tile=tile, k_chunk=k_chunk, out_dtype=torch.float32)
-    # fp16 rounding of each chunk sum: 1.5e-4 to 3.3e-4 measured on an H200 with 64-wide chunks
+    y = wg.fp16acc_wgmma(x, w, bias, tile=tile, out_dtype=torch.float32)
+    # fp16 rounding of each 64-wide chunk sum: 1.5e-4 to 3.3e-4 measured on an H200
     assert rel_l2(y, fp16acc_linear_ref(x, w, bias, out_dtype=torch.float32)) < 1e-3
 
 
@@ -125,6 +108,5 @@ def test_fp16acc_linear_runs_the_wgmma_kernel_on_sm90_gpu():
     g = torch.Generator(device="cuda").manual_seed(0)
     x = torch.randn(2, 300, 512, device="cuda", generator=g).bfloat16()
     w = (torch.randn(384, 512, device="cuda", generator=g) * 0.05).bfloat16()
-    for k_chunk in wg.CHUNKS:
-        direct = wg.fp16acc_wgmma(x.reshape(-1, 512).half(), w.half(), k_chunk=k_chunk).reshape(2, 300, 384)
-        assert torch.equal(fp16acc_linear(x, w, k_chunk=k_chunk), direct)
+    direct = wg.fp16acc_wgmma(x.reshape(-1, 512).half(), w.half()).reshape(2, 300, 384)
+    assert torch.equal(fp16acc_linear(x, w, k_chunk=64), direct)
