@@ -58,8 +58,6 @@ class WgmmaTile:
     num_warps: int = 8
     stages: int = 4
     group_m: int = 8
-    specialized: bool = False  # persistent, with a one-warp TMA producer (warp specialization)
-    ctas_per_sm: int = 1  # persistent grid: this many programs an SM
 
 
 DEFAULT_TILE = WgmmaTile()
@@ -145,108 +143,6 @@ if GLUON_AVAILABLE:
                     mma_layout)  # fmt: skip
 
     @gluon.jit
-    def _tile_offsets(tile, M, N, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, GROUP_M: gl.constexpr):
-        # Grouped tile order: GROUP_M row panels sweep all columns together, so a panel of w is read from HBM once
-        # per group while the x panels stay in L2.
-        num_pid_m = gl.cdiv(M, BLOCK_M)
-        num_pid_n = gl.cdiv(N, BLOCK_N)
-        per_group = GROUP_M * num_pid_n
-        first_m = (tile // per_group) * GROUP_M
-        group_rows = gl.minimum(num_pid_m - first_m, GROUP_M)
-        pid_m = first_m + (tile % per_group) % group_rows
-        pid_n = (tile % per_group) // group_rows
-        return pid_m * BLOCK_M, pid_n * BLOCK_N
-
-    @gluon.jit
-    def _ws_loader(a_desc, b_desc, a_ring, b_ring, ready, empty, M, N, K, GROUP_M: gl.constexpr):
-        # The producer warp: TMA loads for every K step of every tile this program owns, each into the next ring slot
-        # once the consumers have released it.
-        BLOCK_M: gl.constexpr = a_desc.block_type.shape[0]
-        BLOCK_K_: gl.constexpr = a_desc.block_type.shape[1]
-        BLOCK_N: gl.constexpr = b_desc.block_type.shape[0]
-        STAGES: gl.constexpr = a_ring.shape[0]
-        tile_bytes: gl.constexpr = a_desc.block_type.nbytes + b_desc.block_type.nbytes
-        num_tiles = gl.cdiv(M, BLOCK_M) * gl.cdiv(N, BLOCK_N)
-        n_steps = gl.cdiv(K, BLOCK_K_)
-        count = 0
-        for tile in range(gl.program_id(0), num_tiles, gl.num_programs(0)):
-            off_m, off_n = _tile_offsets(tile, M, N, BLOCK_M, BLOCK_N, GROUP_M)
-            for step in range(n_steps):
-                slot = count % STAGES
-                # A fresh barrier passes a wait for parity 1, so the first lap over the ring does not block.
-                mbarrier.wait(empty.index(slot), ((count // STAGES) & 1) ^ 1)
-                mbarrier.expect(ready.index(slot), tile_bytes)
-                k = step * BLOCK_K_
-                tma.async_copy_global_to_shared(a_desc, [off_m, k], ready.index(slot), a_ring.index(slot))
-                tma.async_copy_global_to_shared(b_desc, [off_n, k], ready.index(slot), b_ring.index(slot))
-                count += 1
-
-    @gluon.jit
-    def _ws_mma(
-        a_ring, b_ring, ready, empty, y_ptr, bias_ptr, M, N, K, stride_ym,
-        HAS_BIAS: gl.constexpr, GROUP_M: gl.constexpr, BLOCK_N: gl.constexpr, num_warps: gl.constexpr,
-    ):  # fmt: skip
-        # The consumer warpgroups: the same per-step MMAs and fp32 adds as _fp16acc_wgmma_kernel, releasing each ring
-        # slot to the loader once both halves' MMAs have read it.
-        BLOCK_M: gl.constexpr = a_ring.shape[1]
-        BLOCK_K_: gl.constexpr = a_ring.shape[2]
-        STAGES: gl.constexpr = a_ring.shape[0]
-        HALF_M: gl.constexpr = BLOCK_M // 2
-        mma_layout: gl.constexpr = gl.NVMMADistributedLayout(
-            version=[3, 0], warps_per_cta=[4, num_warps // 4], instr_shape=[16, BLOCK_N // (num_warps // 4), 16]
-        )
-        num_tiles = gl.cdiv(M, BLOCK_M) * gl.cdiv(N, BLOCK_N)
-        n_steps = gl.cdiv(K, BLOCK_K_)
-        count = 0
-        for tile in range(gl.program_id(0), num_tiles, gl.num_programs(0)):
-            off_m, off_n = _tile_offsets(tile, M, N, BLOCK_M, BLOCK_N, GROUP_M)
-            acc0 = gl.zeros([HALF_M, BLOCK_N], gl.float32, mma_layout)
-            acc1 = gl.zeros([HALF_M, BLOCK_N], gl.float32, mma_layout)
-            part0 = gl.zeros([HALF_M, BLOCK_N], gl.float16, mma_layout)
-            part1 = gl.zeros([HALF_M, BLOCK_N], gl.float16, mma_layout)
-            for _step in range(n_steps):
-                slot = count % STAGES
-                mbarrier.wait(ready.index(slot), (count // STAGES) & 1)
-                a = a_ring.index(slot)
-                b = b_ring.index(slot).permute((1, 0))
-                part0 = warpgroup_mma(a.slice(0, HALF_M), b, part0, use_acc=False, is_async=True)
-                part1 = warpgroup_mma(a.slice(HALF_M, HALF_M), b, part1, use_acc=False, is_async=True)
-                part0 = warpgroup_mma_wait(num_outstanding=1, deps=(part0,))
-                acc0 += part0.to(gl.float32)
-                part1 = warpgroup_mma_wait(num_outstanding=0, deps=(part1,))
-                mbarrier.arrive(empty.index(slot), count=1)
-                acc1 += part1.to(gl.float32)
-                count += 1
-            _store_half(acc0, off_m, y_ptr, bias_ptr, off_n, M, N, stride_ym, HAS_BIAS, HALF_M, BLOCK_N, mma_layout)
-            _store_half(acc1, off_m + HALF_M, y_ptr, bias_ptr, off_n, M, N, stride_ym, HAS_BIAS, HALF_M, BLOCK_N,
-                        mma_layout)  # fmt: skip
-
-    @gluon.jit
-    def _fp16acc_ws_kernel(
-        a_desc, b_desc, y_ptr, bias_ptr, M, N, K, stride_ym,
-        HAS_BIAS: gl.constexpr, STAGES: gl.constexpr, GROUP_M: gl.constexpr, num_warps: gl.constexpr,
-    ):  # fmt: skip
-        # Persistent and warp-specialized: a one-warp TMA producer and num_warps MMA consumers share a ring of
-        # STAGES slots through ready/empty barriers; programs stride over the tiles.
-        BLOCK_N: gl.constexpr = b_desc.block_type.shape[0]
-        a_ring = gl.allocate_shared_memory(a_desc.dtype, [STAGES] + a_desc.block_type.shape, a_desc.layout)
-        b_ring = gl.allocate_shared_memory(b_desc.dtype, [STAGES] + b_desc.block_type.shape, b_desc.layout)
-        ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-        empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-        for s in gl.static_range(STAGES):
-            mbarrier.init(ready.index(s), count=1)
-            mbarrier.init(empty.index(s), count=1)
-        gl.warp_specialize(
-            [
-                (_ws_mma, (a_ring, b_ring, ready, empty, y_ptr, bias_ptr, M, N, K, stride_ym, HAS_BIAS, GROUP_M,
-                           BLOCK_N, num_warps)),
-                (_ws_loader, (a_desc, b_desc, a_ring, b_ring, ready, empty, M, N, K, GROUP_M)),
-            ],
-            [1],
-            [40],
-        )  # fmt: skip
-
-    @gluon.jit
     def _load_step(a_desc, b_desc, a_ring, b_ring, ready, step, off_m, off_n, n_steps, tile_bytes: gl.constexpr):
         # TMA loads of one K step (x and w tiles) into its ring slot; a step past the end is predicated off.
         slot = step % a_ring.shape[0]
@@ -302,12 +198,9 @@ def fp16acc_wgmma(
         return y
     a_desc = TensorDescriptor.from_tensor(x16, [tile.block_m, BLOCK_K], _shared_layout([tile.block_m, BLOCK_K]))
     b_desc = TensorDescriptor.from_tensor(w16, [tile.block_n, BLOCK_K], _shared_layout([tile.block_n, BLOCK_K]))
-    tiles = triton.cdiv(m, tile.block_m) * triton.cdiv(n, tile.block_n)
-    args = (a_desc, b_desc, y, bias if bias is not None else y, m, n, k, y.stride(0))
-    flags = {"HAS_BIAS": bias is not None, "STAGES": tile.stages, "GROUP_M": tile.group_m, "num_warps": tile.num_warps}
-    if tile.specialized:
-        sms = torch.cuda.get_device_properties(x16.device).multi_processor_count
-        _fp16acc_ws_kernel[(min(tiles, sms * tile.ctas_per_sm),)](*args, **flags)
-    else:
-        _fp16acc_wgmma_kernel[(tiles,)](*args, **flags)
+    grid = (triton.cdiv(m, tile.block_m) * triton.cdiv(n, tile.block_n),)
+    _fp16acc_wgmma_kernel[grid](
+        a_desc, b_desc, y, bias if bias is not None else y, m, n, k, y.stride(0),
+        HAS_BIAS=bias is not None, STAGES=tile.stages, GROUP_M=tile.group_m, num_warps=tile.num_warps,
+    )  # fmt: skip
     return y

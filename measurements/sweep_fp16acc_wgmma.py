@@ -23,20 +23,16 @@ from k6fast.kernels.fp8_linear import fp16acc_linear, fp16acc_linear_ref, fp16ac
 from k6fast.kernels.fp16acc_wgmma import WgmmaTile, fp16acc_wgmma
 
 TILES = [
-    WgmmaTile(128, 256, 8, 4, 8),  # two warpgroups side by side along N, one CTA an SM (192 KB)
-    WgmmaTile(128, 128, 4, 3, 16),  # one warpgroup, two CTAs an SM (232 registers, 96 KB each)
-    # Persistent, warp-specialized (a one-warp TMA producer, ready/empty barriers): programs = ctas_per_sm x SMs.
-    WgmmaTile(128, 256, 8, 4, 8, specialized=True),
-    WgmmaTile(128, 256, 8, 3, 8, specialized=True),
-    WgmmaTile(128, 128, 4, 3, 8, specialized=True, ctas_per_sm=2),
-    WgmmaTile(128, 128, 4, 4, 8, specialized=True),
+    WgmmaTile(128, 256, 8, 4, 8),  # the default: two warpgroups side by side along N, one CTA an SM (192 KB)
+    WgmmaTile(128, 256, 8, 3, 8),
+    WgmmaTile(128, 128, 4, 3, 8),  # one warpgroup, two CTAs an SM (232 registers, 96 KB each)
+    WgmmaTile(128, 128, 4, 3, 16),
 ]
 ODD = [(217, 136, 200, True), (1, 4096, 4096, False), (3000, 4104, 120, True), (50220, 64, 72, False)]
 
 
 def tile_name(t: WgmmaTile) -> str:
-    ws = f"_ws{t.ctas_per_sm}" if t.specialized else ""
-    return f"gluon_{t.block_m}x{t.block_n}_w{t.num_warps}_s{t.stages}_g{t.group_m}{ws}"
+    return f"gluon_{t.block_m}x{t.block_n}_w{t.num_warps}_s{t.stages}_g{t.group_m}"
 
 
 def run_shape(k: int, n: int, g: torch.Generator, rep_ms: int, rows_out: list) -> None:

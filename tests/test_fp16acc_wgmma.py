@@ -19,7 +19,6 @@ from kernel_testing import needs_cuda
 from k6fast.kernels import fp16acc_wgmma as wg
 from k6fast.kernels.fp8_linear import fp16acc_linear, fp16acc_linear_ref
 
-WS_TILE = wg.WgmmaTile(specialized=True)
 needs_gluon = pytest.mark.skipif(not wg.GLUON_AVAILABLE, reason="this Triton has no Gluon")
 
 
@@ -42,15 +41,12 @@ def _compile_sm90(tile: wg.WgmmaTile):
         "HAS_BIAS": "constexpr", "STAGES": "constexpr", "GROUP_M": "constexpr", "num_warps": "constexpr",
     }  # fmt: skip
     const = {"HAS_BIAS": True, "STAGES": tile.stages, "GROUP_M": tile.group_m, "num_warps": tile.num_warps}
-    kernel = wg._fp16acc_ws_kernel if tile.specialized else wg._fp16acc_wgmma_kernel
-    src = GluonASTSource(kernel, sig, const, {})
+    src = GluonASTSource(wg._fp16acc_wgmma_kernel, sig, const, {})
     return triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": tile.num_warps})
 
 
 @needs_gluon
-@pytest.mark.parametrize(
-    "tile", [wg.DEFAULT_TILE, wg.WgmmaTile(128, 128, 4, 3, 8), WS_TILE], ids=["default", "128x128", "specialized"]
-)
+@pytest.mark.parametrize("tile", [wg.DEFAULT_TILE, wg.WgmmaTile(128, 128, 4, 3, 8)], ids=["default", "128x128"])
 def test_compiles_for_sm90_with_async_fp16_wgmma(tmp_path: Path, tile):
     import triton
 
@@ -90,11 +86,7 @@ needs_sm90 = pytest.mark.skipif(
 @pytest.mark.gpu
 @needs_cuda
 @needs_sm90
-@pytest.mark.parametrize(
-    "tile",
-    [wg.DEFAULT_TILE, wg.WgmmaTile(128, 128, 4, 3, 8), WS_TILE, wg.WgmmaTile(128, 128, 4, 3, 8, True, 2)],
-    ids=["default", "128x128", "specialized", "specialized-128x128-2cta"],
-)
+@pytest.mark.parametrize("tile", [wg.DEFAULT_TILE, wg.WgmmaTile(128, 128, 4, 3, 8)], ids=["default", "128x128"])
 @pytest.mark.parametrize(
     ("m", "k", "n", "with_bias"),
     [(217, 136, 200, True), (1, 4096, 4096, False), (3000, 4104, 120, True), (50220, 64, 72, False)],
