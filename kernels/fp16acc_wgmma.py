@@ -58,7 +58,6 @@ class WgmmaTile:
     num_warps: int = 8
     stages: int = 4
     group_m: int = 8
-    acc32: bool = False  # exploration only
 
 
 DEFAULT_TILE = WgmmaTile()
@@ -80,7 +79,6 @@ if GLUON_AVAILABLE:
         STAGES: gl.constexpr,
         GROUP_M: gl.constexpr,
         num_warps: gl.constexpr,
-        ACC32: gl.constexpr = False,
     ):
         BLOCK_M: gl.constexpr = a_desc.block_type.shape[0]
         BLOCK_KK: gl.constexpr = a_desc.block_type.shape[1]
@@ -123,20 +121,6 @@ if GLUON_AVAILABLE:
         acc1 = gl.zeros([HALF_M, BLOCK_N], gl.float32, mma_layout)
         part0 = gl.zeros([HALF_M, BLOCK_N], gl.float16, mma_layout)
         part1 = gl.zeros([HALF_M, BLOCK_N], gl.float16, mma_layout)
-        if ACC32:  # exploration: the same loads and MMA shapes accumulating in fp32 across all of K
-            acc0 = gl.zeros([HALF_M, BLOCK_N], gl.float32, mma_layout)
-            acc1 = gl.zeros([HALF_M, BLOCK_N], gl.float32, mma_layout)
-            for step in range(n_steps):
-                slot = step % STAGES
-                mbarrier.wait(ready.index(slot), (step // STAGES) & 1)
-                a = a_ring.index(slot)
-                b = b_ring.index(slot).permute((1, 0))
-                acc0 = warpgroup_mma(a.slice(0, HALF_M), b, acc0, is_async=True)
-                acc1 = warpgroup_mma(a.slice(HALF_M, HALF_M), b, acc1, is_async=True)
-                acc0, acc1 = warpgroup_mma_wait(num_outstanding=2, deps=(acc0, acc1))
-                _load_step(a_desc, b_desc, a_ring, b_ring, ready, step + STAGES - 1, off_m, off_n, n_steps, tile_bytes)
-            acc0, acc1 = warpgroup_mma_wait(num_outstanding=0, deps=(acc0, acc1))
-            n_steps = 0
         for step in range(n_steps):
             slot = step % STAGES
             mbarrier.wait(ready.index(slot), (step // STAGES) & 1)
@@ -218,6 +202,5 @@ def fp16acc_wgmma(
     _fp16acc_wgmma_kernel[grid](
         a_desc, b_desc, y, bias if bias is not None else y, m, n, k, y.stride(0),
         HAS_BIAS=bias is not None, STAGES=tile.stages, GROUP_M=tile.group_m, num_warps=tile.num_warps,
-        ACC32=tile.acc32,
     )  # fmt: skip
     return y

@@ -38,17 +38,11 @@ def _compile_sm90(tile: wg.WgmmaTile):
         "a_desc": f"tensordesc<fp16[{tile.block_m}, {wg.BLOCK_K}],{la!r}>",
         "b_desc": f"tensordesc<fp16[{tile.block_n}, {wg.BLOCK_K}],{lb!r}>",
         "y_ptr": "*bf16", "bias_ptr": "*bf16", "M": "i32", "N": "i32", "K": "i32", "stride_ym": "i32",
-        "HAS_BIAS": "constexpr", "STAGES": "constexpr", "GROUP_M": "constexpr", "num_warps": "constexpr", "ACC32": "constexpr",
+        "HAS_BIAS": "constexpr", "STAGES": "constexpr", "GROUP_M": "constexpr", "num_warps": "constexpr",
     }  # fmt: skip
-    const = {
-        "HAS_BIAS": True,
-        "STAGES": tile.stages,
-        "GROUP_M": tile.group_m,
-        "num_warps": tile.num_warps,
-        "ACC32": False,
-    }
+    const = {"HAS_BIAS": True, "STAGES": tile.stages, "GROUP_M": tile.group_m, "num_warps": tile.num_warps}
     src = GluonASTSource(wg._fp16acc_wgmma_kernel, sig, const, {})
-    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": tile.num_warps, "ACC32": False})
+    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": tile.num_warps})
 
 
 @needs_gluon
