@@ -11,10 +11,12 @@ each waits for the one before. Gluon exposes `warpgroup_mma(..., is_async=True)`
 Measured on an H200 at the W1 shapes (measurements/sessions/2026-11-29_fp16acc-wgmma, one run): the default tile
 0.71-0.78x cuBLAS BF16 on fp16 activations; `fp16acc_linear` on bf16 activations (conversion pass + kernel)
 0.62-0.69x, where the Triton kernel reaches 0.58-0.62x (the conversion costs 0.55 ms at K = 4096, 2.2 ms at
-K = 16384). Neither keeping the MMAs in flight, nor halving the fp16 -> fp32 adds (128-wide chunks), nor a
-persistent warp-specialized TMA producer moved it (recorded there); what limits it is not identified yet. FP16
-accumulation has no rate advantage on Hopper; this kernel only keeps the fp16acc arm from being slower there than it
-must be.
+K = 16384). The same kernel accumulating in FP32 reaches 0.83-0.95x: the fp16 chunks cost ~18 % because each
+step's fp16 accumulator is drained (wait 0) before its add, so the tensor pipe empties every step. Keeping an fp16
+accumulator in flight across the loop is what Gluon cannot do (it unpacks the accumulator right after the wgmma and
+ptxas then serializes every wgmma, warning C7514); halving the drains (two steps unrolled, 128-wide chunks) cost
+registers or ring depth, and a warp-specialized TMA producer did not help (all recorded there). FP16 accumulation has
+no rate advantage on Hopper; this kernel only keeps the fp16acc arm from being slower there than it must be.
 
 `fp16acc_wgmma(x16, w16, bias)` is the launcher; `fp16acc_wgmma_supported` says whether a call can use it.
 The reference is `fp8_linear.fp16acc_linear_ref` (tests/test_fp16acc_wgmma.py).
