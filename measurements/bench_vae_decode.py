@@ -194,7 +194,7 @@ def main() -> int:
         parser.error(f"--upsample-fusion: expected names from {', '.join(FUSIONS)}, found {args.upsample_fusion}")
     if not args.smoke and not torch.cuda.is_available():
         parser.error("needs a CUDA device (or --smoke)")
-    device = torch.device("cpu" if args.smoke else "cuda")
+    device = torch.device("cpu") if args.smoke else torch.device("cuda", torch.cuda.current_device())
     geometries = SMOKE_GEOMETRIES if args.smoke else GEOMETRIES
 
     env = environment(device)
