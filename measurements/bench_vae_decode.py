@@ -290,6 +290,11 @@ def main() -> int:
         def run(run_budget=run_budget, options=options) -> torch.Tensor:
             return decode_video_fast(vae, latents, budget_bytes=run_budget, **options)
 
+        if device.type == "cuda":
+            # As the pipeline before its decode (Pipeline._free_budget): segments the previous variant reserved are
+            # released, so under --cap-gb each variant starts from what it would find in a request.
+            torch.cuda.empty_cache()
+
         try:
             stats, frames = measure(run, args.repeats, device)
         except Exception as exc:  # out of memory, or a kernel that fails: reported in the table
