@@ -53,7 +53,8 @@ BLOCK_K = 64  # the K step and the fp16 chunk: one TMA box of 64 fp16 = 128 byte
 @dataclass(frozen=True)
 class WgmmaTile:
     """A launch tile. The default, 128x256 with two warpgroups side by side along N and a 4-deep ring (192 KB),
-    was the fastest of the sweep at all three W1 shapes; 128x128 with one warpgroup (two CTAs an SM) was within 2%."""
+    was the fastest of the sweep at all three W1 shapes; 128x128 with one warpgroup (two CTAs an SM) was within
+    1-5 %."""
 
     block_m: int = 128
     block_n: int = 256

@@ -449,9 +449,9 @@ FP16ACC_CHUNKS = (32, 64, 128, 256)
 
 
 def fp16acc_default_chunk(device: torch.device) -> int:
-    """64 on sm_90 (0.62x cuBLAS BF16 there vs 0.50x with 32, measurements/sessions/2026-11-29_h200-kernels2); 32
-    elsewhere, GeForce included, where no chunk width has been measured and the shorter chunk's fp16 partial sums
-    reach 65504 later."""
+    """64 on sm_90, the Gluon kernel's chunk (the Triton kernel there: 0.62x cuBLAS BF16 at 64 vs 0.50x at 32,
+    measurements/sessions/2026-11-29_h200-kernels2); 32 elsewhere, GeForce included, where no chunk width has been
+    measured and the shorter chunk's fp16 partial sums reach 65504 later."""
     if device.type == "cuda" and torch.cuda.get_device_capability(device) == (9, 0):
         return 64
     return 32
