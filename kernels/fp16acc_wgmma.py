@@ -30,6 +30,8 @@ import torch
 import triton
 from torch import Tensor
 
+from .tiles import grouped_tile
+
 try:  # Gluon is experimental; a Triton without it (or with a different API) falls back to the Triton kernel
     from triton.experimental import gluon
     from triton.experimental.gluon import language as gl
@@ -87,16 +89,7 @@ if GLUON_AVAILABLE:
         BLOCK_KK: gl.constexpr = a_desc.block_type.shape[1]
         BLOCK_N: gl.constexpr = b_desc.block_type.shape[0]
 
-        # Grouped tile order: GROUP_M row panels sweep all columns together, so a panel of w is read from HBM once
-        # per group while the x panels stay in L2.
-        pid = gl.program_id(0)
-        num_pid_m = gl.cdiv(M, BLOCK_M)
-        num_pid_n = gl.cdiv(N, BLOCK_N)
-        per_group = GROUP_M * num_pid_n
-        first_m = (pid // per_group) * GROUP_M
-        group_rows = gl.minimum(num_pid_m - first_m, GROUP_M)
-        pid_m = first_m + (pid % per_group) % group_rows
-        pid_n = (pid % per_group) // group_rows
+        pid_m, pid_n = grouped_tile(gl.program_id(0), M, N, BLOCK_M, BLOCK_N, GROUP_M)  # scalar maths, shared
         off_m = pid_m * BLOCK_M
         off_n = pid_n * BLOCK_N
 
