@@ -96,7 +96,9 @@ REF_SHAPES = [  # (b, h, m, n, d)
     (1, 2, 218, 218, 64),
     (1, 2, 218, 218, 128),
     (1, 2, 1, 1, 128),
-    (1, 1, 1, 218, 64),
+    # One query row: 8 heads so the error is measured over 512 outputs. With one head (64 outputs) the FP8 error of
+    # a fresh seed passed 4.5 % about once in 75 runs (up to 5.2 % in a CI run; 8 heads: at most 3.8 % in 1000 seeds).
+    (1, 8, 1, 218, 64),
     (1, 2, 37, 1000, 128),
     (2, 1, 300, 218, 128),
 ]
