@@ -218,6 +218,7 @@ class QuantizedQKV:
     out_dtype: torch.dtype
     pv_fp8: bool
     k_block: int = K_BLOCK  # keys per K scale: the attention core must use it as its key tile (block_n)
+    v_key_perm: bool = False  # vt's keys in the Gluon core's order within each 32-key block (see v_key_order)
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -330,9 +331,31 @@ def quant_attention(
     if _select_implementation(q.device) == "reference":
         return quant_attention_ref(q, k, v, pv_fp8=pv_fp8, sm_scale=sm_scale)
     pv_fp8 = _resolve_pv_fp8(pv_fp8, q.device)
+    if pv_fp8 and _gluon_core_runs(q.device, q.shape[3]):
+        from .quant_attention_wgmma import attention_quantized_wgmma  # imports this module: imported late
+
+        qkv = quantize_qkv(q, k, v, pv_fp8=True, sm_scale=sm_scale, k_block=GLUON_K_BLOCK, v_key_perm=True)
+        return attention_quantized_wgmma(qkv)
     cfg = _config_for(q.device, q.shape[3], pv_fp8)
     qkv = quantize_qkv(q, k, v, pv_fp8=pv_fp8, sm_scale=sm_scale, k_block=cfg.block_n)
     return attention_quantized(qkv, config=cfg)
+
+
+# Where the Gluon core (kernels/quant_attention_wgmma.py, FP8 P·V) replaces the Triton one: GPU capability -> head
+# dims. On the H200 at W1 it is 1.17x faster than the Triton core at head_dim 128, and 1.11x slower at 64, where the
+# Triton kernel's three programs per SM win (measurements/sessions/2026-11-29_attention-gluon-core).
+_GLUON_CORE_HEAD_DIMS = {(9, 0): (128,)}
+GLUON_K_BLOCK = 128
+
+
+def _gluon_core_runs(device: torch.device, head_dim: int) -> bool:
+    if device.type != "cuda" or _interpreted():
+        return False
+    if head_dim not in _GLUON_CORE_HEAD_DIMS.get(torch.cuda.get_device_capability(device), ()):
+        return False
+    from .quant_attention_wgmma import GLUON_AVAILABLE
+
+    return GLUON_AVAILABLE
 
 
 # For compiled callers (the DiT's compiled block): one opaque op. Traced inline, the Python decisions above (reference
@@ -406,6 +429,20 @@ def _check_k_block(k_block: int) -> int:
     return k_block
 
 
+def v_key_order(vt: torch.Tensor) -> torch.Tensor:
+    """[..., N_pad] -> the same with the keys of each 32-key block reordered for the Gluon core's FP8 A operand
+    (kernels/quant_attention_wgmma.py, `_to_a_operand`): position 16·i1 + 4q + 2·i0 + e holds key 16·i1 + 8·i0 + 2q + e
+    (i1, i0, e < 2, q < 4). P·V sums over keys, so P and V permuted alike give the same product."""
+    *lead, n_pad = vt.shape
+    return vt.reshape(-1, n_pad // 32, 2, 2, 4, 2).permute(0, 1, 2, 4, 3, 5).reshape(*lead, n_pad)
+
+
+def v_token_order(vt: torch.Tensor) -> torch.Tensor:
+    """The inverse of ``v_key_order``."""
+    *lead, n_pad = vt.shape
+    return vt.reshape(-1, n_pad // 32, 2, 4, 2, 2).permute(0, 1, 2, 4, 3, 5).reshape(*lead, n_pad)
+
+
 def quantize_qkv(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -414,18 +451,20 @@ def quantize_qkv(
     pv_fp8: bool,
     sm_scale: float | None = None,
     k_block: int = K_BLOCK,
+    v_key_perm: bool = False,
 ) -> QuantizedQKV:
     """Triton prologue: three passes (Q; K and V statistics; K and V quantization). Shapes as ``quant_attention``;
-    k_block: keys per K scale, the key tile of the attention core that will read it."""
+    k_block: keys per K scale, the key tile of the attention core that will read it; v_key_perm: store Vᵀ in
+    ``v_key_order`` (for the Gluon core), at no extra cost."""
     scale = _check_inputs(q, k, v, sm_scale)
     _require_triton(q.device)
     pv_fp8 = _resolve_pv_fp8(bool(pv_fp8), q.device)  # refuses FP8 where it cannot run
     with _on_device(q.device):
-        return _quantize_qkv(q, k, v, pv_fp8, scale, _check_k_block(k_block))
+        return _quantize_qkv(q, k, v, pv_fp8, scale, _check_k_block(k_block), bool(v_key_perm))
 
 
 def _quantize_qkv(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pv_fp8: bool, scale: float, k_block: int
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pv_fp8: bool, scale: float, k_block: int, v_key_perm: bool
 ) -> QuantizedQKV:
     b, h, m, d = q.shape
     n = k.shape[2]
@@ -463,13 +502,13 @@ def _quantize_qkv(
         k, v, k_mean, k_mean if v_mean is None else v_mean, k_mean if v_absmax is None else v_absmax,
         k8, k_scale, vt, vq_sum, n_programs,
         *k.stride(), *v.stride(), h, n, n_pad,
-        HEAD_DIM=d, BLOCK=k_block, SUB=sub_blocks, PV_FP8=pv_fp8, num_warps=4 * (k_block // 64),
+        HEAD_DIM=d, BLOCK=k_block, SUB=sub_blocks, PV_FP8=pv_fp8, V_PERM=v_key_perm, num_warps=4 * (k_block // 64),
     )  # fmt: skip
     v_scale = v_offset = None
     if pv_fp8:
         v_scale = v_absmax / FP8_MAX
         v_offset = (v_mean - v_scale * (vq_sum.sum(dim=2) / n)).contiguous()
-    return QuantizedQKV(q8, q_scale, k8, k_scale, vt, v_scale, v_offset, m, n, q.dtype, pv_fp8, k_block)
+    return QuantizedQKV(q8, q_scale, k8, k_scale, vt, v_scale, v_offset, m, n, q.dtype, pv_fp8, k_block, v_key_perm)
 
 
 def _div_rn_ref(num: torch.Tensor | float, den: torch.Tensor | float) -> torch.Tensor:
@@ -494,6 +533,7 @@ def quantize_qkv_ref(
     pv_fp8: bool,
     sm_scale: float | None = None,
     k_block: int = K_BLOCK,
+    v_key_perm: bool = False,
 ) -> QuantizedQKV:
     """PyTorch reference of ``quantize_qkv``: same outputs, same layouts and padding."""
     scale = _check_inputs(q, k, v, sm_scale)
@@ -526,7 +566,9 @@ def quantize_qkv_ref(
         v_q = torch.nn.functional.pad(vf, (0, 0, 0, n_pad - n)).to(torch.float16)
         v_scale = v_offset = None
     vt = v_q.transpose(-1, -2).contiguous()
-    return QuantizedQKV(q8, q_scale, k8, k_scale, vt, v_scale, v_offset, m, n, q.dtype, pv_fp8, k_block)
+    if v_key_perm:
+        vt = v_key_order(vt)
+    return QuantizedQKV(q8, q_scale, k8, k_scale, vt, v_scale, v_offset, m, n, q.dtype, pv_fp8, k_block, v_key_perm)
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -543,6 +585,8 @@ def attention_quantized(qkv: QuantizedQKV, *, config: QuantAttentionConfig | Non
         raise ValueError(
             f"config.block_n: expected {qkv.k_block}, the k_block qkv was quantized with, found {config.block_n}"
         )
+    if qkv.v_key_perm:
+        raise ValueError("attention_quantized: expected vt in token order (v_key_perm=False), the Gluon core's is not")
     _require_triton(qkv.q8.device)
     cfg = config
     if qkv.pv_fp8 and _interpreted():
@@ -588,7 +632,7 @@ def attention_quantized_ref(qkv: QuantizedQKV) -> torch.Tensor:
     n, n_pad = qkv.num_kv, qkv.k8.shape[2]
     q8 = qkv.q8.reshape(b * h, m_pad, d).float()
     k8 = qkv.k8.reshape(b * h, n_pad, d).float()
-    v = qkv.vt.reshape(b * h, d, n_pad).float().transpose(1, 2)
+    v = (v_token_order(qkv.vt) if qkv.v_key_perm else qkv.vt).reshape(b * h, d, n_pad).float().transpose(1, 2)
     q_scale = qkv.q_scale.reshape(b * h, -1).repeat_interleave(Q_BLOCK, dim=1)  # per query row
     k_scale = qkv.k_scale.reshape(b * h, -1)
 
@@ -695,7 +739,7 @@ def _kv_quantize_kernel(
     stride_kb, stride_kh, stride_kn, stride_kd,
     stride_vb, stride_vh, stride_vn, stride_vd,
     H, N, N_PAD,
-    HEAD_DIM: tl.constexpr, BLOCK: tl.constexpr, SUB: tl.constexpr, PV_FP8: tl.constexpr,
+    HEAD_DIM: tl.constexpr, BLOCK: tl.constexpr, SUB: tl.constexpr, PV_FP8: tl.constexpr, V_PERM: tl.constexpr,
 ):  # fmt: skip
     pid = tl.program_id(0)
     bh = tl.program_id(1)
@@ -721,9 +765,14 @@ def _kv_quantize_kernel(
         k8 = _round_to_int8(x * tl.math.div_rn(127.0, absmax))
         tl.store(K8 + bh64 * N_PAD * HEAD_DIM + rows[:, None] * HEAD_DIM + offs_d[None, :], k8, mask=in_pad)
         tl.store(KS + bh64 * (N_PAD // BLOCK) + blk, tl.math.div_rn(absmax, 127.0), mask=blk * BLOCK < N_PAD)
-        v = tl.load(v_base + rows[:, None] * stride_vn + offs_d[None, :] * stride_vd, mask=valid, other=0.0)
+        v_rows, v_valid = rows, valid
+        if V_PERM:  # v_key_order: output key 16·i1 + 4q + 2·i0 + e of each 32-key block is key 16·i1 + 8·i0 + 2q + e
+            # (gathering rows keeps the transposed store contiguous; scattering it cost 0.6 ms at W1 on an H200)
+            v_rows = (rows & -32) | (rows & 17) | ((rows >> 1) & 6) | ((rows << 2) & 8)
+            v_valid = v_rows[:, None] < N
+        v = tl.load(v_base + v_rows[:, None] * stride_vn + offs_d[None, :] * stride_vd, mask=v_valid, other=0.0)
         if PV_FP8:
-            vs = tl.where(valid, (v.to(tl.float32) - v_mean[None, :]) * v_inv[None, :], 0.0)
+            vs = tl.where(v_valid, (v.to(tl.float32) - v_mean[None, :]) * v_inv[None, :], 0.0)
             vq = tl.minimum(tl.maximum(vs, -_FP8_MAX), _FP8_MAX).to(tl.float8e4nv)
             vq_sum += tl.sum(vq.to(tl.float32), 0)  # padding rows are 0
         else:

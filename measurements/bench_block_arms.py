@@ -41,6 +41,7 @@ VARIANTS = {
     "fused": {"fused_elementwise": True},
     "fused+compile": {"fused_elementwise": True, "compile": True},
     "k6attn+fused": {"attn": "k6", "fused_elementwise": True},
+    "k6attn+fused+compile": {"attn": "k6", "fused_elementwise": True, "compile": True},
     "fp8+fused": {"gemm": "fp8", "fused_elementwise": True},
     "fp8+k6attn+fused": {"gemm": "fp8", "attn": "k6", "fused_elementwise": True},
     "fp8+k6attn+fused+compile": {"gemm": "fp8", "attn": "k6", "fused_elementwise": True, "compile": True},

@@ -230,11 +230,13 @@ def test_interpreter_suite_in_subprocess():
 @interpreted_only
 @pytest.mark.parametrize("shape", INTERPRET_SHAPES)
 @pytest.mark.parametrize("k_block", qa.K_BLOCKS)
-def test_prologue_matches_ref_interpreted(shape, k_block):
+@pytest.mark.parametrize("v_key_perm", [False, True])
+def test_prologue_matches_ref_interpreted(shape, k_block, v_key_perm):
     seed = _seed()
     q, k, v = dit_like_qkv(*shape, seed=seed)
-    got = qa.quantize_qkv(q, k, v, pv_fp8=False, k_block=k_block)
-    want = qa.quantize_qkv_ref(q, k, v, pv_fp8=False, k_block=k_block)
+    got = qa.quantize_qkv(q, k, v, pv_fp8=False, k_block=k_block, v_key_perm=v_key_perm)
+    want = qa.quantize_qkv_ref(q, k, v, pv_fp8=False, k_block=k_block, v_key_perm=v_key_perm)
+    assert got.v_key_perm == want.v_key_perm == v_key_perm
     assert got.k_block == want.k_block == k_block and got.k_scale.shape == want.k_scale.shape
     assert torch.equal(got.q8, want.q8), f"seed {seed}"
     torch.testing.assert_close(got.q_scale, want.q_scale, rtol=1e-6, atol=0)
@@ -459,3 +461,34 @@ def test_the_compiled_op_matches_the_eager_entry_point() -> None:
     compiled = torch.compile(lambda a, b, c: qa.quant_attention_op(a, b, c) * 1.0, fullgraph=True)(q, k, v)
     assert torch.equal(compiled, eager) and compiled.is_contiguous()
     torch.library.opcheck(qa.quant_attention_op, (q, k, v))
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# CPU: the Gluon core's key order of Vᵀ
+# ---------------------------------------------------------------------------------------------------------------------
+
+
+def test_v_key_order_maps_keys_as_the_a_operand_wants():
+    keys = torch.arange(96).view(1, 96)  # three 32-key blocks
+    ordered = qa.v_key_order(keys)[0]
+    for pos in range(96):
+        blk, r = divmod(pos, 32)
+        i1, q, i0, e = r // 16, (r // 4) % 4, (r // 2) % 2, r % 2  # position 16·i1 + 4q + 2·i0 + e
+        assert ordered[pos] == 32 * blk + 16 * i1 + 8 * i0 + 2 * q + e  # holds key 16·i1 + 8·i0 + 2q + e
+    x = torch.randn(2, 3, 8, 256)
+    assert torch.equal(qa.v_token_order(qa.v_key_order(x)), x)
+
+
+def test_ref_reads_key_ordered_vt():
+    q, k, v = dit_like_qkv(1, 2, 70, 300, 64, seed=_seed())
+    plain = qa.quantize_qkv_ref(q, k, v, pv_fp8=True, k_block=128)
+    keyed = qa.quantize_qkv_ref(q, k, v, pv_fp8=True, k_block=128, v_key_perm=True)
+    assert keyed.v_key_perm and torch.equal(keyed.vt.float(), qa.v_key_order(plain.vt).float())
+    assert torch.equal(qa.attention_quantized_ref(keyed), qa.attention_quantized_ref(plain))
+
+
+def test_triton_core_refuses_key_ordered_vt():
+    q, k, v = dit_like_qkv(1, 1, 64, 64, 64, seed=0)
+    qkv = qa.quantize_qkv_ref(q, k, v, pv_fp8=False, k_block=64, v_key_perm=True)
+    with pytest.raises(ValueError, match="expected vt in token order"):
+        qa.attention_quantized(qkv)

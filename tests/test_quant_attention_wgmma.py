@@ -1,0 +1,112 @@
+"""The Gluon ping-pong attention core for sm_90 (kernels/quant_attention_wgmma.py).
+
+CPU: the kernel compiles for sm_90a with the installed Triton (Gluon is experimental; this catches API drift) into
+three partitions with register reallocation (`setmaxnreg`), INT8 and FP8 wgmma, and ptxas neither serializes the
+wgmmas (warning C7514) nor spills, at both key tiles and head dims. GPU (`-m gpu`, sm_90): against the same-scheme
+FP32 reference and exact FP32 attention at ragged shapes, both key tiles, both head dims.
+"""
+
+from __future__ import annotations
+
+import re
+import subprocess
+from pathlib import Path
+
+import pytest
+import torch
+from kernel_testing import needs_cuda
+from test_quant_attention import FP8_PV_VS_FP32, _seed, assert_kernel_vs_ref, assert_vs_fp32, dit_like_qkv
+
+from k6fast.kernels import quant_attention as qa
+from k6fast.kernels import quant_attention_wgmma as wa
+
+needs_gluon = pytest.mark.skipif(not wa.GLUON_AVAILABLE, reason="this Triton has no Gluon")
+needs_sm90 = pytest.mark.skipif(
+    not (torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0) and wa.GLUON_AVAILABLE),
+    reason="needs an sm_90 GPU and Gluon",
+)
+
+
+def _compile_sm90(block_n: int, head_dim: int, stages: int):
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.experimental.gluon._runtime import GluonASTSource
+
+    gl = wa.gl
+    layout = gl.NVMMASharedLayout.get_default_for
+    sig = {
+        "q_desc": f"tensordesc<i8[64, {head_dim}],{layout([64, head_dim], gl.int8)!r}>",
+        "k_desc": f"tensordesc<i8[{block_n}, {head_dim}],{layout([block_n, head_dim], gl.int8)!r}>",
+        "v_desc": f"tensordesc<fp8e4nv[{head_dim}, {block_n}],{layout([head_dim, block_n], gl.float8e4nv)!r}>",
+        "QS": "*fp32", "KS": "*fp32", "VS": "*fp32", "VO": "*fp32", "Out": "*bf16",
+        "stride_ob": "i32", "stride_oh": "i32", "stride_om": "i32", "stride_od": "i32",
+        "H": "i32", "M": "i32", "N": "i32", "M_PAD": "i32", "N_PAD": "i32",
+        "Q_BLK": "constexpr", "STAGES": "constexpr", "CONSUMER_REGS": "constexpr", "PINGPONG": "constexpr",
+        "EARLY": "constexpr", "num_warps": "constexpr",
+    }  # fmt: skip
+    const = {"Q_BLK": qa.Q_BLOCK, "STAGES": stages, "CONSUMER_REGS": 240, "PINGPONG": False, "EARLY": False}
+    const["num_warps"] = 4
+    src = GluonASTSource(wa._qattn_wgmma_kernel, sig, const, {})
+    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4})
+
+
+@needs_gluon
+@pytest.mark.parametrize(("block_n", "head_dim"), [(128, 128), (64, 128), (128, 64)])
+def test_compiles_for_sm90_without_spills(tmp_path: Path, block_n, head_dim):
+    import triton
+
+    ptx = _compile_sm90(block_n, head_dim, stages=2).asm["ptx"]
+    assert "setmaxnreg.inc.sync.aligned.u32 \t240;" in ptx, "the consumer warpgroups must get 240 registers"
+    mmas = [line for line in ptx.splitlines() if "wgmma.mma_async" in line]
+    assert any(".s32.s8.s8" in line for line in mmas) and any(".e4m3.e4m3" in line for line in mmas), mmas[:4]
+    ptxas = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "ptxas"
+    (tmp_path / "k.ptx").write_text(ptx)
+    out = subprocess.run(
+        [str(ptxas), "-arch=sm_90a", "-v", str(tmp_path / "k.ptx"), "-o", str(tmp_path / "k.cubin")],
+        capture_output=True, text=True, check=True,
+    )  # fmt: skip
+    log = out.stdout + out.stderr
+    assert "C7514" not in log, f"ptxas serialized the wgmmas:\n{log}"
+    assert re.search(r"0 bytes spill stores, 0 bytes spill loads", log), log
+
+
+def test_rejects_fp16_pv_inputs():
+    q, k, v = dit_like_qkv(1, 1, 128, 64, 64, seed=0)
+    qkv = qa.quantize_qkv_ref(q, k, v, pv_fp8=False, sm_scale=64**-0.5, k_block=64)
+    assert not wa.wgmma_attention_supported(qkv)
+    with pytest.raises(ValueError, match="expected a pv_fp8 QuantizedQKV"):
+        wa.attention_quantized_wgmma(qkv)
+
+
+@pytest.mark.gpu
+@needs_cuda
+@needs_sm90
+@pytest.mark.parametrize("k_block", [128, 64])
+@pytest.mark.parametrize(
+    ("b", "h", "m", "n", "d"),
+    [(1, 2, 218, 218, 128), (1, 2, 1, 1000, 128), (1, 2, 1000, 1, 128), (2, 3, 300, 129, 64), (1, 2, 1000, 4100, 128)],
+)
+@pytest.mark.parametrize("v_key_perm", [True, False])
+def test_matches_reference_gpu(k_block, b, h, m, n, d, v_key_perm):
+    q, k, v = dit_like_qkv(b, h, m, n, d, seed=_seed(), dtype=torch.bfloat16, device="cuda")
+    qkv = qa.quantize_qkv(q, k, v, pv_fp8=True, k_block=k_block, v_key_perm=v_key_perm)
+    assert wa.wgmma_attention_supported(qkv)
+    out = wa.attention_quantized_wgmma(qkv)
+    assert_kernel_vs_ref(out, qa.attention_quantized_ref(qkv), True, f"gluon core k_block={k_block}")
+    assert_vs_fp32(out, qa.attention_fp32(q, k, v), FP8_PV_VS_FP32, "gluon core vs fp32")
+
+
+@pytest.mark.gpu
+@needs_cuda
+@needs_sm90
+@pytest.mark.parametrize(("d", "gluon"), [(128, True), (64, False)])
+def test_quant_attention_runs_the_gluon_core_at_head_dim_128_gpu(d, gluon):
+    q, k, v = dit_like_qkv(1, 2, 300, 700, d, seed=_seed(), dtype=torch.bfloat16, device="cuda")
+    got = qa.quant_attention(q, k, v)
+    if gluon:
+        qkv = qa.quantize_qkv(q, k, v, pv_fp8=True, k_block=qa.GLUON_K_BLOCK, v_key_perm=True)
+        assert torch.equal(got, wa.attention_quantized_wgmma(qkv))
+    else:
+        cfg = qa._config_for(q.device, d, True)
+        assert torch.equal(got, qa.attention_quantized(qa.quantize_qkv(q, k, v, pv_fp8=True, k_block=cfg.block_n)))
+    assert_vs_fp32(got, qa.attention_fp32(q, k, v), FP8_PV_VS_FP32, "quant_attention vs fp32")
