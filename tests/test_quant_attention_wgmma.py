@@ -42,9 +42,9 @@ def _compile_sm90(block_n: int, head_dim: int, stages: int):
         "stride_ob": "i32", "stride_oh": "i32", "stride_om": "i32", "stride_od": "i32",
         "H": "i32", "M": "i32", "N": "i32", "M_PAD": "i32", "N_PAD": "i32",
         "Q_BLK": "constexpr", "STAGES": "constexpr", "CONSUMER_REGS": "constexpr", "PINGPONG": "constexpr",
-        "EARLY": "constexpr", "num_warps": "constexpr",
+        "num_warps": "constexpr",
     }  # fmt: skip
-    const = {"Q_BLK": qa.Q_BLOCK, "STAGES": stages, "CONSUMER_REGS": 240, "PINGPONG": False, "EARLY": False}
+    const = {"Q_BLK": qa.Q_BLOCK, "STAGES": stages, "CONSUMER_REGS": 240, "PINGPONG": False}
     const["num_warps"] = 4
     src = GluonASTSource(wa._qattn_wgmma_kernel, sig, const, {})
     return triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4})
