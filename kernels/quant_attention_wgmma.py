@@ -3,23 +3,22 @@
 Why not the Triton kernel (`quant_attention._quant_attention_kernel`): Triton 3.6 never keeps an INT32-accumulator
 wgmma in flight, converts P to the FP8 A operand through warp shuffles and byte repacking (a third of the softmax's
 instructions), and leaves no registers at 128-key tiles for more. Here one CTA holds 128 query rows as two
-warpgroups of 64 that run free of each other (while one computes its softmax, the other's MMAs run; making them
-take turns, FlashAttention-3's ping-pong, measured 8 % slower, `pingpong=True`):
+warpgroups of 64 that run free of each other: while one computes its softmax, the other's MMAs run. Making them take
+turns (FlashAttention-3's ping-pong, `pingpong=True`, an mbarrier per warpgroup passing the turn) measured 2-8 %
+slower on an H200.
 
-  warpgroup, iteration t:  softmax of S_t -> P_t packed to e4m3 in registers (the A operand);
-                           issue S_{t+1} = Q·K_{t+1}ᵀ (INT8), P_t·V_t and P_t·1 (FP8, from zero); wait;
-                           release K/V slot t;  acc = acc·alpha_t + P_t·V_t;  l = l·alpha_t + P_t·1.
+  warpgroup, iteration t:  softmax of S_t -> P_t, packed to e4m3 in registers (the A operand of P·V);
+                           issue S_{t+1} = Q·K_{t+1}ᵀ (INT8) and P_t·V_t (FP8, from zero); wait for both;
+                           release K/V slot t;  acc = acc·alpha_t + P_t·V_t.
 
-- P never leaves its thread: the A operand's key order within each 32-key block is taken to be the score
-  accumulator's own (`_to_a_operand`), and Vᵀ is stored in that key order (`quant_attention.v_key_order`).
-- Row sums come from the tensor cores (P times a tile of ones, an N = 8 wgmma): no per-key adds in the softmax, and
-  l is the sum of the e4m3 P that P·V used.
-- Two-level accumulation as the Triton kernel (each tile's P·V from zero, added in FP32); the same quantized inputs
-  (`QuantizedQKV`, FP8 P·V) and per-element softmax arithmetic; checked against `attention_quantized_ref`.
+P never leaves its thread: the A operand's key order within each 32-key block is taken to be the score accumulator's
+own (`_to_a_operand`), and Vᵀ comes in that key order (`quant_attention.v_key_order`, stored so by the prologue).
+Two-level accumulation as the Triton kernel (each tile's P·V from zero, added in FP32); the same quantized inputs
+(`QuantizedQKV`, FP8 P·V) and per-element softmax arithmetic; checked against `attention_quantized_ref`.
 
 A one-warp producer partition loads Q once and K/Vᵀ tiles into a STAGES-deep ring by TMA (a slot is refilled once
 both warpgroups have released it). Per consumer thread: one score tile, the P·V tile and the accumulator, no spills
-at 240 registers.
+at 240 registers. Measurements: measurements/sessions/2026-11-29_attention-gluon-core.
 """
 
 from __future__ import annotations
@@ -54,21 +53,13 @@ _WG_ROWS = triton.language.constexpr(WG_ROWS)
 _MAGIC_I = triton.language.constexpr(0x4B400000)  # see quant_attention: int32 + these bits = fp32 1.5 * 2**23 + x
 _MAGIC_F = triton.language.constexpr(12582912.0)
 _LOG2_FP8_MAX = triton.language.constexpr(8.807354922057604)  # log2(448)
-# 2**x of four consecutive keys packed into one e4m3x4 register (the A operand's). (ex2.approx.f16x2 is two MUFU ops
-# on sm_90, not one: tried, more instructions.)
-_EXP2_PACK_F32 = triton.language.constexpr(
-    "{ .reg .b32 p0, p1, p2, p3; .reg .b16 lo, hi; ex2.approx.ftz.f32 p0, $1; ex2.approx.ftz.f32 p1, $2; "
-    "ex2.approx.ftz.f32 p2, $3; ex2.approx.ftz.f32 p3, $4; cvt.rn.satfinite.e4m3x2.f32 lo, p1, p0; "
-    "cvt.rn.satfinite.e4m3x2.f32 hi, p3, p2; mov.b32 $0, {lo, hi}; }"
-)
 
 
 if GLUON_AVAILABLE:
 
     @gluon.jit
-    def _scores(s, m_i, sc, t, N, BLOCK_N: gl.constexpr, MASK: gl.constexpr, s_layout: gl.constexpr):
-        # One tile's online-softmax update, as quant_attention._tile_probs: x = log2 of P scaled to e4m3's range
-        # (P = 2**x <= 448), the new row max and alpha, the factor acc and l are rescaled by.
+    def _probs(s, m_i, l_i, sc, t, N, BLOCK_N: gl.constexpr, MASK: gl.constexpr, s_layout: gl.constexpr):
+        # Online softmax of one tile, as quant_attention._tile_probs (P scaled to e4m3's range).
         f = (s + _MAGIC_I).to(gl.float32, bitcast=True)
         if MASK:
             cols = t * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
@@ -76,35 +67,39 @@ if GLUON_AVAILABLE:
             f = gl.where(valid, f, 0.0)  # below every valid f: the row max ignores it
         m_new = gl.maximum(m_i, (gl.max(f, 1) - _MAGIC_F) * sc)
         alpha = gl.exp2(m_i - m_new)
-        x = f * sc - (m_new + _MAGIC_F * sc - _LOG2_FP8_MAX)[:, None]
+        bias = m_new + _MAGIC_F * sc - _LOG2_FP8_MAX
+        p = gl.exp2(f * sc - bias[:, None])
         if MASK:
-            x = gl.where(valid, x, float("-inf"))
-        return x, m_new, alpha
+            p = gl.where(valid, p, 0.0)
+        l_i = l_i * alpha + gl.sum(p, 1)
+        return p, m_new, l_i, alpha
 
     @gluon.jit
-    def _to_a_operand(x, p_layout: gl.constexpr):
-        # P = 2**x (the score accumulator's layout) -> the FP8 A operand of P·V, without moving data between threads.
+    def _to_a_operand(p, p_layout: gl.constexpr):
+        # P (fp32, the score accumulator's layout) -> the FP8 A operand of P·V, without moving data between threads.
         # In each 32-key block a thread's accumulator holds keys {8i + 2q + e} (i < 4, e < 2; q = lane % 4) and its
         # A-operand registers want keys {16·(i // 2) + 4q + 2·(i % 2) + e}: the same count, other positions. Taking
         # the A operand's key order to be this permutation of P's makes the conversion a per-thread byte packing;
         # Vᵀ's keys come in the same order (quant_attention.v_key_order; the prologue stores it so when asked).
-        BM: gl.constexpr = x.shape[0]
-        BN: gl.constexpr = x.shape[1]
-        x = gl.reshape(x, [BM, BN // 32, 2, 2, 4, 2])  # (row, block, i // 2, i % 2, q, e)
-        x = gl.convert_layout(gl.reshape(gl.permute(x, (0, 1, 2, 4, 3, 5)), [BM, BN]), p_layout, assert_trivial=True)
-        # Four consecutive keys of a thread's row are one A register, filled by one asm block (the compiler's own
-        # fp32 -> fp8 conversion unpacks to bytes and repacks, 3x the instructions).
-        return gl.inline_asm_elementwise(_EXP2_PACK_F32, "=r,r,r,r,r", [x], dtype=gl.float8e4nv, is_pure=True, pack=4)
+        BM: gl.constexpr = p.shape[0]
+        BN: gl.constexpr = p.shape[1]
+        p = gl.reshape(p, [BM, BN // 32, 2, 2, 4, 2])  # (row, block, i // 2, i % 2, q, e)
+        p = gl.convert_layout(gl.reshape(gl.permute(p, (0, 1, 2, 4, 3, 5)), [BM, BN]), p_layout, assert_trivial=True)
+        # Four consecutive keys of a thread's row are one A register: two cvt.e4m3x2 and a move fill it (the
+        # compiler's own fp32 -> fp8 conversion unpacks to bytes and repacks, 3x the instructions).
+        return gl.inline_asm_elementwise(
+            "{ .reg .b16 lo, hi; cvt.rn.satfinite.e4m3x2.f32 lo, $2, $1; cvt.rn.satfinite.e4m3x2.f32 hi, $4, $3; "
+            "mov.b32 $0, {lo, hi}; }",
+            "=r,r,r,r,r", [p], dtype=gl.float8e4nv, is_pure=True, pack=4,
+        )  # fmt: skip
 
     @gluon.jit
     def _issue(
-        t, q_s, p8, k_ring, v_ring, ones_s, ready, turn, s_buf, pv_buf, rs_buf,
+        t, q_s, p8, k_ring, v_ring, ready, turn, s_buf, pv_buf,
         WG: gl.constexpr, HAS_QK: gl.constexpr, HAS_PV: gl.constexpr, PINGPONG: gl.constexpr,
     ):  # fmt: skip
-        # Step t of one warpgroup: S_t = Q·K_tᵀ (if t < n_tiles), and P_{t-1}·V_{t-1} and P_{t-1}·1 (its row sums) from
-        # zero (none at t = 0). With PINGPONG the warpgroups take turns (FlashAttention-3's schedule; measured slower
-        # here than letting them run free). The accumulator arguments are dead tiles passed for their registers
-        # (use_acc=False ignores their values).
+        # Step t of one warpgroup, on its turn: S_t = Q·K_tᵀ (if t < n_tiles) and P_{t-1}·V_{t-1} (from zero; none at
+        # t = 0). The accumulator arguments are dead tiles passed for their registers (use_acc=False ignores them).
         STAGES: gl.constexpr = k_ring.shape[0]
         if HAS_QK:
             mbarrier.wait(ready.index(t % STAGES), (t // STAGES) & 1)
@@ -118,10 +113,9 @@ if GLUON_AVAILABLE:
             pv_buf = warpgroup_mma(
                 p8, v_ring.index((t - 1) % STAGES).permute((1, 0)), pv_buf, use_acc=False, is_async=True
             )  # fmt: skip
-            rs_buf = warpgroup_mma(p8, ones_s.permute((1, 0)), rs_buf, use_acc=False, is_async=True)
         if PINGPONG:
             mbarrier.arrive(turn.index(1 - WG))
-        return s_buf, pv_buf, rs_buf
+        return s_buf, pv_buf
 
     @gluon.jit
     def _consumer(
@@ -138,22 +132,9 @@ if GLUON_AVAILABLE:
         o_layout: gl.constexpr = gl.NVMMADistributedLayout(
             version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, HEAD_DIM, 32]
         )
-        r_layout: gl.constexpr = gl.NVMMADistributedLayout(
-            version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, 8, 32]
-        )
         p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=4)
         row_s: gl.constexpr = gl.SliceLayout(1, s_layout)
         row_o: gl.constexpr = gl.SliceLayout(1, o_layout)
-        row_r: gl.constexpr = gl.SliceLayout(1, r_layout)
-
-        # Row sums of P come from the tensor cores, P·1 with this warpgroup's [8, BLOCK_N] tile of FP8 ones: the sum of
-        # the e4m3 P the P·V product used, and no per-key adds in the softmax.
-        ones_layout: gl.constexpr = gl.BlockedLayout([1, BLOCK_N // 16], [8, 4], [1, 4], [1, 0])
-        ones = gl.full([8, BLOCK_N], 1.0, gl.float32, ones_layout).to(gl.float8e4nv)
-        ones_s = gl.allocate_shared_memory(
-            gl.float8e4nv, [8, BLOCK_N], gl.NVMMASharedLayout.get_default_for([8, BLOCK_N], gl.float8e4nv), ones
-        )  # fmt: skip
-        fence_async_shared()
 
         row0 = pid_m * (2 * _WG_ROWS) + WG * _WG_ROWS
         n_tiles = N_PAD // BLOCK_N
@@ -162,44 +143,38 @@ if GLUON_AVAILABLE:
         q_s = q_smem.index(WG)
         acc = gl.zeros([_WG_ROWS, HEAD_DIM], gl.float32, o_layout)
         pv = gl.zeros([_WG_ROWS, HEAD_DIM], gl.float32, o_layout)
-        l8 = gl.zeros([_WG_ROWS, 8], gl.float32, r_layout)  # every column holds the row sum
-        rs = gl.zeros([_WG_ROWS, 8], gl.float32, r_layout)
         s = gl.zeros([_WG_ROWS, BLOCK_N], gl.int32, s_layout)
         p8 = gl.zeros([_WG_ROWS, BLOCK_N], gl.float8e4nv, p_layout)  # unused at step 0
         m_i = gl.full([_WG_ROWS], float("-inf"), gl.float32, row_s)
+        l_i = gl.zeros([_WG_ROWS], gl.float32, row_s)
         mbarrier.wait(q_bar, 0)
 
-        s, pv, rs = _issue(0, q_s, p8, k_ring, v_ring, ones_s, ready, turn, s, pv, rs, WG, True, False, PINGPONG)
+        s, pv = _issue(0, q_s, p8, k_ring, v_ring, ready, turn, s, pv, WG, True, False, PINGPONG)
         s = warpgroup_mma_wait(num_outstanding=0, deps=(s,))
-        # Iteration t: the softmax of S_t, then step t+1 (S_{t+1}, P_t·V_t, P_t·1), then the fold into acc and l. P_t
-        # is made and used in one iteration, so the FP8 A operand never crosses the loop edge as separate bytes.
+        # Iteration t: the softmax of S_t, then step t+1 (S_{t+1} and P_t·V_t), then P_t·V_t folded into acc. P_t is
+        # made and used in one iteration, so the FP8 A operand never crosses the loop edge as separate bytes.
         k_scale = gl.load(ks_ptr)
         for t in range(0, n_tiles - 1):
             sc = q_scale * k_scale
             k_scale = gl.load(ks_ptr + t + 1)  # a step ahead: its latency stays off the softmax's path
-            x, m_i, alpha = _scores(s, m_i, sc, t, N, BLOCK_N, False, s_layout)
-            p8 = _to_a_operand(x, p_layout)
-            s, pv, rs = _issue(
-                t + 1, q_s, p8, k_ring, v_ring, ones_s, ready, turn, s, pv, rs, WG, True, True, PINGPONG
-            )  # fmt: skip
-            s, pv, rs = warpgroup_mma_wait(num_outstanding=0, deps=(s, pv, rs))
+            p, m_i, l_i, alpha = _probs(s, m_i, l_i, sc, t, N, BLOCK_N, False, s_layout)
+            p8 = _to_a_operand(p, p_layout)
+            s, pv = _issue(t + 1, q_s, p8, k_ring, v_ring, ready, turn, s, pv, WG, True, True, PINGPONG)
+            s, pv = warpgroup_mma_wait(num_outstanding=0, deps=(s, pv))
             mbarrier.arrive(empty.index(t % STAGES))  # both K_t and V_t are read
             acc = acc * gl.convert_layout(alpha, row_o)[:, None] + pv
-            l8 = l8 * gl.convert_layout(alpha, row_r)[:, None] + rs
-        # The last key tile (ragged when N is not a multiple of BLOCK_N) and its P·V.
-        t = n_tiles - 1
-        x, m_i, alpha = _scores(s, m_i, q_scale * k_scale, t, N, BLOCK_N, True, s_layout)
-        p8 = _to_a_operand(x, p_layout)
-        s, pv, rs = _issue(n_tiles, q_s, p8, k_ring, v_ring, ones_s, ready, turn, s, pv, rs, WG, False, True, PINGPONG)
-        pv, rs = warpgroup_mma_wait(num_outstanding=0, deps=(pv, rs))
-        mbarrier.arrive(empty.index(t % STAGES))
+        t = n_tiles - 1  # the last key tile, ragged when N is not a multiple of BLOCK_N
+        p, m_i, l_i, alpha = _probs(s, m_i, l_i, q_scale * k_scale, t, N, BLOCK_N, True, s_layout)
+        # The last P·V.
+        p8 = _to_a_operand(p, p_layout)
+        s, pv = _issue(n_tiles, q_s, p8, k_ring, v_ring, ready, turn, s, pv, WG, False, True, PINGPONG)
+        pv = warpgroup_mma_wait(num_outstanding=0, deps=(pv,))
+        mbarrier.arrive(empty.index((n_tiles - 1) % STAGES))
         acc = acc * gl.convert_layout(alpha, row_o)[:, None] + pv
-        l8 = l8 * gl.convert_layout(alpha, row_r)[:, None] + rs
 
         offs_m = row0 + gl.arange(0, _WG_ROWS, layout=row_o)
         offs_d = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, o_layout))
-        l_i = gl.convert_layout(gl.max(l8, 1), row_o)
-        out = acc / l_i[:, None]  # P's factor 448 is in both acc and l
+        out = acc / gl.convert_layout(l_i, row_o)[:, None]  # P's factor 448 is in both acc and l
         out = out * gl.load(VS + bh * HEAD_DIM + offs_d)[None, :] + gl.load(VO + bh * HEAD_DIM + offs_d)[None, :]
         b = (bh // H).to(gl.int64)
         h = (bh % H).to(gl.int64)
