@@ -38,6 +38,7 @@ Implementations by architecture (see ``_select_implementation``):
 
 | device                        | implementation              | P·V default                                 |
 |-------------------------------|-----------------------------|---------------------------------------------|
+| CUDA sm_90, head_dim 128      | Triton prologue + the Gluon core (quant_attention_wgmma.py) | FP8 |
 | CUDA sm_89 and newer          | Triton kernels              | FP8                                         |
 | CUDA sm_80 .. sm_87           | Triton kernels              | FP16                                        |
 | CUDA older than sm_80         | reference (logged once)     | FP16                                        |
@@ -64,6 +65,8 @@ __all__ = [
     "QuantAttentionConfig",
     "QuantizedQKV",
     "attention_fp32",
+    "v_key_order",
+    "v_token_order",
     "attention_quantized",
     "attention_quantized_ref",
     "quant_attention",
@@ -197,7 +200,8 @@ class QuantizedQKV:
     k8: [B, H, N_pad, D] int8 of the smoothed K, N_pad = ceil(N / k_block) · k_block.
     k_scale: [B, H, N_pad / k_block] fp32, absmax / 127.
     vt: [B, H, D, N_pad] V transposed (tokens contiguous, so V is K-major as the B operand of P·V, which sm_90's
-      FP8 wgmma requires): float8_e4m3fn V_q = (V - mean(V)) / v_scale when pv_fp8, else fp16 (V as is).
+      FP8 wgmma requires): float8_e4m3fn V_q = (V - mean(V)) / v_scale when pv_fp8, else fp16 (V as is). Keys in
+      token order, or in ``v_key_order`` when v_key_perm (only the Gluon core reads that).
     v_scale: [B, H, D] fp32 absmax(V - mean(V)) / 448 when pv_fp8, else None.
     v_offset: [B, H, D] fp32 added to every output row when pv_fp8, else None: mean(V) - v_scale · mean(V_q).
       mean(V) undoes the smoothing; subtracting the mean of the dequantized V_q as well cancels the mean FP8
@@ -334,7 +338,8 @@ def quant_attention(
     if pv_fp8 and _gluon_core_runs(q.device, q.shape[3]):
         from .quant_attention_wgmma import attention_quantized_wgmma  # imports this module: imported late
 
-        qkv = quantize_qkv(q, k, v, pv_fp8=True, sm_scale=sm_scale, k_block=GLUON_K_BLOCK, v_key_perm=True)
+        k_block = _k_block_for(q.device, q.shape[3], True)
+        qkv = quantize_qkv(q, k, v, pv_fp8=True, sm_scale=sm_scale, k_block=k_block, v_key_perm=True)
         return attention_quantized_wgmma(qkv)
     cfg = _config_for(q.device, q.shape[3], pv_fp8)
     qkv = quantize_qkv(q, k, v, pv_fp8=pv_fp8, sm_scale=sm_scale, k_block=cfg.block_n)
@@ -346,6 +351,13 @@ def quant_attention(
 # where the Triton kernel's three programs per SM win (measurements/sessions/2026-11-29_attention-gluon-core).
 _GLUON_CORE_HEAD_DIMS = {(9, 0): (128,)}
 GLUON_K_BLOCK = 128
+
+
+def _k_block_for(device: torch.device, head_dim: int, pv_fp8: bool) -> int:
+    """The key tile (= keys per K scale) `quant_attention` quantizes with on `device`."""
+    if pv_fp8 and _gluon_core_runs(device, head_dim):
+        return GLUON_K_BLOCK
+    return _config_for(device, head_dim, pv_fp8).block_n
 
 
 def _gluon_core_runs(device: torch.device, head_dim: int) -> bool:
@@ -387,7 +399,7 @@ def quant_attention_ref(
     k_block None: the one the kernel uses on q's device."""
     _check_inputs(q, k, v, sm_scale)
     fp8 = _has_fp8_tensor_cores(q.device) if pv_fp8 is None else bool(pv_fp8)
-    k_block = _config_for(q.device, q.shape[3], fp8).block_n if k_block is None else k_block
+    k_block = _k_block_for(q.device, q.shape[3], fp8) if k_block is None else k_block
     return attention_quantized_ref(quantize_qkv_ref(q, k, v, pv_fp8=fp8, sm_scale=sm_scale, k_block=k_block))
 
 

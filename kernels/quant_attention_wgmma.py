@@ -1,11 +1,11 @@
 """The quantized attention core for sm_90 in Gluon: two consumer warpgroups and a TMA producer per CTA.
 
-Why not the Triton kernel (`quant_attention._quant_attention_kernel`): Triton 3.6 never keeps an INT32-accumulator
-wgmma in flight, converts P to the FP8 A operand through warp shuffles and byte repacking (a third of the softmax's
-instructions), and leaves no registers at 128-key tiles for more. Here one CTA holds 128 query rows as two
-warpgroups of 64 that run free of each other: while one computes its softmax, the other's MMAs run. Making them take
-turns (FlashAttention-3's ping-pong, `pingpong=True`, an mbarrier per warpgroup passing the turn) measured 2-8 %
-slower on an H200.
+Why not the Triton kernel (`quant_attention._quant_attention_kernel`): Triton 3.6 (the GPU machine's) never keeps
+an INT32-accumulator wgmma in flight, converts P to the FP8 A operand through warp shuffles and byte repacking (a
+third of the softmax's instructions), and leaves no registers at 128-key tiles for more. Here one CTA holds 128
+query rows as two warpgroups of 64 that run free of each other: while one computes its softmax, the other's MMAs
+run. Making them take turns (FlashAttention-3's ping-pong, `pingpong=True`, an mbarrier per warpgroup passing the
+turn) measured 2-8 % slower on an H200.
 
   warpgroup, iteration t:  softmax of S_t -> P_t, packed to e4m3 in registers (the A operand of P·V);
                            issue S_{t+1} = Q·K_{t+1}ᵀ (INT8) and P_t·V_t (FP8, from zero); wait for both;
@@ -27,7 +27,7 @@ import torch
 import triton
 import triton.language
 
-from .quant_attention import Q_BLOCK, QuantizedQKV, v_key_order
+from .quant_attention import Q_BLOCK, QuantizedQKV, _on_device, v_key_order
 
 try:
     from triton.experimental import gluon
@@ -263,11 +263,20 @@ def attention_quantized_wgmma(
     """The Gluon core on a FP8-P·V ``QuantizedQKV`` (its key tile is qkv.k_block) -> [B, H, M, D] in qkv.out_dtype."""
     if not qkv.pv_fp8:
         raise ValueError("attention_quantized_wgmma: expected a pv_fp8 QuantizedQKV")
+    if stages < 2:  # a warpgroup waits for tile t+1's slot before it releases tile t's
+        raise ValueError(f"attention_quantized_wgmma: stages must be >= 2, found {stages}")
+    if not wgmma_attention_supported(qkv):
+        dev = qkv.q8.device
+        cap = torch.cuda.get_device_capability(dev) if dev.type == "cuda" else None
+        raise ValueError(
+            "attention_quantized_wgmma: expected an sm_90 GPU with Gluon, head_dim 64 or 128 and k_block 64 or 128; "
+            f"found device {dev} (capability {cap}), Gluon {GLUON_AVAILABLE}, head_dim {qkv.q8.shape[3]}, "
+            f"k_block {qkv.k_block}"
+        )
     b, h, m_pad, d = qkv.q8.shape
     n_pad = qkv.k8.shape[2]
     bn = qkv.k_block
-    if m_pad % BLOCK_M or Q_BLOCK % BLOCK_M:
-        raise ValueError(f"attention_quantized_wgmma: M_pad {m_pad} is not a multiple of {BLOCK_M}")
+    # quantize_qkv pads M to Q_BLOCK (128) = BLOCK_M: one Q scale per CTA.
     out = torch.empty((b, h, qkv.num_q, d), dtype=qkv.out_dtype, device=qkv.q8.device)
 
     def desc(t: torch.Tensor, block: list[int], dtype):
@@ -277,9 +286,10 @@ def attention_quantized_wgmma(
     k_desc = desc(qkv.k8.view(b * h * n_pad, d), [bn, d], gl.int8)
     vt = qkv.vt if qkv.v_key_perm else v_key_order(qkv.vt)  # quantize_qkv(v_key_perm=True) saves this copy
     v_desc = desc(vt.view(b * h * d, n_pad), [d, bn], gl.float8e4nv)
-    _qattn_wgmma_kernel[(m_pad // BLOCK_M, b * h)](
-        q_desc, k_desc, v_desc, qkv.q_scale, qkv.k_scale, qkv.v_scale, qkv.v_offset, out,
-        *out.stride(), h, qkv.num_q, qkv.num_kv, m_pad, n_pad,
-        Q_BLK=Q_BLOCK, STAGES=stages, CONSUMER_REGS=consumer_regs, PINGPONG=pingpong, num_warps=4,
-    )  # fmt: skip
+    with _on_device(qkv.q8.device):
+        _qattn_wgmma_kernel[(m_pad // BLOCK_M, b * h)](
+            q_desc, k_desc, v_desc, qkv.q_scale, qkv.k_scale, qkv.v_scale, qkv.v_offset, out,
+            *out.stride(), h, qkv.num_q, qkv.num_kv, m_pad, n_pad,
+            Q_BLK=Q_BLOCK, STAGES=stages, CONSUMER_REGS=consumer_regs, PINGPONG=pingpong, num_warps=4,
+        )  # fmt: skip
     return out

@@ -399,13 +399,14 @@ def test_gpu_fp8_with_v_offsets_meets_3_percent():
 @gpu
 @pytest.mark.parametrize("pv_fp8", [True, False])
 @pytest.mark.parametrize("k_block", qa.K_BLOCKS)
-def test_gpu_prologue_matches_ref(pv_fp8, k_block):
+@pytest.mark.parametrize("v_key_perm", [False, True])
+def test_gpu_prologue_matches_ref(pv_fp8, k_block, v_key_perm):
     # Without FP8 tensor cores (sm_80-87) the FP8 variant checks the FP16 prologue instead.
     pv_fp8 = pv_fp8 and qa._has_fp8_tensor_cores(torch.device("cuda"))
     seed = _seed()
     q, k, v = dit_like_qkv(2, 3, 1000, 3001, 128, seed=seed, dtype=torch.bfloat16, device="cuda", v_offset=1.0)
-    got = qa.quantize_qkv(q, k, v, pv_fp8=pv_fp8, k_block=k_block)
-    want = qa.quantize_qkv_ref(q, k, v, pv_fp8=pv_fp8, k_block=k_block)
+    got = qa.quantize_qkv(q, k, v, pv_fp8=pv_fp8, k_block=k_block, v_key_perm=v_key_perm)
+    want = qa.quantize_qkv_ref(q, k, v, pv_fp8=pv_fp8, k_block=k_block, v_key_perm=v_key_perm)
     assert (got.q8.int() - want.q8.int()).abs().max() <= 1 and (got.q8 != want.q8).float().mean() <= 1e-4
     torch.testing.assert_close(got.q_scale, want.q_scale, rtol=1e-6, atol=0)
     assert (got.k8.int() - want.k8.int()).abs().max() <= 1 and (got.k8 != want.k8).float().mean() <= 1e-3

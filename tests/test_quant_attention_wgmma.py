@@ -1,4 +1,4 @@
-"""The Gluon ping-pong attention core for sm_90 (kernels/quant_attention_wgmma.py).
+"""The Gluon attention core for sm_90 (kernels/quant_attention_wgmma.py).
 
 CPU: the kernel compiles for sm_90a with the installed Triton (Gluon is experimental; this catches API drift) into
 three partitions with register reallocation (`setmaxnreg`), INT8 and FP8 wgmma, and ptxas neither serializes the
@@ -70,12 +70,15 @@ def test_compiles_for_sm90_without_spills(tmp_path: Path, block_n, head_dim):
     assert re.search(r"0 bytes spill stores, 0 bytes spill loads", log), log
 
 
-def test_rejects_fp16_pv_inputs():
+def test_rejects_inputs_it_cannot_run():
     q, k, v = dit_like_qkv(1, 1, 128, 64, 64, seed=0)
-    qkv = qa.quantize_qkv_ref(q, k, v, pv_fp8=False, sm_scale=64**-0.5, k_block=64)
-    assert not wa.wgmma_attention_supported(qkv)
     with pytest.raises(ValueError, match="expected a pv_fp8 QuantizedQKV"):
-        wa.attention_quantized_wgmma(qkv)
+        wa.attention_quantized_wgmma(qkv=qa.quantize_qkv_ref(q, k, v, pv_fp8=False, k_block=64))
+    fp8 = qa.quantize_qkv_ref(q, k, v, pv_fp8=True, k_block=64)
+    with pytest.raises(ValueError, match="stages must be >= 2"):
+        wa.attention_quantized_wgmma(fp8, stages=1)
+    with pytest.raises(ValueError, match="expected an sm_90 GPU with Gluon"):  # CPU tensors
+        wa.attention_quantized_wgmma(fp8)
 
 
 @pytest.mark.gpu
@@ -94,6 +97,17 @@ def test_matches_reference_gpu(k_block, b, h, m, n, d, v_key_perm):
     out = wa.attention_quantized_wgmma(qkv)
     assert_kernel_vs_ref(out, qa.attention_quantized_ref(qkv), True, f"gluon core k_block={k_block}")
     assert_vs_fp32(out, qa.attention_fp32(q, k, v), FP8_PV_VS_FP32, "gluon core vs fp32")
+
+
+@pytest.mark.gpu
+@needs_cuda
+@needs_sm90
+@pytest.mark.parametrize(("stages", "pingpong"), [(3, False), (4, True)])
+def test_launch_options_match_reference_gpu(stages, pingpong):
+    q, k, v = dit_like_qkv(1, 2, 300, 1000, 128, seed=_seed(), dtype=torch.bfloat16, device="cuda")
+    qkv = qa.quantize_qkv(q, k, v, pv_fp8=True, k_block=128, v_key_perm=True)
+    out = wa.attention_quantized_wgmma(qkv, stages=stages, pingpong=pingpong)
+    assert_kernel_vs_ref(out, qa.attention_quantized_ref(qkv), True, f"stages {stages}, pingpong {pingpong}")
 
 
 @pytest.mark.gpu
