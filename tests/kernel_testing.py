@@ -8,6 +8,7 @@ the interpreter, so those cases are `gpu` tests instead.
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -30,3 +31,18 @@ def run_interpret_tests(test_file: str, timeout: int = 600) -> None:
     run = subprocess.run(cmd, env=env, cwd=Path(test_file).parents[1], capture_output=True, text=True, timeout=timeout)
     assert run.returncode == 0, run.stdout[-6000:] + run.stderr[-3000:]
     assert " passed" in run.stdout, run.stdout[-2000:]  # a child that collected nothing proves nothing
+
+
+def assert_ptxas_sm90a_clean(ptx: str, tmp_path: Path) -> None:
+    """Assemble `ptx` for sm_90a with the installed Triton's ptxas: no serialized wgmmas (warning C7514), no spills."""
+    import triton
+
+    ptxas = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "ptxas"
+    (tmp_path / "k.ptx").write_text(ptx)
+    out = subprocess.run(
+        [str(ptxas), "-arch=sm_90a", "-v", str(tmp_path / "k.ptx"), "-o", str(tmp_path / "k.cubin")],
+        capture_output=True, text=True, check=True,
+    )  # fmt: skip
+    log = out.stdout + out.stderr
+    assert "C7514" not in log, f"ptxas serialized the wgmmas:\n{log}"
+    assert re.search(r"0 bytes spill stores, 0 bytes spill loads", log), log

@@ -8,13 +8,11 @@ wgmmas (warning C7514) nor spills. GPU (`-m gpu`, sm_90): results against the re
 
 from __future__ import annotations
 
-import re
-import subprocess
 from pathlib import Path
 
 import pytest
 import torch
-from kernel_testing import needs_cuda
+from kernel_testing import assert_ptxas_sm90a_clean, needs_cuda
 
 from k6fast.kernels import fp16acc_wgmma as wg
 from k6fast.kernels.fp8_linear import fp16acc_linear, fp16acc_linear_ref
@@ -48,21 +46,11 @@ def _compile_sm90(tile: wg.WgmmaTile):
 @needs_gluon
 @pytest.mark.parametrize("tile", [wg.DEFAULT_TILE, wg.WgmmaTile(128, 128, 4, 3, 8)], ids=["default", "128x128"])
 def test_compiles_for_sm90_with_async_fp16_wgmma(tmp_path: Path, tile):
-    import triton
-
     ptx = _compile_sm90(tile).asm["ptx"]
     mmas = [line for line in ptx.splitlines() if "wgmma.mma_async" in line]
     assert mmas and all(".f16.f16.f16" in line for line in mmas), "expected fp16-accumulator wgmma only"
     assert "wgmma.wait_group.sync.aligned 1;" in ptx, "the second half's MMAs must stay in flight"
-    ptxas = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "ptxas"
-    (tmp_path / "k.ptx").write_text(ptx)
-    out = subprocess.run(
-        [str(ptxas), "-arch=sm_90a", "-v", str(tmp_path / "k.ptx"), "-o", str(tmp_path / "k.cubin")],
-        capture_output=True, text=True, check=True,
-    )  # fmt: skip
-    log = out.stdout + out.stderr
-    assert "C7514" not in log, f"ptxas serialized the wgmmas:\n{log}"
-    assert re.search(r"0 bytes spill stores, 0 bytes spill loads", log), log
+    assert_ptxas_sm90a_clean(ptx, tmp_path)
 
 
 @needs_gluon

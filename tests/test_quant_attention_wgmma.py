@@ -8,13 +8,11 @@ FP32 reference and exact FP32 attention at ragged shapes, both key tiles, both h
 
 from __future__ import annotations
 
-import re
-import subprocess
 from pathlib import Path
 
 import pytest
 import torch
-from kernel_testing import needs_cuda
+from kernel_testing import assert_ptxas_sm90a_clean, needs_cuda
 from test_quant_attention import FP8_PV_VS_FP32, _seed, assert_kernel_vs_ref, assert_vs_fp32, dit_like_qkv
 
 from k6fast.kernels import quant_attention as qa
@@ -53,21 +51,11 @@ def _compile_sm90(block_n: int, head_dim: int, stages: int):
 @needs_gluon
 @pytest.mark.parametrize(("block_n", "head_dim"), [(128, 128), (64, 128), (128, 64)])
 def test_compiles_for_sm90_without_spills(tmp_path: Path, block_n, head_dim):
-    import triton
-
     ptx = _compile_sm90(block_n, head_dim, stages=2).asm["ptx"]
     assert "setmaxnreg.inc.sync.aligned.u32 \t240;" in ptx, "the consumer warpgroups must get 240 registers"
     mmas = [line for line in ptx.splitlines() if "wgmma.mma_async" in line]
     assert any(".s32.s8.s8" in line for line in mmas) and any(".e4m3.e4m3" in line for line in mmas), mmas[:4]
-    ptxas = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "ptxas"
-    (tmp_path / "k.ptx").write_text(ptx)
-    out = subprocess.run(
-        [str(ptxas), "-arch=sm_90a", "-v", str(tmp_path / "k.ptx"), "-o", str(tmp_path / "k.cubin")],
-        capture_output=True, text=True, check=True,
-    )  # fmt: skip
-    log = out.stdout + out.stderr
-    assert "C7514" not in log, f"ptxas serialized the wgmmas:\n{log}"
-    assert re.search(r"0 bytes spill stores, 0 bytes spill loads", log), log
+    assert_ptxas_sm90a_clean(ptx, tmp_path)
 
 
 def test_rejects_inputs_it_cannot_run():
