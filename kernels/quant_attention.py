@@ -65,8 +65,6 @@ __all__ = [
     "QuantAttentionConfig",
     "QuantizedQKV",
     "attention_fp32",
-    "v_key_order",
-    "v_token_order",
     "attention_quantized",
     "attention_quantized_ref",
     "quant_attention",
@@ -74,6 +72,8 @@ __all__ = [
     "quant_attention_ref",
     "quantize_qkv",
     "quantize_qkv_ref",
+    "v_key_order",
+    "v_token_order",
 ]
 
 logger = logging.getLogger(__name__)
