@@ -338,8 +338,7 @@ def quant_attention(
     if pv_fp8 and _gluon_core_runs(q.device, q.shape[3]):
         from .quant_attention_wgmma import attention_quantized_wgmma  # imports this module: imported late
 
-        k_block = _k_block_for(q.device, q.shape[3], True)
-        qkv = quantize_qkv(q, k, v, pv_fp8=True, sm_scale=sm_scale, k_block=k_block, v_key_perm=True)
+        qkv = quantize_qkv(q, k, v, pv_fp8=True, sm_scale=sm_scale, k_block=GLUON_K_BLOCK, v_key_perm=True)
         return attention_quantized_wgmma(qkv)
     cfg = _config_for(q.device, q.shape[3], pv_fp8)
     qkv = quantize_qkv(q, k, v, pv_fp8=pv_fp8, sm_scale=sm_scale, k_block=cfg.block_n)

@@ -27,7 +27,8 @@ import torch
 import triton
 import triton.language
 
-from .quant_attention import Q_BLOCK, QuantizedQKV, _on_device, v_key_order
+# The softmax constants are the Triton kernel's (int32 + _MAGIC_I's bits = fp32 1.5·2**23 + x; log2(448)).
+from .quant_attention import _LOG2_FP8_MAX, _MAGIC_F, _MAGIC_I, Q_BLOCK, QuantizedQKV, _on_device, v_key_order
 
 try:
     from triton.experimental import gluon
@@ -50,9 +51,6 @@ __all__ = ["BLOCK_M", "GLUON_AVAILABLE", "attention_quantized_wgmma", "wgmma_att
 BLOCK_M = 128  # query rows per CTA: two warpgroups of 64 (one Q scale block, quant_attention.Q_BLOCK)
 WG_ROWS = 64  # query rows per consumer warpgroup
 _WG_ROWS = triton.language.constexpr(WG_ROWS)
-_MAGIC_I = triton.language.constexpr(0x4B400000)  # see quant_attention: int32 + these bits = fp32 1.5 * 2**23 + x
-_MAGIC_F = triton.language.constexpr(12582912.0)
-_LOG2_FP8_MAX = triton.language.constexpr(8.807354922057604)  # log2(448)
 
 
 if GLUON_AVAILABLE:

@@ -46,3 +46,13 @@ def assert_ptxas_sm90a_clean(ptx: str, tmp_path: Path) -> None:
     log = out.stdout + out.stderr
     assert "C7514" not in log, f"ptxas serialized the wgmmas:\n{log}"
     assert re.search(r"0 bytes spill stores, 0 bytes spill loads", log), log
+
+
+def compile_gluon_sm90(kernel, signature: dict, constants: dict, num_warps: int):
+    """Compile a Gluon kernel for sm_90a with the installed Triton, no GPU needed (its `.asm["ptx"]`, `.metadata`)."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.experimental.gluon._runtime import GluonASTSource
+
+    src = GluonASTSource(kernel, signature, constants, {})
+    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": num_warps})

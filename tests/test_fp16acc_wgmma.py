@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from kernel_testing import assert_ptxas_sm90a_clean, needs_cuda
+from kernel_testing import assert_ptxas_sm90a_clean, compile_gluon_sm90, needs_cuda
 
 from k6fast.kernels import fp16acc_wgmma as wg
 from k6fast.kernels.fp8_linear import fp16acc_linear, fp16acc_linear_ref
@@ -25,10 +25,6 @@ def rel_l2(a: torch.Tensor, b: torch.Tensor) -> float:
 
 
 def _compile_sm90(tile: wg.WgmmaTile):
-    import triton
-    from triton.backends.compiler import GPUTarget
-    from triton.experimental.gluon._runtime import GluonASTSource
-
     gl = wg.gl
     la = gl.NVMMASharedLayout.get_default_for([tile.block_m, wg.BLOCK_K], gl.float16)
     lb = gl.NVMMASharedLayout.get_default_for([tile.block_n, wg.BLOCK_K], gl.float16)
@@ -39,8 +35,7 @@ def _compile_sm90(tile: wg.WgmmaTile):
         "HAS_BIAS": "constexpr", "STAGES": "constexpr", "GROUP_M": "constexpr", "num_warps": "constexpr",
     }  # fmt: skip
     const = {"HAS_BIAS": True, "STAGES": tile.stages, "GROUP_M": tile.group_m, "num_warps": tile.num_warps}
-    src = GluonASTSource(wg._fp16acc_wgmma_kernel, sig, const, {})
-    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": tile.num_warps})
+    return compile_gluon_sm90(wg._fp16acc_wgmma_kernel, sig, const, tile.num_warps)
 
 
 @needs_gluon

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from kernel_testing import assert_ptxas_sm90a_clean, needs_cuda
+from kernel_testing import assert_ptxas_sm90a_clean, compile_gluon_sm90, needs_cuda
 from test_quant_attention import FP8_PV_VS_FP32, _seed, assert_kernel_vs_ref, assert_vs_fp32, dit_like_qkv
 
 from k6fast.kernels import quant_attention as qa
@@ -26,10 +26,6 @@ needs_sm90 = pytest.mark.skipif(
 
 
 def _compile_sm90(block_n: int, head_dim: int, stages: int):
-    import triton
-    from triton.backends.compiler import GPUTarget
-    from triton.experimental.gluon._runtime import GluonASTSource
-
     gl = wa.gl
     layout = gl.NVMMASharedLayout.get_default_for
     sig = {
@@ -44,8 +40,7 @@ def _compile_sm90(block_n: int, head_dim: int, stages: int):
     }  # fmt: skip
     const = {"Q_BLK": qa.Q_BLOCK, "STAGES": stages, "CONSUMER_REGS": 240, "PINGPONG": False}
     const["num_warps"] = 4
-    src = GluonASTSource(wa._qattn_wgmma_kernel, sig, const, {})
-    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4})
+    return compile_gluon_sm90(wa._qattn_wgmma_kernel, sig, const, 4)
 
 
 @needs_gluon
