@@ -89,12 +89,16 @@ LOG2E = 1.4426950408889634
 FP8_MAX = 448.0  # largest finite float8 e4m3fn
 # Keeps 127 / absmax and 448 / absmax finite for all-zero blocks (e.g. K after smoothing when N == 1).
 _ABSMAX_FLOOR = 1e-30
-_STATS_CHUNK = 2048  # key rows summed per program in the K-mean / V-absmax pass
-# Rows per step of that pass: four [rows, D] fp32 accumulators stay in registers at 64 (at 128 they spilled: the
-# prologue took 4.2 ms instead of 2.6 ms at W1 on an H200). The quantization pass scales per k_block rows and gives
-# 128-row blocks twice the warps for the same reason.
-_STATS_ROWS = 64
-_KV_QUANT_ROWS = 256  # key rows quantized per program (k_block-row blocks, one after another)
+# The two K/V passes' launch shapes, from a sweep at W1 on an H200 (measurements/sessions/2026-11-29_attention-tree):
+# key rows summed per program in the K-mean / V-absmax pass and rows per step (its four [rows, D] fp32 accumulators
+# are 16 registers a thread at 16 rows, so many programs share an SM: 0.27 ms, against 0.51 ms at 64 rows and 0.30 ms
+# at 32); key rows quantized per program (k_block-row blocks one after another) and its warps (0.48 ms, against
+# 0.79 ms for 256 rows on 8 warps). The quantized tensors are bit-identical for any of these shapes; the statistics
+# differ only in their fp32 summation order.
+_STATS_CHUNK = 512
+_STATS_ROWS = 16
+_KV_QUANT_ROWS = 128
+_KV_QUANT_WARPS = 4
 
 # An int32 x with |x| < 2**22 plus the bits of 1.5 * 2**23 is the fp32 1.5 * 2**23 + x exactly. This replaces the
 # int32 -> fp32 conversion (I2F runs at 16/clk/SM on sm_90, as slow as exp2) by an integer add. |Q·Kᵀ| <= 127² · 128
@@ -495,7 +499,7 @@ def _quantize_qkv(
         k, v, stats, *k.stride(), *v.stride(), h, n, n_chunks,
         HEAD_DIM=d, BLOCK=_STATS_ROWS, CHUNK=_STATS_CHUNK, PV_FP8=pv_fp8, num_warps=4,
     )  # fmt: skip
-    # The second stage of the reductions is over n_chunks (25 at 50,220 tokens) values: negligible, left to torch.
+    # The second stage of the reductions is over n_chunks (99 at 50,220 tokens) values: negligible, left to torch.
     k_mean = (stats[:, :, :, 0].sum(dim=2) / n).contiguous()
     v_mean = v_absmax = None
     if pv_fp8:
@@ -513,7 +517,7 @@ def _quantize_qkv(
         k, v, k_mean, k_mean if v_mean is None else v_mean, k_mean if v_absmax is None else v_absmax,
         k8, k_scale, vt, vq_sum, n_programs,
         *k.stride(), *v.stride(), h, n, n_pad,
-        HEAD_DIM=d, BLOCK=k_block, SUB=sub_blocks, PV_FP8=pv_fp8, V_PERM=v_key_perm, num_warps=4 * (k_block // 64),
+        HEAD_DIM=d, BLOCK=k_block, SUB=sub_blocks, PV_FP8=pv_fp8, V_PERM=v_key_perm, num_warps=_KV_QUANT_WARPS,
     )  # fmt: skip
     v_scale = v_offset = None
     if pv_fp8:

@@ -17,8 +17,15 @@ Two-level accumulation as the Triton kernel (each tile's P·V from zero, added i
 (`QuantizedQKV`, FP8 P·V) and per-element softmax arithmetic; checked against `attention_quantized_ref`.
 
 A one-warp producer partition loads Q once and K/Vᵀ tiles into a STAGES-deep ring by TMA (a slot is refilled once
-both warpgroups have released it). Per consumer thread: one score tile, the P·V tile and the accumulator, no spills
-at 240 registers. Measurements: measurements/sessions/2026-11-29_attention-gluon-core.
+both warpgroups have released it; 3 deep by default). Per consumer thread: one score tile, the P·V tile and the
+accumulator, no spills at 240 registers.
+
+What bounds it (ablations on an H200, measurements/sessions/2026-11-29_attention-tree): one warpgroup's serial
+chain from its MMAs' wait through the softmax to the next issue. Without the softmax the core runs in 40.6 ms at W1
+(26.2 ms without K/V loads too) against 50.2 ms with it; dropping the fold saved 4.4 ms, MUFU exp2 7.6 ms; moving a
+half or a quarter of the exp2s to the FMA pipe, staggering the warpgroups, ping-pong, issuing Q·Kᵀ before the exp2s
+and unrolling two tiles did not help. Row max and sum as trees (`_row_reduce`) shortened the chain by 5-7 %.
+Earlier measurements: measurements/sessions/2026-11-29_attention-gluon-core.
 """
 
 from __future__ import annotations
@@ -56,20 +63,40 @@ _WG_ROWS = triton.language.constexpr(WG_ROWS)
 if GLUON_AVAILABLE:
 
     @gluon.jit
+    def _halve(x, IS_MAX: gl.constexpr):
+        # [R, C] -> [R, C/2]: column c combined with column c + C/2, which the same thread holds while C > 8.
+        x = gl.reshape(x, [x.shape[0], 2, x.shape[1] // 2])
+        return gl.max(x, 1) if IS_MAX else gl.sum(x, 1)
+
+    @gluon.jit
+    def _row_reduce(x, IS_MAX: gl.constexpr):
+        # Row max or sum of a score tile as a tree: a thread's 2·C/8 values per row in log2 steps, then the 4 lanes of
+        # the row. `gl.max`/`gl.sum` alone fold a thread's values one after another, a chain of C/4 dependent
+        # instructions on the softmax's critical path (the core ran 5-7 % slower with it on an H200).
+        for _ in gl.static_range(4):  # C <= 128: at most four halvings reach 8 columns
+            if x.shape[1] > 8:
+                x = _halve(x, IS_MAX)
+        return gl.max(x, 1) if IS_MAX else gl.sum(x, 1)
+
+    @gluon.jit
     def _probs(s, m_i, l_i, sc, t, N, BLOCK_N: gl.constexpr, MASK: gl.constexpr, s_layout: gl.constexpr):
-        # Online softmax of one tile, as quant_attention._tile_probs (P scaled to e4m3's range).
+        # Online softmax of one tile, as quant_attention._tile_probs (P scaled to e4m3's range). The row max is taken
+        # on the int32 scores (exact, like the float max of the magic-number floats), so the 64 magic adds run beside
+        # it instead of before it.
         f = (s + _MAGIC_I).to(gl.float32, bitcast=True)
         if MASK:
             cols = t * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
             valid = (cols < N)[None, :]
-            f = gl.where(valid, f, 0.0)  # below every valid f: the row max ignores it
-        m_new = gl.maximum(m_i, (gl.max(f, 1) - _MAGIC_F) * sc)
+            f = gl.where(valid, f, 0.0)
+            s = gl.where(valid, s, -2147483647)  # below every valid score
+        s_max = gl.convert_layout(_row_reduce(s, True), m_i.type.layout, assert_trivial=True)
+        m_new = gl.maximum(m_i, s_max.to(gl.float32) * sc)
         alpha = gl.exp2(m_i - m_new)
         bias = m_new + _MAGIC_F * sc - _LOG2_FP8_MAX
         p = gl.exp2(f * sc - bias[:, None])
         if MASK:
             p = gl.where(valid, p, 0.0)
-        l_i = l_i * alpha + gl.sum(p, 1)
+        l_i = l_i * alpha + gl.convert_layout(_row_reduce(p, False), l_i.type.layout, assert_trivial=True)
         return p, m_new, l_i, alpha
 
     @gluon.jit
@@ -256,7 +283,7 @@ def wgmma_attention_supported(qkv: QuantizedQKV) -> bool:
 
 
 def attention_quantized_wgmma(
-    qkv: QuantizedQKV, *, stages: int = 2, consumer_regs: int = 240, pingpong: bool = False
+    qkv: QuantizedQKV, *, stages: int = 3, consumer_regs: int = 240, pingpong: bool = False
 ) -> torch.Tensor:
     """The Gluon core on a FP8-P·V ``QuantizedQKV`` (its key tile is qkv.k_block) -> [B, H, M, D] in qkv.out_dtype."""
     if not qkv.pv_fp8:
