@@ -350,9 +350,10 @@ def quant_attention(
 
 
 # Where the Gluon core (kernels/quant_attention_wgmma.py, FP8 P·V) replaces the Triton one: GPU capability -> head
-# dims. On an H200 at W1 it is 1.11-1.17x faster than the Triton core at head_dim 128 and 1.09-1.18x slower at 64,
-# where the Triton kernel's three programs per SM win (measurements/sessions/2026-11-29_attention-gluon-core).
-_GLUON_CORE_HEAD_DIMS = {(9, 0): (128,)}
+# dims. On an H200 at W1, with its tree row reductions, it is 1.20x faster than the Triton core at head_dim 128
+# (46.96 vs 56.25 ms) and 1.10x at 64 (70.12 vs 77.21 ms, 64 heads; before the trees it was 1.09-1.18x slower
+# there): measurements/sessions/2026-11-29_attention-tree.
+_GLUON_CORE_HEAD_DIMS = {(9, 0): (64, 128)}
 GLUON_K_BLOCK = 128
 
 

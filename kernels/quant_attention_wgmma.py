@@ -17,8 +17,8 @@ Two-level accumulation as the Triton kernel (each tile's P·V from zero, added i
 (`QuantizedQKV`, FP8 P·V) and per-element softmax arithmetic; checked against `attention_quantized_ref`.
 
 A one-warp producer partition loads Q once and K/Vᵀ tiles into a STAGES-deep ring by TMA (a slot is refilled once
-both warpgroups have released it; 3 deep by default). Per consumer thread: one score tile, the P·V tile and the
-accumulator, no spills at 240 registers.
+both warpgroups have released it; 2 deep by default: 3 and 4 measured the same at head_dim 128, 3 was 9 % slower at
+64). Per consumer thread: one score tile, the P·V tile and the accumulator, no spills at 240 registers.
 
 What bounds it (ablations on an H200, measurements/sessions/2026-11-29_attention-tree): one warpgroup's serial
 chain from its MMAs' wait through the softmax to the next issue. Without the softmax the core runs in 40.6 ms at W1
@@ -283,7 +283,7 @@ def wgmma_attention_supported(qkv: QuantizedQKV) -> bool:
 
 
 def attention_quantized_wgmma(
-    qkv: QuantizedQKV, *, stages: int = 3, consumer_regs: int = 240, pingpong: bool = False
+    qkv: QuantizedQKV, *, stages: int = 2, consumer_regs: int = 240, pingpong: bool = False
 ) -> torch.Tensor:
     """The Gluon core on a FP8-P·V ``QuantizedQKV`` (its key tile is qkv.k_block) -> [B, H, M, D] in qkv.out_dtype."""
     if not qkv.pv_fp8:

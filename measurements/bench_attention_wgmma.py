@@ -64,7 +64,7 @@ def main() -> None:
     keyed = {128: qa.quantize_qkv(q, k, v, pv_fp8=True, k_block=128, v_key_perm=True)}  # the Gluon core's Vᵀ order
     rows = [
         ("sdpa_cudnn", lambda: sdpa(SDPBackend.CUDNN_ATTENTION)(q, k, v)),
-        ("k6_op (quant_attention: Gluon core at head_dim 128 on sm_90)", lambda: qa.quant_attention(q, k, v)),
+        ("k6_op (quant_attention: the Gluon core on sm_90)", lambda: qa.quant_attention(q, k, v)),
         (
             "k6_triton_op (the Triton core's sm_90 config)",
             lambda: qa.attention_quantized(
