@@ -17,8 +17,9 @@ Two-level accumulation as the Triton kernel (each tile's P·V from zero, added i
 (`QuantizedQKV`, FP8 P·V) and per-element softmax arithmetic; checked against `attention_quantized_ref`.
 
 A one-warp producer partition loads Q once and K/Vᵀ tiles into a STAGES-deep ring by TMA (a slot is refilled once
-both warpgroups have released it; 2 deep by default: 3 and 4 measured the same at head_dim 128, 3 was 9 % slower at
-64). Per consumer thread: one score tile, the P·V tile and the accumulator, no spills at 240 registers.
+both warpgroups have released it; 4 deep by default: at W1 on an H200 ring 4 beat ring 2 by ~1 % at head_dim 128 and
+2.3 % at 64, where ring 3 was 9 % slower). Per consumer thread: one score tile, the P·V tile and the accumulator, no
+spills at 240 registers.
 
 What bounds it (ablations on an H200, measurements/sessions/2026-11-29_attention-tree): one warpgroup's serial
 chain from its MMAs' wait through the softmax to the next issue. Without the softmax the core runs in 40.6 ms at W1
@@ -53,10 +54,11 @@ try:
 except ImportError:  # pragma: no cover
     GLUON_AVAILABLE = False
 
-__all__ = ["BLOCK_M", "GLUON_AVAILABLE", "attention_quantized_wgmma", "wgmma_attention_supported"]
+__all__ = ["BLOCK_M", "DEFAULT_STAGES", "GLUON_AVAILABLE", "attention_quantized_wgmma", "wgmma_attention_supported"]
 
 BLOCK_M = 128  # query rows per CTA: two warpgroups of 64 (one Q scale block, quant_attention.Q_BLOCK)
 WG_ROWS = 64  # query rows per consumer warpgroup
+DEFAULT_STAGES = 4  # K/Vᵀ ring depth (see the module docstring)
 _WG_ROWS = triton.language.constexpr(WG_ROWS)
 
 
@@ -283,7 +285,7 @@ def wgmma_attention_supported(qkv: QuantizedQKV) -> bool:
 
 
 def attention_quantized_wgmma(
-    qkv: QuantizedQKV, *, stages: int = 2, consumer_regs: int = 240, pingpong: bool = False
+    qkv: QuantizedQKV, *, stages: int = DEFAULT_STAGES, consumer_regs: int = 240, pingpong: bool = False
 ) -> torch.Tensor:
     """The Gluon core on a FP8-P·V ``QuantizedQKV`` (its key tile is qkv.k_block) -> [B, H, M, D] in qkv.out_dtype."""
     if not qkv.pv_fp8:

@@ -46,7 +46,7 @@ def _compile_sm90(block_n: int, head_dim: int, stages: int):
 @needs_gluon
 @pytest.mark.parametrize(("block_n", "head_dim"), [(128, 128), (64, 128), (128, 64)])
 def test_compiles_for_sm90_without_spills(tmp_path: Path, block_n, head_dim):
-    ptx = _compile_sm90(block_n, head_dim, stages=2).asm["ptx"]
+    ptx = _compile_sm90(block_n, head_dim, stages=wa.DEFAULT_STAGES).asm["ptx"]
     assert "setmaxnreg.inc.sync.aligned.u32 \t240;" in ptx, "the consumer warpgroups must get 240 registers"
     mmas = [line for line in ptx.splitlines() if "wgmma.mma_async" in line]
     assert any(".s32.s8.s8" in line for line in mmas) and any(".e4m3.e4m3" in line for line in mmas), mmas[:4]
@@ -85,7 +85,7 @@ def test_matches_reference_gpu(k_block, b, h, m, n, d, v_key_perm):
 @pytest.mark.gpu
 @needs_cuda
 @needs_sm90
-@pytest.mark.parametrize(("stages", "pingpong"), [(3, False), (4, True)])
+@pytest.mark.parametrize(("stages", "pingpong"), [(2, False), (3, False), (4, True)])
 def test_launch_options_match_reference_gpu(stages, pingpong):
     q, k, v = dit_like_qkv(1, 2, 300, 1000, 128, seed=_seed(), dtype=torch.bfloat16, device="cuda")
     qkv = qa.quantize_qkv(q, k, v, pv_fp8=True, k_block=128, v_key_perm=True)
