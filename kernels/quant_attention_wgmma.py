@@ -73,8 +73,9 @@ if GLUON_AVAILABLE:
     @gluon.jit
     def _row_reduce(x, IS_MAX: gl.constexpr):
         # Row max or sum of a score tile as a tree: a thread's 2·C/8 values per row in log2 steps, then the 4 lanes of
-        # the row. `gl.max`/`gl.sum` alone fold a thread's values one after another, a chain of C/4 dependent
-        # instructions on the softmax's critical path (the core ran 5-7 % slower with it on an H200).
+        # the row. Under Triton 3.6 `gl.max`/`gl.sum` alone fold a thread's values one after another, a chain of C/4
+        # dependent instructions on the softmax's critical path (the core ran 5-7 % slower with it on an H200);
+        # Triton 3.8 builds the same tree itself.
         for _ in gl.static_range(4):  # C <= 128: at most four halvings reach 8 columns
             if x.shape[1] > 8:
                 x = _halve(x, IS_MAX)

@@ -48,6 +48,41 @@ def assert_ptxas_sm90a_clean(ptx: str, tmp_path: Path) -> None:
     assert re.search(r"0 bytes spill stores, 0 bytes spill loads", log), log
 
 
+def sass_loop_body(cubin: Path, marker: str) -> list[str]:
+    """The instructions of the first loop (a backward branch) in `cubin`'s SASS that contains `marker` (an opcode such
+    as QGMMA), disassembled with the installed Triton's cuobjdump; predicates stripped."""
+    import triton
+
+    cuobjdump = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
+    sass = subprocess.run([str(cuobjdump), "-sass", str(cubin)], capture_output=True, text=True, check=True).stdout
+    ins = [(int(m[1], 16), m[2].strip()) for m in re.finditer(r"^\s+/\*([0-9a-f]{4,})\*/\s+(.*?);", sass, re.M)]
+    index = {addr: i for i, (addr, _) in enumerate(ins)}
+    for i, (addr, text) in enumerate(ins):
+        branch = re.search(r"BRA (0x[0-9a-f]+)", text)
+        if branch and int(branch[1], 16) < addr:
+            body = [re.sub(r"^@!?U?P\w+\s+", "", t) for _, t in ins[index[int(branch[1], 16)] : i + 1]]
+            if any(t.split()[0].split(".")[0] == marker for t in body):
+                return body
+    raise AssertionError(f"no loop with {marker} in {cubin}")
+
+
+def longest_dependent_chain(body: list[str], opcodes: set[str]) -> int:
+    """The longest run of `opcodes` instructions in straight-line `body` where each reads the previous one's result
+    (first register operand = destination); any other instruction writing a register ends its chain."""
+    depth: dict[str, int] = {}
+    longest = 0
+    for text in body:
+        regs = re.findall(r"\bR(\d+)\b", text)
+        if not regs:
+            continue
+        if text.split()[0].split(".")[0] in opcodes:
+            depth[regs[0]] = 1 + max((depth.get(r, 0) for r in regs[1:]), default=0)
+            longest = max(longest, depth[regs[0]])
+        else:
+            depth[regs[0]] = 0
+    return longest
+
+
 def compile_gluon_sm90(kernel, signature: dict, constants: dict, num_warps: int):
     """Compile a Gluon kernel for sm_90a with the installed Triton, no GPU needed (its `.asm["ptx"]`, `.metadata`)."""
     import triton

@@ -2,7 +2,8 @@
 
 CPU: the kernel compiles for sm_90a with the installed Triton (Gluon is experimental; this catches API drift) into
 three partitions with register reallocation (`setmaxnreg`), INT8 and FP8 wgmma, and ptxas neither serializes the
-wgmmas (warning C7514) nor spills, at both key tiles and head dims. GPU (`-m gpu`, sm_90): against the same-scheme
+wgmmas (warning C7514) nor spills, at both key tiles and head dims, and the softmax's row reductions in its SASS are
+trees (no long dependent chains). GPU (`-m gpu`, sm_90): against the same-scheme
 FP32 reference and exact FP32 attention at ragged shapes, both key tiles, both head dims.
 """
 
@@ -12,7 +13,13 @@ from pathlib import Path
 
 import pytest
 import torch
-from kernel_testing import assert_ptxas_sm90a_clean, compile_gluon_sm90, needs_cuda
+from kernel_testing import (
+    assert_ptxas_sm90a_clean,
+    compile_gluon_sm90,
+    longest_dependent_chain,
+    needs_cuda,
+    sass_loop_body,
+)
 from test_quant_attention import FP8_PV_VS_FP32, _seed, assert_kernel_vs_ref, assert_vs_fp32, dit_like_qkv
 
 from k6fast.kernels import quant_attention as qa
@@ -51,6 +58,12 @@ def test_compiles_for_sm90_without_spills(tmp_path: Path, block_n, head_dim):
     mmas = [line for line in ptx.splitlines() if "wgmma.mma_async" in line]
     assert any(".s32.s8.s8" in line for line in mmas) and any(".e4m3.e4m3" in line for line in mmas), mmas[:4]
     assert_ptxas_sm90a_clean(ptx, tmp_path)
+    # The softmax's row max and sum are trees (`_row_reduce`), 7 deep at 128 keys. Under Triton 3.6 (the GPU machine's)
+    # `gl.max`/`gl.sum` alone compile to one dependent chain of block_n / 4 + 1 instructions per row (33 at 128 keys)
+    # on the softmax's critical path; Triton 3.8 builds trees itself.
+    loop = sass_loop_body(tmp_path / "k.cubin", "QGMMA")
+    assert longest_dependent_chain(loop, {"FMNMX", "IMNMX", "VIMNMX", "VIMNMX3"}) <= 8
+    assert longest_dependent_chain(loop, {"FADD"}) <= 8
 
 
 def test_rejects_inputs_it_cannot_run():
