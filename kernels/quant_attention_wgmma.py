@@ -90,6 +90,8 @@ if GLUON_AVAILABLE:
         if MASK:
             cols = t * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
             valid = (cols < N)[None, :]
+            # f's mask is redundant (p is masked below) but kept: without it ptxas allocated the main loop's registers
+            # differently and the core ran 3 % slower on an H200 (measurements/sessions/2026-11-29_attention-tree).
             f = gl.where(valid, f, 0.0)
             s = gl.where(valid, s, -2147483647)  # below every valid score
         s_max = gl.convert_layout(_row_reduce(s, True), m_i.type.layout, assert_trivial=True)

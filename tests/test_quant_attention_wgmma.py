@@ -3,8 +3,8 @@
 CPU: the kernel compiles for sm_90a with the installed Triton (Gluon is experimental; this catches API drift) into
 three partitions with register reallocation (`setmaxnreg`), INT8 and FP8 wgmma, and ptxas neither serializes the
 wgmmas (warning C7514) nor spills, at both key tiles and head dims, and the softmax's row reductions in its SASS are
-trees (no long dependent chains). GPU (`-m gpu`, sm_90): against the same-scheme
-FP32 reference and exact FP32 attention at ragged shapes, both key tiles, both head dims.
+trees (no long dependent chains). GPU (`-m gpu`, sm_90): against the same-scheme FP32 reference and exact FP32
+attention at ragged shapes, both key tiles, both head dims.
 """
 
 from __future__ import annotations
