@@ -38,7 +38,7 @@ Implementations by architecture (see ``_select_implementation``):
 
 | device                        | implementation              | P·V default                                 |
 |-------------------------------|-----------------------------|---------------------------------------------|
-| CUDA sm_90, head_dim 128      | Triton prologue + the Gluon core (quant_attention_wgmma.py) | FP8 |
+| CUDA sm_90, head_dim 64, 128  | Triton prologue + the Gluon core (quant_attention_wgmma.py) | FP8 |
 | CUDA sm_89 and newer          | Triton kernels              | FP8                                         |
 | CUDA sm_80 .. sm_87           | Triton kernels              | FP16                                        |
 | CUDA older than sm_80         | reference (logged once)     | FP16                                        |

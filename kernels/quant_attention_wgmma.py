@@ -65,10 +65,8 @@ _WG_ROWS = triton.language.constexpr(WG_ROWS)
 if GLUON_AVAILABLE:
 
     @gluon.jit
-    def _halve(x, IS_MAX: gl.constexpr):
-        # [R, C] -> [R, C/2]: column c combined with column c + C/2, which the same thread holds while C > 8.
-        x = gl.reshape(x, [x.shape[0], 2, x.shape[1] // 2])
-        return gl.max(x, 1) if IS_MAX else gl.sum(x, 1)
+    def _reduce(x, axis: gl.constexpr, IS_MAX: gl.constexpr):
+        return gl.max(x, axis) if IS_MAX else gl.sum(x, axis)
 
     @gluon.jit
     def _row_reduce(x, IS_MAX: gl.constexpr):
@@ -77,9 +75,9 @@ if GLUON_AVAILABLE:
         # dependent instructions on the softmax's critical path (the core ran 5-7 % slower with it on an H200);
         # Triton 3.8 builds the same tree itself.
         for _ in gl.static_range(4):  # C <= 128: at most four halvings reach 8 columns
-            if x.shape[1] > 8:
-                x = _halve(x, IS_MAX)
-        return gl.max(x, 1) if IS_MAX else gl.sum(x, 1)
+            if x.shape[1] > 8:  # column c with c + C/2, both in one thread while C > 8
+                x = _reduce(gl.reshape(x, [x.shape[0], 2, x.shape[1] // 2]), 1, IS_MAX)
+        return _reduce(x, 1, IS_MAX)
 
     @gluon.jit
     def _probs(s, m_i, l_i, sc, t, N, BLOCK_N: gl.constexpr, MASK: gl.constexpr, s_layout: gl.constexpr):

@@ -24,6 +24,20 @@ spawns_interpreter = pytest.mark.skipif(INTERPRETING, reason="this test is what 
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
 
+def _gluon_available() -> bool:
+    from k6fast.kernels import fp16acc_wgmma, quant_attention_wgmma
+
+    return fp16acc_wgmma.GLUON_AVAILABLE and quant_attention_wgmma.GLUON_AVAILABLE
+
+
+GLUON = _gluon_available()
+needs_gluon = pytest.mark.skipif(not GLUON, reason="this Triton has no Gluon")
+needs_sm90_gluon = pytest.mark.skipif(
+    not (GLUON and torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)),
+    reason="needs an sm_90 GPU and Gluon",
+)
+
+
 def run_interpret_tests(test_file: str, timeout: int = 600) -> None:
     """Run `test_file`'s `interpret`-marked tests in a child pytest under TRITON_INTERPRET=1; fail with its output."""
     env = {**os.environ, "TRITON_INTERPRET": "1"}

@@ -12,12 +12,10 @@ from pathlib import Path
 
 import pytest
 import torch
-from kernel_testing import assert_ptxas_sm90a_clean, compile_gluon_sm90, needs_cuda
+from kernel_testing import assert_ptxas_sm90a_clean, compile_gluon_sm90, needs_cuda, needs_gluon, needs_sm90_gluon
 
 from k6fast.kernels import fp16acc_wgmma as wg
 from k6fast.kernels.fp8_linear import fp16acc_linear, fp16acc_linear_ref
-
-needs_gluon = pytest.mark.skipif(not wg.GLUON_AVAILABLE, reason="this Triton has no Gluon")
 
 
 def rel_l2(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -60,15 +58,9 @@ def test_rejects_non_fp16_operands():
         wg.fp16acc_wgmma(x, torch.zeros(8, 64, dtype=torch.float16))
 
 
-needs_sm90 = pytest.mark.skipif(
-    not (torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0) and wg.GLUON_AVAILABLE),
-    reason="needs an sm_90 GPU and Gluon",
-)
-
-
 @pytest.mark.gpu
 @needs_cuda
-@needs_sm90
+@needs_sm90_gluon
 @pytest.mark.parametrize("tile", [wg.DEFAULT_TILE, wg.WgmmaTile(128, 128, 4, 3, 8)], ids=["default", "128x128"])
 @pytest.mark.parametrize(
     ("m", "k", "n", "with_bias"),
@@ -86,7 +78,7 @@ def test_matches_reference_gpu(tile, m, k, n, with_bias):
 
 @pytest.mark.gpu
 @needs_cuda
-@needs_sm90
+@needs_sm90_gluon
 def test_fp16acc_linear_runs_the_wgmma_kernel_on_sm90_gpu():
     g = torch.Generator(device="cuda").manual_seed(0)
     x = torch.randn(2, 300, 512, device="cuda", generator=g).bfloat16()

@@ -18,18 +18,14 @@ from kernel_testing import (
     compile_gluon_sm90,
     longest_dependent_chain,
     needs_cuda,
+    needs_gluon,
+    needs_sm90_gluon,
     sass_loop_body,
 )
 from test_quant_attention import FP8_PV_VS_FP32, _seed, assert_kernel_vs_ref, assert_vs_fp32, dit_like_qkv
 
 from k6fast.kernels import quant_attention as qa
 from k6fast.kernels import quant_attention_wgmma as wa
-
-needs_gluon = pytest.mark.skipif(not wa.GLUON_AVAILABLE, reason="this Triton has no Gluon")
-needs_sm90 = pytest.mark.skipif(
-    not (torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0) and wa.GLUON_AVAILABLE),
-    reason="needs an sm_90 GPU and Gluon",
-)
 
 
 def _compile_sm90(block_n: int, head_dim: int, stages: int):
@@ -79,7 +75,7 @@ def test_rejects_inputs_it_cannot_run():
 
 @pytest.mark.gpu
 @needs_cuda
-@needs_sm90
+@needs_sm90_gluon
 @pytest.mark.parametrize("k_block", [128, 64])
 @pytest.mark.parametrize(
     ("b", "h", "m", "n", "d"),
@@ -97,7 +93,7 @@ def test_matches_reference_gpu(k_block, b, h, m, n, d, v_key_perm):
 
 @pytest.mark.gpu
 @needs_cuda
-@needs_sm90
+@needs_sm90_gluon
 @pytest.mark.parametrize(("stages", "pingpong"), [(2, False), (3, False), (4, True)])
 def test_launch_options_match_reference_gpu(stages, pingpong):
     q, k, v = dit_like_qkv(1, 2, 300, 1000, 128, seed=_seed(), dtype=torch.bfloat16, device="cuda")
@@ -108,7 +104,7 @@ def test_launch_options_match_reference_gpu(stages, pingpong):
 
 @pytest.mark.gpu
 @needs_cuda
-@needs_sm90
+@needs_sm90_gluon
 @pytest.mark.parametrize("d", [128, 64])
 def test_quant_attention_runs_the_gluon_core_gpu(d):
     q, k, v = dit_like_qkv(1, 2, 300, 700, d, seed=_seed(), dtype=torch.bfloat16, device="cuda")
