@@ -113,6 +113,14 @@ QUANT_ATTN_SITES = Switch(
     choices=("video_self", "self", "all"),
     doc="which call sites a quantized K6_ATTN covers: video self-attention, both self-attentions, or all six",
 )
+EXACT_ATTN_KERNEL = Switch(
+    name="K6_EXACT_ATTN_KERNEL",
+    kind="enum",
+    default="sdpa",
+    choices=("sdpa", "k6"),
+    doc="the exact attention calls (unmasked): PyTorch SDPA, or k6fast's Gluon BF16/FP16 kernel on sm_90 (SDPA "
+    "elsewhere); both within the flash-attention rule of fp32",
+)
 GEMM = Switch(
     name="K6_GEMM",
     kind="enum",
@@ -163,6 +171,7 @@ SWITCHES: tuple[Switch, ...] = (
     EXACT_ATTN_BLOCKS,
     EXACT_ATTN_STEPS,
     QUANT_ATTN_SITES,
+    EXACT_ATTN_KERNEL,
     GEMM,
     GEMM_MIN_ROWS,
     FUSED_ELEMENTWISE,

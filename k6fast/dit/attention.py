@@ -1,6 +1,9 @@
 """Attention dispatch per call site: exact SDPA (the fastest backend for the architecture, chosen once), k6fast's
 INT8/FP8 kernel, or the `sageattention` package, by block and by step.
 
+Exact calls run PyTorch SDPA, or with `K6_EXACT_ATTN_KERNEL=k6` k6fast's Gluon BF16/FP16 kernel where it runs
+(sm_90, unmasked, head_dim 64/128); both are exact by the flash-attention rule.
+
 Policy (switches): a quantized backend (`K6_ATTN=k6|sage`) covers the call sites `K6_QUANT_ATTN_SITES` names,
 except in the first and last `K6_EXACT_ATTN_BLOCKS` fused blocks and the first `K6_EXACT_ATTN_STEPS` steps, where
 errors would propagate through every later block or step. A masked call always goes exact.
@@ -63,6 +66,7 @@ class AttentionDispatch:
         self.block_quantized = False  # the policy's verdict for the block running now
         self.counts: Counter[tuple[str, str]] = Counter()  # (backend, site) → calls
         self._backends = exact_sdpa_backends(device)
+        self.exact_kernel = options.exact_attn_kernel
         self._sage = None
         if self.kind == "sage":
             try:
@@ -113,6 +117,12 @@ class AttentionDispatch:
             dt = q.dtype if q.dtype in (torch.bfloat16, torch.float16) else torch.bfloat16
             q_, k_, v_ = (t.transpose(1, 2).to(dt).contiguous() for t in (q, k, v))
             return quant_attention_op(q_, k_, v_).transpose(1, 2).to(q.dtype)
+        if mask is None and self.exact_kernel == "k6":
+            from ..kernels.flash_attention_wgmma import flash_attention_op, flash_attention_supported
+
+            if flash_attention_supported(q, k, v):
+                self._count("exact_k6", site)
+                return flash_attention_op(q, k, v)
         self._count("exact", site)
         attn_mask = None if mask is None else mask[:, None, None, :]
         from torch.nn.attention import sdpa_kernel
