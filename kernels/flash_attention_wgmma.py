@@ -27,25 +27,22 @@ import torch
 import triton
 import triton.language
 
+from .gluon_hopper import GLUON_AVAILABLE
 from .quant_attention import _on_device
 
-try:
-    from triton.experimental import gluon
-    from triton.experimental.gluon import language as gl
-    from triton.experimental.gluon.language.nvidia.hopper import (
+if GLUON_AVAILABLE:
+    from .gluon_hopper import (
+        TensorDescriptor,
         fence_async_shared,
+        gl,
+        gluon,
         mbarrier,
+        ring_barriers,
         tma,
         warpgroup_mma,
         warpgroup_mma_wait,
     )
-    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
-
     from .quant_attention_wgmma import _row_reduce
-
-    GLUON_AVAILABLE = True
-except ImportError:  # pragma: no cover
-    GLUON_AVAILABLE = False
 
 __all__ = [
     "DEFAULT_BLOCK_N",
@@ -178,12 +175,8 @@ if GLUON_AVAILABLE:
         k_ring = gl.allocate_shared_memory(k_desc.dtype, [STAGES] + k_desc.block_type.shape, k_desc.layout)
         v_ring = gl.allocate_shared_memory(v_desc.dtype, [STAGES] + v_desc.block_type.shape, v_desc.layout)
         q_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
-        ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-        empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        ready, empty = ring_barriers(STAGES, 2)  # a slot is free once both consumer warpgroups released it
         mbarrier.init(q_bar, count=1)
-        for s in gl.static_range(STAGES):
-            mbarrier.init(ready.index(s), count=1)
-            mbarrier.init(empty.index(s), count=2)  # one release per consumer warpgroup
         fence_async_shared()
 
         consumer_args = (

@@ -30,22 +30,11 @@ import torch
 import triton
 from torch import Tensor
 
+from .gluon_hopper import GLUON_AVAILABLE  # without Gluon, fp8_linear falls back to the Triton kernel
 from .tiles import grouped_tile
 
-try:  # Gluon is experimental; a Triton without it (or with a different API) falls back to the Triton kernel
-    from triton.experimental import gluon
-    from triton.experimental.gluon import language as gl
-    from triton.experimental.gluon.language.nvidia.hopper import (
-        mbarrier,
-        tma,
-        warpgroup_mma,
-        warpgroup_mma_wait,
-    )
-    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
-
-    GLUON_AVAILABLE = True
-except ImportError:  # pragma: no cover - exercised only on Tritons without Gluon
-    GLUON_AVAILABLE = False
+if GLUON_AVAILABLE:
+    from .gluon_hopper import TensorDescriptor, gl, gluon, mbarrier, tma, warpgroup_mma, warpgroup_mma_wait
 
 __all__ = ["GLUON_AVAILABLE", "WgmmaTile", "fp16acc_wgmma", "fp16acc_wgmma_supported"]
 

@@ -35,24 +35,23 @@ import torch
 import triton
 import triton.language
 
+from .gluon_hopper import GLUON_AVAILABLE
+
 # The softmax constants are the Triton kernel's (int32 + _MAGIC_I's bits = fp32 1.5·2**23 + x; log2(448)).
 from .quant_attention import _LOG2_FP8_MAX, _MAGIC_F, _MAGIC_I, Q_BLOCK, QuantizedQKV, _on_device, v_key_order
 
-try:
-    from triton.experimental import gluon
-    from triton.experimental.gluon import language as gl
-    from triton.experimental.gluon.language.nvidia.hopper import (
+if GLUON_AVAILABLE:
+    from .gluon_hopper import (
+        TensorDescriptor,
         fence_async_shared,
+        gl,
+        gluon,
         mbarrier,
+        ring_barriers,
         tma,
         warpgroup_mma,
         warpgroup_mma_wait,
     )
-    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
-
-    GLUON_AVAILABLE = True
-except ImportError:  # pragma: no cover
-    GLUON_AVAILABLE = False
 
 __all__ = ["BLOCK_M", "DEFAULT_STAGES", "GLUON_AVAILABLE", "attention_quantized_wgmma", "wgmma_attention_supported"]
 
@@ -243,13 +242,9 @@ if GLUON_AVAILABLE:
         k_ring = gl.allocate_shared_memory(k_desc.dtype, [STAGES] + k_desc.block_type.shape, k_desc.layout)
         v_ring = gl.allocate_shared_memory(v_desc.dtype, [STAGES] + v_desc.block_type.shape, v_desc.layout)
         q_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
-        ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-        empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        ready, empty = ring_barriers(STAGES, 2)  # a slot is free once both consumer warpgroups released it
         turn = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
         mbarrier.init(q_bar, count=1)
-        for s in gl.static_range(STAGES):
-            mbarrier.init(ready.index(s), count=1)
-            mbarrier.init(empty.index(s), count=2)  # one release per consumer warpgroup
         mbarrier.init(turn.index(0), count=1)
         mbarrier.init(turn.index(1), count=1)
         fence_async_shared()

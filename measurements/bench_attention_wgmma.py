@@ -16,6 +16,7 @@ import os
 import sys
 
 from bench_attention import FP8_PV_BOUND, MIN_COSINE, cosine_and_rel_l2, dit_like_inputs, sdpa
+from bench_common import attention_arg_parser
 from torch.nn.attention import SDPBackend
 from triton.testing import do_bench
 
@@ -27,12 +28,7 @@ ODD = [(218, 218), (1000, 1), (1, 1000), (300, 129), (1000, 4100), (129, 257), (
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--out", required=True)
-    ap.add_argument("--rep-ms", type=int, default=1000)
-    ap.add_argument("--head-dim", type=int, default=128)
-    ap.add_argument("--heads", type=int, default=32)
-    ap.add_argument("--skip-odd", action="store_true")
+    ap = attention_arg_parser()
     args = ap.parse_args()
     seed = int.from_bytes(os.urandom(4), "little")
     record = {"command": " ".join(sys.argv), "seed": seed, "odd": [], "w1": []}

@@ -17,6 +17,17 @@ W1_SHAPES = [(4096, 4096), (4096, 16384), (16384, 4096)]  # (K, N) of the Pro li
 QUANTILES = [0.2, 0.5, 0.8]
 
 
+def attention_arg_parser() -> argparse.ArgumentParser:
+    """The options the W1 attention benchmarks share (1×heads×50,220×head_dim, plus odd shapes unless skipped)."""
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--rep-ms", type=int, default=1000)
+    ap.add_argument("--head-dim", type=int, default=128)
+    ap.add_argument("--heads", type=int, default=32)
+    ap.add_argument("--skip-odd", action="store_true")
+    return ap
+
+
 def environment() -> dict:
     import triton
 

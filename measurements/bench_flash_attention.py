@@ -10,13 +10,13 @@ Run (GPU, sm_90):  python measurements/bench_flash_attention.py --out flash.json
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import sys
 
 import torch
 import torch.nn.functional as F
+from bench_common import attention_arg_parser
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from triton.testing import do_bench
 
@@ -63,12 +63,7 @@ def exact_bnhd(q, k, v):
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--out", required=True)
-    ap.add_argument("--rep-ms", type=int, default=1000)
-    ap.add_argument("--head-dim", type=int, default=128)
-    ap.add_argument("--heads", type=int, default=32)
-    ap.add_argument("--skip-odd", action="store_true")
+    ap = attention_arg_parser()
     ap.add_argument("--configs", default=CONFIGS)
     args = ap.parse_args()
     configs = [tuple(int(x) for x in c.split(":")) for c in args.configs.split(",")]

@@ -16,6 +16,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from k6fast.kernels import gluon_hopper
+
 INTERPRETING = os.environ.get("TRITON_INTERPRET") == "1"
 needs_interpreter = pytest.mark.skipif(
     not INTERPRETING, reason="runs under TRITON_INTERPRET=1 (the file's interpreter test spawns that run)"
@@ -24,13 +26,7 @@ spawns_interpreter = pytest.mark.skipif(INTERPRETING, reason="this test is what 
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
 
-def _gluon_available() -> bool:
-    from k6fast.kernels import fp16acc_wgmma, quant_attention_wgmma
-
-    return fp16acc_wgmma.GLUON_AVAILABLE and quant_attention_wgmma.GLUON_AVAILABLE
-
-
-GLUON = _gluon_available()
+GLUON = gluon_hopper.GLUON_AVAILABLE
 needs_gluon = pytest.mark.skipif(not GLUON, reason="this Triton has no Gluon")
 needs_sm90_gluon = pytest.mark.skipif(
     not (GLUON and torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)),
