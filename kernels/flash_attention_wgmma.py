@@ -3,12 +3,12 @@
 Why: on an H200 cuDNN's SDPA is the fastest exact attention PyTorch offers (585 TFLOP/s at W1, k6-facts.md), and
 attention is ~64 % of a Pro block's device time on the exact path. At 16-bit the MMAs per key tile take twice the
 FP8 core's time while the softmax costs the same, so a warpgroup's softmax hides behind MMAs (its own P·V and the
-other warpgroup's): ~620 TFLOP/s against cuDNN's ~557 at W1 on an H200; the K/V ring's depth is what bounds it.
+other warpgroup's): 632 TFLOP/s against cuDNN's 562 at W1 on an H200 (1.125x); the K/V ring's depth bounds it.
 
   CTA: 128 query rows = two consumer warpgroups of 64 that run free of each other, and a one-warp TMA producer that
   loads Q once and K and V tiles ([BLOCK_N, D] each, straight from the [B, N, H, D] projections: no copies, no
   transposes; wgmma reads V's tile N-major) into a STAGES-deep ring (3 at 128 keys: 2 left the tensor cores waiting
-  for loads, 0.86x cuDNN against 1.11x at W1 on an H200, measurements/sessions/2026-11-29_exact-attention).
+  for loads, 0.87x cuDNN against 1.13x at W1 on an H200, measurements/sessions/2026-11-29_exact-attention).
   warpgroup, iteration t:  issue S_{t+1} = Q·K_{t+1}ᵀ and acc += P_t·V_t; wait for S_{t+1} only; its softmax (fp32,
                            exp2 with the scale folded in) runs while P_t·V_t is in flight -> P_{t+1} in bf16/fp16
                            registers (the score accumulator's layout is the A operand's at 16 bits: no data moves);
@@ -213,9 +213,11 @@ def flash_attention_supported(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor)
 
 
 def _rows_view(x: torch.Tensor) -> tuple[torch.Tensor, int, int, int]:
-    """x [B, N, H, D] -> (a 2-D view TMA can tile, rows per sequence, rows per head per token, columns per head):
-    the projections' own layout (rows = tokens, columns = H·D, any row stride) or, contiguous head-major ([B, H, N, D]
-    transposed), rows = heads·tokens. Anything else is copied to the first."""
+    """x [B, N, H, D] -> (a 2-D view TMA can tile, rows per batch element, ROWS_H, COL_H): head h of token t of
+    batch element b is row b·rows + h·ROWS_H·N + t, columns h·COL_H onwards. Two layouts are taken as they are: the
+    projections' own (rows = tokens, columns = H·D, any aligned row stride: ROWS_H 0, COL_H D) and contiguous
+    head-major ([B, H, N, D] transposed; rows = heads·tokens: ROWS_H 1, COL_H 0). Anything else is copied to the
+    first."""
     bsz, n, h, d = x.shape
     sb, sn, sh, sd = x.stride()
     aligned = x.data_ptr() % 16 == 0
@@ -250,9 +252,9 @@ def flash_attention(
         raise ValueError(f"flash_attention: expected block_n 64 or 128 and stages >= 2, found {block_n}, {stages}")
     bsz, m, h, d = q.shape
     n = k.shape[1]
-    out = torch.empty((bsz, m, h, d), dtype=q.dtype, device=q.device)
     if n == 0:
         raise ValueError("flash_attention: expected at least one key, found k and v with 0 tokens")
+    out = torch.empty((bsz, m, h, d), dtype=q.dtype, device=q.device)
     if m == 0 or bsz * h == 0:
         return out
     scale = 1.0 / math.sqrt(d) if sm_scale is None else float(sm_scale)

@@ -2,8 +2,9 @@
 
 CPU: the kernel compiles for sm_90a with the installed Triton (catches Gluon API drift) into register-reallocated
 partitions with 16-bit wgmmas, P·V kept in flight over the next softmax (`wait_group 1`), shared memory within an
-H100/H200 block's 227 KiB, and ptxas neither serializing the wgmmas nor spilling; inputs it cannot run are refused
-with what it expected; with the switch on, a CPU run still goes to SDPA. GPU (`-m gpu`, sm_90): the flash-attention
+H100/H200 block's 227 KiB, and ptxas neither serializing the wgmmas nor spilling; the 2-D views the TMA loads tile
+address every head and token of each layout; inputs it cannot run are refused with what it expected; with the switch
+on, a CPU run still goes to SDPA. GPU (`-m gpu`, sm_90): the flash-attention
 rule against FP32 attention (no worse than twice SDPA's error) at ragged shapes, in every layout the kernel takes,
 both head dims, both dtypes, both key tiles; the op under torch.compile; the dispatch routing unmasked calls to it.
 """
@@ -60,6 +61,25 @@ def test_rejects_inputs_it_cannot_run():
     assert not fa.flash_attention_supported(q, q, q)
     with pytest.raises(ValueError, match="expected an sm_90 GPU with Gluon and \\[B, N, H, D\\] bf16/fp16"):
         fa.flash_attention(q, q, q)
+
+
+@pytest.mark.parametrize("layout", ["token_major", "head_major", "fused_qkv", "odd_strides"])
+def test_rows_view_addresses_every_head_and_token(layout):
+    """The producer's coordinates: x[b, t, h] is row b·rows + h·ROWS_H·N + t of the 2-D view, from column h·COL_H."""
+    b, n, h, d = 2, 5, 3, 64
+    x = torch.randn(b, n, h, d)
+    if layout == "head_major":
+        x = x.transpose(1, 2).contiguous().transpose(1, 2)
+    elif layout == "fused_qkv":
+        x = torch.randn(b, n, 3, h, d)[:, :, 1]
+    elif layout == "odd_strides":  # channels not contiguous: copied to the projections' layout
+        x = torch.randn(b, n, d, h).permute(0, 1, 3, 2)
+    view, rows, rows_h, col_h = fa._rows_view(x)
+    assert view.stride(1) == 1 and view.stride(0) % 8 == 0  # TMA: unit inner stride, 16-byte rows
+    for bi in range(b):
+        for hi in range(h):
+            r0 = bi * rows + hi * rows_h * n
+            torch.testing.assert_close(view[r0 : r0 + n, hi * col_h : hi * col_h + d], x[bi, :, hi], rtol=0, atol=0)
 
 
 def test_switch_on_cpu_still_runs_sdpa():
