@@ -137,6 +137,15 @@ GEMM_MIN_ROWS = Switch(
     doc="with K6_GEMM other than bf16: layers with fewer rows than this stay bf16",
     min=1,
 )
+FP8_OUTLIER_CHANNELS = Switch(
+    name="K6_FP8_OUTLIER_CHANNELS",
+    kind="enum",
+    default="16",
+    choices=("0", "16", "32"),
+    doc="with K6_GEMM=fp8 on bf16 weights: the input channels (largest activations, chosen per call) whose weight "
+    "rounding extra GEMM columns correct; 0 = off",
+    lossy=True,
+)
 FUSED_ELEMENTWISE = Switch(
     name="K6_FUSED_ELEMENTWISE",
     kind="bool",
@@ -174,6 +183,7 @@ SWITCHES: tuple[Switch, ...] = (
     EXACT_ATTN_KERNEL,
     GEMM,
     GEMM_MIN_ROWS,
+    FP8_OUTLIER_CHANNELS,
     FUSED_ELEMENTWISE,
     COMPILE,
     AUDIO_NORM,

@@ -131,6 +131,7 @@ class LinearDispatch:
             raise ValueError("K6_GEMM=auto must be resolved for a device first (k6fast.dit.arch.resolve_auto)")
         self.kind = options.gemm
         self.min_rows = options.gemm_min_rows
+        self.outlier_channels = int(options.fp8_outlier_channels)
         # backend → calls: bf16 / fp16acc / fp8, and fp8-dequantized / nvfp4-dequantized for stored weights
         # multiplied by F.linear.
         self.counts: Counter[str] = Counter()
@@ -155,13 +156,18 @@ class LinearDispatch:
         if counting:
             self.counts[self.kind] += 1
         if self.kind == "fp8":
-            from ..kernels.fp8_linear import quantize_weight_fp8
+            from ..kernels.fp8_linear import outlier_columns, quantize_rows_fp8, quantize_weight_fp8
 
             # Weights are quantized at use: streamed blocks arrive in reused slots, so a cache keyed by tensor would
             # go stale. The pass reads each weight once per call (estimated ≈ 0.4 ms per Pro block at H200
             # bandwidth, against ≈ 120 ms of compute; included in the fp8 block time recorded in
             # measurements/sessions/2026-11-29_kernels). A checkpoint from `k6fast quantize --format fp8` removes it.
-            return _fp8(x, *quantize_weight_fp8(weight), bias)
+            # With the bf16 weight at hand, its rounding at this call's outlier channels is corrected by extra GEMM
+            # columns (kernels/fp8_linear.py, `outlier_columns`).
+            flat = x.reshape(-1, x.shape[-1]).contiguous()
+            cols = outlier_columns(flat, self.outlier_channels)
+            wq, w_scale = quantize_weight_fp8(weight, residual_cols=cols)
+            return _fp8(x, wq, w_scale, bias, quantize_rows_fp8(flat, cols))
         from ..kernels.fp8_linear import fp16acc_linear
 
         flat = x.reshape(-1, x.shape[-1]).contiguous()
@@ -176,11 +182,14 @@ class LinearDispatch:
         return _fp8(x, weight.qdata, weight.scale, bias)
 
 
-def _fp8(x: Tensor, wq: Tensor, w_scale: Tensor, bias: Tensor | None) -> Tensor:
-    """x [..., K] through the row-wise fp8 GEMM with an e4m3 weight [N, K] and its per-channel scale."""
+def _fp8(
+    x: Tensor, wq: Tensor, w_scale: Tensor, bias: Tensor | None, xq: tuple[Tensor, Tensor] | None = None
+) -> Tensor:
+    """x [..., K] through the row-wise fp8 GEMM with an e4m3 weight [N, K'] and its per-channel scale; xq: x already
+    quantized ([rows, K'] e4m3 and its row scales; K' > K with outlier columns), else quantized here."""
     from ..kernels.fp8_linear import fp8_linear
 
-    flat = x.reshape(-1, x.shape[-1]).contiguous()
+    flat = x.reshape(-1, x.shape[-1]).contiguous() if xq is None else xq
     # Hopper's fast accumulation (fewer promotions of the wgmma accumulator to fp32): this layer, row quantization
     # included, runs at 1.64-1.73x cuBLAS bf16 instead of 1.58-1.64x at the W1 shapes, for 0.2-0.4 % relative L2
     # against the exact quantized product (measurements/sessions/2026-11-29_h200-followup/gemm.json), small beside
