@@ -116,16 +116,17 @@ def quantize_rows_fp8_ref(x: Tensor, extra_cols: Tensor | None = None, residual:
     tensor / tensor on purpose: PyTorch turns `448.0 / t` into reciprocal(t) · 448 and, on CUDA, `t / 448.0` into
     t · (1 / 448), each one rounding more than an IEEE division.
 
-    extra_cols (int [C], or None for C = 0) appends the columns x[..., extra_cols] on the same scale: their e4m3
-    values again, or with `residual` what e4m3 rounding left of them (x·448/absmax − its e4m3 value, itself in e4m3).
-    See `outlier_columns` for what the two are for.
+    extra_cols (int [C], or None for C = 0) appends the columns x[..., extra_cols] on the same scale (index -1: a
+    zero column): their e4m3 values again, or with `residual` what e4m3 rounding left of them (x·448/absmax − its
+    e4m3 value, itself in e4m3). See `outlier_columns` for what the two are for.
     """
     xf = x.float()
     amax = xf.abs().amax(dim=-1, keepdim=True).clamp_min(AMAX_FLOOR)
     e4m3_max = torch.full_like(amax, E4M3_MAX)
     xq = (xf * (e4m3_max / amax)).clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn)
     if extra_cols is not None:
-        scaled = (xf[..., extra_cols.long()] * (e4m3_max / amax)).clamp(-E4M3_MAX, E4M3_MAX)
+        picked = xf[..., extra_cols.clamp_min(0).long()] * (extra_cols >= 0)  # -1: a zero column (padding)
+        scaled = (picked * (e4m3_max / amax)).clamp(-E4M3_MAX, E4M3_MAX)
         extra = scaled.to(torch.float8_e4m3fn)
         if residual:
             extra = (scaled - extra.float()).to(torch.float8_e4m3fn)
@@ -151,8 +152,10 @@ def e4m3_quantize(x, inv_scale):
 def _extra_columns(x_rows, q_rows, cols_ptr, inv, row_ok, K, C: tl.constexpr, RESIDUAL: tl.constexpr):
     # The C appended columns (quantize_rows_fp8_ref's extra_cols): x at cols_ptr's channels on the row's scale, as
     # e4m3 again or, with RESIDUAL, what e4m3 rounding left of them.
+    idx = tl.load(cols_ptr + tl.arange(0, C))
     j = tl.arange(0, C)
-    v = tl.load(x_rows + tl.load(cols_ptr + j)[None, :], mask=row_ok[:, None], other=0.0).to(tl.float32)
+    v = tl.load(x_rows + tl.maximum(idx, 0)[None, :], mask=row_ok[:, None] & (idx >= 0)[None, :], other=0.0)
+    v = v.to(tl.float32)  # padding columns (index -1) are zeros and load nothing
     scaled = tl.clamp(v * inv[:, None], -448.0, 448.0)
     extra = scaled.to(tl.float8e4nv)
     if RESIDUAL:
@@ -165,7 +168,7 @@ def _quantize_rows_fp8_kernel(
     x_ptr,  # [n_rows, K] bf16/fp16/fp32, row stride stride_x, unit column stride
     q_ptr,  # [n_rows, K + C] e4m3, contiguous
     scale_ptr,  # [n_rows] fp32
-    cols_ptr,  # [C] int32: the channels appended after K (any pointer when C == 0)
+    cols_ptr,  # [C] int32: the channels appended after K, -1 for a zero column (any pointer when C == 0)
     n_rows,
     K,
     stride_x,
@@ -263,9 +266,9 @@ def _check_extra_cols(extra_cols: Tensor | None, device: torch.device) -> None:
     if extra_cols is None:
         return
     ok = extra_cols.dtype == torch.int32 and extra_cols.ndim == 1 and extra_cols.device == device
-    if not ok or extra_cols.numel() not in OUTLIER_COUNTS[1:]:
+    if not ok or extra_cols.numel() != OUTLIER_WIDTH:
         raise ValueError(
-            f"extra_cols: expected int32 [C] with C in {OUTLIER_COUNTS[1:]} on {device}, found {extra_cols.dtype} "
+            f"extra_cols: expected int32 [{OUTLIER_WIDTH}] on {device}, found {extra_cols.dtype} "
             f"{tuple(extra_cols.shape)} on {extra_cols.device}"
         )
 
@@ -300,24 +303,27 @@ def quantize_weight_fp8(w: Tensor, residual_cols: Tensor | None = None) -> tuple
 # ~3.5 % on the product. In a DiT a few input channels carry most of the activations' energy (outlier channels), so
 # most of the weight rounding's contribution to the output comes from those channels' weight columns. Appending C
 # columns to both operands, x's values at the C largest channels and what e4m3 rounding left of w's columns there
-# (in e4m3 on the same scales), adds that remainder back: a K + C wide FP8 GEMM (C = 16: 0.4 % more at K = 4096)
-# for 2.75 % instead of 3.49 % relative L2 on DiT-like inputs (8 channels at 30x, CPU emulation; nothing gained on
-# inputs without outlier channels). The channels are chosen per call from every 64th row's absmax.
+# (in e4m3 on the same scales), adds that remainder back, for 2.74 % instead of 3.48 % relative L2 on DiT-like
+# inputs (CPU; nothing gained on inputs without outlier channels). The channels are chosen per call from every 64th
+# row's absmax. The appended block is 128 wide (zero columns after the C chosen): K + 16 took cuBLAS's FP8 GEMM off
+# its fast path on an H200 (1.37-1.53x cuBLAS BF16 against 1.67-1.71x, measurements/sessions/2026-11-29_fp8-outliers).
 # ---------------------------------------------------------------------------------------------------------------
 
-OUTLIER_COUNTS = (0, 16, 32)  # C: 0 (off) or a power of two that keeps K + C a multiple of 16
+OUTLIER_COUNTS = (0, 16, 32, 64)  # C: how many channels get corrected (0: off)
+OUTLIER_WIDTH = 128  # columns appended when C > 0: C chosen, the rest zeros, so K stays a multiple of 128
 _OUTLIER_ROW_STRIDE = 64  # rows sampled for the channel absmax: outlier channels are outliers on every token
 
 
 def outlier_columns(x: Tensor, count: int) -> Tensor | None:
-    """The `count` input channels of x [..., K] with the largest absmax over every 64th row (int32 [count]), or None
-    when count is 0."""
+    """The `count` input channels of x [..., K] with the largest absmax over every 64th row, then -1s (zero columns):
+    int32 [OUTLIER_WIDTH]; None when count is 0."""
     if count not in OUTLIER_COUNTS:
         raise ValueError(f"outlier_columns: expected count in {OUTLIER_COUNTS}, found {count}")
     if count == 0:
         return None
     flat = x.reshape(-1, x.shape[-1])
-    return flat[::_OUTLIER_ROW_STRIDE].abs().amax(dim=0).topk(count).indices.to(torch.int32)
+    top = flat[::_OUTLIER_ROW_STRIDE].abs().amax(dim=0).topk(min(count, flat.shape[-1])).indices.to(torch.int32)
+    return torch.cat([top, top.new_full((OUTLIER_WIDTH - top.numel(),), -1)])
 
 
 # ---------------------------------------------------------------------------------------------------------------

@@ -6,8 +6,8 @@ Variants per shape, each checked for correctness before it is timed:
   cublas_fp16         F.linear on fp16 copies (fp32 accumulation): the ceiling for fp16 operands
   fp8                 fp8_linear(x, wq, w_scale, fast_accum=True): Triton row quantization of x + torch._scaled_mm
                       with fast accumulation, what a layer of the fp8 arm costs (k6fast/dit/linear.py)
-  fp8_outlier16       fp8 with 16 outlier columns (kernels/fp8_linear.py `outlier_columns`), what a layer of the fp8
-                      arm costs on bf16 weights: channel choice + row quantization with the extra columns + a K+16
+  fp8_outlier32       fp8 with 32 outlier columns (kernels/fp8_linear.py `outlier_columns`), what a layer of the fp8
+                      arm costs on bf16 weights: channel choice + row quantization with the extra columns + a K+128
                       GEMM (the weight's residual columns are built outside the timing, as the weight itself is)
   fp8_exact_accum     the same with fp32-promoted accumulation (use_fast_accum=False)
   fp8_gemm            torch._scaled_mm alone on pre-quantized x: the FP8 ceiling
@@ -66,12 +66,12 @@ def bench_shape(m: int, k: int, n: int, rep_ms: int) -> list[dict]:
     exact_quantized = fp8_linear_ref((xq[rows], xs[rows]), wq, ws, out_dtype=torch.float32)
     exact_fp16 = fp16acc_linear_ref(x[rows], w16, out_dtype=torch.float32)
     err_cublas = rel_l2(F.linear(x[rows], w), exact)
-    cols = outlier_columns(x, 16)
+    cols = outlier_columns(x, 32)
     wq16, ws16 = quantize_weight_fp8(w, residual_cols=cols)
     exact_quantized16 = fp8_linear_ref(quantize_rows_fp8(x[rows], cols), wq16, ws16, out_dtype=torch.float32)
 
-    def fp8_outlier16():
-        return fp8_linear(quantize_rows_fp8(x, outlier_columns(x, 16)), wq16, ws16, fast_accum=True)
+    def fp8_outlier32():
+        return fp8_linear(quantize_rows_fp8(x, outlier_columns(x, 32)), wq16, ws16, fast_accum=True)
 
     def scaled_mm(fast_accum: bool):
         return lambda: torch._scaled_mm(
@@ -82,7 +82,7 @@ def bench_shape(m: int, k: int, n: int, rep_ms: int) -> list[dict]:
         "cublas_bf16": (lambda: F.linear(x, w), lambda y: (rel_l2(y[rows], exact), 2 * err_cublas + 1e-6)),
         "cublas_fp16": (lambda: F.linear(x16, w16), lambda y: (rel_l2(y[rows], exact), 2 * err_cublas + 1e-6)),
         "fp8": (lambda: fp8_linear(x, wq, ws, fast_accum=True), lambda y: (rel_l2(y[rows], exact_quantized), 2e-2)),
-        "fp8_outlier16": (fp8_outlier16, lambda y: (rel_l2(y[rows], exact_quantized16), 2e-2)),
+        "fp8_outlier32": (fp8_outlier32, lambda y: (rel_l2(y[rows], exact_quantized16), 2e-2)),
         "fp8_exact_accum": (lambda: fp8_linear(x, wq, ws), lambda y: (rel_l2(y[rows], exact_quantized), 5e-3)),
         "fp8_gemm": (scaled_mm(False), lambda y: (rel_l2(y[rows], exact_quantized), 5e-3)),
         "fp8_gemm_fast_accum": (scaled_mm(True), lambda y: (rel_l2(y[rows], exact_quantized), 2e-2)),
@@ -112,7 +112,7 @@ def bench_shape(m: int, k: int, n: int, rep_ms: int) -> list[dict]:
             q_ref, s_ref = quantize_rows_fp8_ref(x[rows])
             ok = torch.equal(q[rows].view(torch.uint8), q_ref.view(torch.uint8)) and torch.equal(s[rows], s_ref)
             row |= {"ok": ok}
-        if name in ("fp8", "fp8_outlier16"):
+        if name in ("fp8", "fp8_outlier32"):
             row["rel_l2_vs_bf16"] = rel_l2(fn()[rows], exact)
             row["ok"] = row["ok"] and row["rel_l2_vs_bf16"] <= FP8_REL_L2_LIMIT
         if not row["ok"]:

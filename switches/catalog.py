@@ -140,8 +140,8 @@ GEMM_MIN_ROWS = Switch(
 FP8_OUTLIER_CHANNELS = Switch(
     name="K6_FP8_OUTLIER_CHANNELS",
     kind="enum",
-    default="16",
-    choices=("0", "16", "32"),
+    default="32",
+    choices=("0", "16", "32", "64"),
     doc="with K6_GEMM=fp8 on bf16 weights: the input channels (largest activations, chosen per call) whose weight "
     "rounding extra GEMM columns correct; 0 = off",
     lossy=True,
