@@ -305,8 +305,11 @@ def quantize_weight_fp8(w: Tensor, residual_cols: Tensor | None = None) -> tuple
 # columns to both operands, x's values at the C largest channels and what e4m3 rounding left of w's columns there
 # (in e4m3 on the same scales), adds that remainder back, for 2.74 % instead of 3.48 % relative L2 on DiT-like
 # inputs (CPU; nothing gained on inputs without outlier channels). The channels are chosen per call from every 64th
-# row's absmax. The appended block is 128 wide (zero columns after the C chosen): K + 16 took cuBLAS's FP8 GEMM off
-# its fast path on an H200 (1.37-1.53x cuBLAS BF16 against 1.67-1.71x, measurements/sessions/2026-11-29_fp8-outliers).
+# row's absmax. Measured on an H200 with a 16-wide block (measurements/sessions/2026-11-29_fp8-outliers): 2.8 % at
+# K = 4096 (3.3 % at K = 16384, where the DiT-like input has 32 outlier channels), but 1.37-1.53x cuBLAS BF16
+# against 1.67-1.71x without: K + 16 took cuBLAS's FP8 GEMM off its fast path (+22 % at K = 16384, the time of its
+# fp32-promoted variant). Hence the 128-wide block (zero columns after the C chosen), which keeps K a multiple of 128;
+# its speed is not measured yet, so K6_FP8_OUTLIER_CHANNELS is off by default.
 # ---------------------------------------------------------------------------------------------------------------
 
 OUTLIER_COUNTS = (0, 16, 32, 64)  # C: how many channels get corrected (0: off)

@@ -140,10 +140,10 @@ GEMM_MIN_ROWS = Switch(
 FP8_OUTLIER_CHANNELS = Switch(
     name="K6_FP8_OUTLIER_CHANNELS",
     kind="enum",
-    default="32",
+    default="0",
     choices=("0", "16", "32", "64"),
     doc="with K6_GEMM=fp8 on bf16 weights: the input channels (largest activations, chosen per call) whose weight "
-    "rounding extra GEMM columns correct; 0 = off",
+    "rounding 128 extra GEMM columns correct (2.7 % vs 3.5 % rel. L2 on DiT-like inputs; speed unmeasured); 0 = off",
     lossy=True,
 )
 FUSED_ELEMENTWISE = Switch(
