@@ -38,11 +38,11 @@ if GLUON_AVAILABLE:
         gluon,
         mbarrier,
         ring_barriers,
+        row_reduce,
         tma,
         warpgroup_mma,
         warpgroup_mma_wait,
     )
-    from .quant_attention_wgmma import _row_reduce
 
 __all__ = [
     "DEFAULT_BLOCK_N",
@@ -68,11 +68,11 @@ if GLUON_AVAILABLE:
         if MASK:
             cols = t * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
             s = gl.where((cols < N)[None, :], s, float("-inf"))
-        s_max = gl.convert_layout(_row_reduce(s, True), m_i.type.layout, assert_trivial=True)
+        s_max = row_reduce(s, True, m_i)
         m_new = gl.maximum(m_i, s_max * qk_scale)
         alpha = gl.exp2(m_i - m_new)
         p = gl.exp2(s * qk_scale - m_new[:, None])
-        l_i = l_i * alpha + gl.convert_layout(_row_reduce(p, False), l_i.type.layout, assert_trivial=True)
+        l_i = l_i * alpha + row_reduce(p, False, l_i)
         return p, m_new, l_i, alpha
 
     @gluon.jit

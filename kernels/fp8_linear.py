@@ -2,7 +2,9 @@
 
 What it holds:
 - `quantize_rows_fp8(x)`: one Triton pass per row: absmax, scale = absmax / 448, x · (448 / absmax) rounded to e4m3.
-- `quantize_weight_fp8(w)`: the same per output channel, run once when weights are loaded.
+- `quantize_weight_fp8(w)`: the same per output channel, at load or (streamed bf16 weights) at use.
+- `outlier_columns(x, C)`: opt-in extra GEMM columns that correct the weight's e4m3 rounding at the activations'
+  largest channels (the section below says what it buys and what it costs).
 - `fp8_linear(x, wq, w_scale, bias)`: quantize the activation rows, then `torch._scaled_mm` with row-wise scales
   (CUTLASS kernels in PyTorch). Lossy: e4m3 keeps 3 mantissa bits, so each operand carries about 2.5% RMS
   relative rounding error and a product of incoherent sums about 3.5% (CPU measurement, Gaussian data with
@@ -152,8 +154,8 @@ def e4m3_quantize(x, inv_scale):
 def _extra_columns(x_rows, q_rows, cols_ptr, inv, row_ok, K, C: tl.constexpr, RESIDUAL: tl.constexpr):
     # The C appended columns (quantize_rows_fp8_ref's extra_cols): x at cols_ptr's channels on the row's scale, as
     # e4m3 again or, with RESIDUAL, what e4m3 rounding left of them.
-    idx = tl.load(cols_ptr + tl.arange(0, C))
     j = tl.arange(0, C)
+    idx = tl.load(cols_ptr + j)
     v = tl.load(x_rows + tl.maximum(idx, 0)[None, :], mask=row_ok[:, None] & (idx >= 0)[None, :], other=0.0)
     v = v.to(tl.float32)  # padding columns (index -1) are zeros and load nothing
     scaled = tl.clamp(v * inv[:, None], -448.0, 448.0)

@@ -30,6 +30,7 @@ __all__ = [
     "gluon",
     "mbarrier",
     "ring_barriers",
+    "row_reduce",
     "tma",
     "warpgroup_mma",
     "warpgroup_mma_wait",
@@ -49,3 +50,21 @@ if GLUON_AVAILABLE:
             mbarrier.init(ready.index(s), count=1)
             mbarrier.init(empty.index(s), count=CONSUMERS)
         return ready, empty
+
+    @gluon.jit
+    def _reduce(x, axis: gl.constexpr, IS_MAX: gl.constexpr):
+        return gl.max(x, axis) if IS_MAX else gl.sum(x, axis)
+
+    @gluon.jit
+    def row_reduce(x, IS_MAX: gl.constexpr, like):
+        """Row max or sum of a wgmma accumulator tile [rows, C] (C <= 128) as a tree, in the layout of `like` (the
+        caller's running row statistic; the conversion is checked to move nothing).
+
+        A thread's 2·C/8 values per row are folded in log2 steps, then the 4 lanes of the row. Under Triton 3.6
+        `gl.max`/`gl.sum` alone fold a thread's values one after another, a chain of C/4 dependent instructions on the
+        softmax's critical path (the quantized attention core ran 5-7 % slower with it on an H200,
+        measurements/sessions/2026-11-29_attention-tree); Triton 3.8 builds the same tree itself."""
+        for _ in gl.static_range(4):  # C <= 128: at most four halvings reach 8 columns
+            if x.shape[1] > 8:  # column c with c + C/2, both in one thread while C > 8
+                x = _reduce(gl.reshape(x, [x.shape[0], 2, x.shape[1] // 2]), 1, IS_MAX)
+        return gl.convert_layout(_reduce(x, 1, IS_MAX), like.type.layout, assert_trivial=True)

@@ -369,7 +369,7 @@ def _gluon_core_runs(device: torch.device, head_dim: int) -> bool:
         return False
     if head_dim not in _GLUON_CORE_HEAD_DIMS.get(torch.cuda.get_device_capability(device), ()):
         return False
-    from .quant_attention_wgmma import GLUON_AVAILABLE
+    from .gluon_hopper import GLUON_AVAILABLE
 
     return GLUON_AVAILABLE
 

@@ -25,7 +25,7 @@ What bounds it (ablations on an H200, measurements/sessions/2026-11-29_attention
 chain from its MMAs' wait through the softmax to the next issue. Without the softmax the core runs in 40.6 ms at W1
 (26.2 ms without K/V loads too) against 50.2 ms with it; dropping the fold saved 4.4 ms, MUFU exp2 7.6 ms; moving a
 half or a quarter of the exp2s to the FMA pipe, staggering the warpgroups, ping-pong, issuing Q·Kᵀ before the exp2s
-and unrolling two tiles did not help. Row max and sum as trees (`_row_reduce`) shortened the chain by 5-7 %.
+and unrolling two tiles did not help. Row max and sum as trees (`gluon_hopper.row_reduce`) shortened the chain by 5-7 %.
 Earlier measurements: measurements/sessions/2026-11-29_attention-gluon-core.
 """
 
@@ -48,6 +48,7 @@ if GLUON_AVAILABLE:
         gluon,
         mbarrier,
         ring_barriers,
+        row_reduce,
         tma,
         warpgroup_mma,
         warpgroup_mma_wait,
@@ -64,21 +65,6 @@ _WG_ROWS = triton.language.constexpr(WG_ROWS)
 if GLUON_AVAILABLE:
 
     @gluon.jit
-    def _reduce(x, axis: gl.constexpr, IS_MAX: gl.constexpr):
-        return gl.max(x, axis) if IS_MAX else gl.sum(x, axis)
-
-    @gluon.jit
-    def _row_reduce(x, IS_MAX: gl.constexpr):
-        # Row max or sum of a score tile as a tree: a thread's 2·C/8 values per row in log2 steps, then the 4 lanes of
-        # the row. Under Triton 3.6 `gl.max`/`gl.sum` alone fold a thread's values one after another, a chain of C/4
-        # dependent instructions on the softmax's critical path (the core ran 5-7 % slower with it on an H200);
-        # Triton 3.8 builds the same tree itself.
-        for _ in gl.static_range(4):  # C <= 128: at most four halvings reach 8 columns
-            if x.shape[1] > 8:  # column c with c + C/2, both in one thread while C > 8
-                x = _reduce(gl.reshape(x, [x.shape[0], 2, x.shape[1] // 2]), 1, IS_MAX)
-        return _reduce(x, 1, IS_MAX)
-
-    @gluon.jit
     def _probs(s, m_i, l_i, sc, t, N, BLOCK_N: gl.constexpr, MASK: gl.constexpr, s_layout: gl.constexpr):
         # Online softmax of one tile, as quant_attention._tile_probs (P scaled to e4m3's range). The row max is taken
         # on the int32 scores (exact, like the float max of the magic-number floats), so the 64 magic adds run beside
@@ -91,14 +77,14 @@ if GLUON_AVAILABLE:
             # differently and the core ran 3 % slower on an H200 (measurements/sessions/2026-11-29_attention-tree).
             f = gl.where(valid, f, 0.0)
             s = gl.where(valid, s, -2147483647)  # below every valid score
-        s_max = gl.convert_layout(_row_reduce(s, True), m_i.type.layout, assert_trivial=True)
+        s_max = row_reduce(s, True, m_i)
         m_new = gl.maximum(m_i, s_max.to(gl.float32) * sc)
         alpha = gl.exp2(m_i - m_new)
         bias = m_new + _MAGIC_F * sc - _LOG2_FP8_MAX
         p = gl.exp2(f * sc - bias[:, None])
         if MASK:
             p = gl.where(valid, p, 0.0)
-        l_i = l_i * alpha + gl.convert_layout(_row_reduce(p, False), l_i.type.layout, assert_trivial=True)
+        l_i = l_i * alpha + row_reduce(p, False, l_i)
         return p, m_new, l_i, alpha
 
     @gluon.jit

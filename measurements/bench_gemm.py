@@ -67,11 +67,11 @@ def bench_shape(m: int, k: int, n: int, rep_ms: int) -> list[dict]:
     exact_fp16 = fp16acc_linear_ref(x[rows], w16, out_dtype=torch.float32)
     err_cublas = rel_l2(F.linear(x[rows], w), exact)
     cols = outlier_columns(x, 32)
-    wq16, ws16 = quantize_weight_fp8(w, residual_cols=cols)
-    exact_quantized16 = fp8_linear_ref(quantize_rows_fp8(x[rows], cols), wq16, ws16, out_dtype=torch.float32)
+    wq_out, ws_out = quantize_weight_fp8(w, residual_cols=cols)
+    exact_quantized_out = fp8_linear_ref(quantize_rows_fp8(x[rows], cols), wq_out, ws_out, out_dtype=torch.float32)
 
     def fp8_outlier32():
-        return fp8_linear(quantize_rows_fp8(x, outlier_columns(x, 32)), wq16, ws16, fast_accum=True)
+        return fp8_linear(quantize_rows_fp8(x, outlier_columns(x, 32)), wq_out, ws_out, fast_accum=True)
 
     def scaled_mm(fast_accum: bool):
         return lambda: torch._scaled_mm(
@@ -82,7 +82,7 @@ def bench_shape(m: int, k: int, n: int, rep_ms: int) -> list[dict]:
         "cublas_bf16": (lambda: F.linear(x, w), lambda y: (rel_l2(y[rows], exact), 2 * err_cublas + 1e-6)),
         "cublas_fp16": (lambda: F.linear(x16, w16), lambda y: (rel_l2(y[rows], exact), 2 * err_cublas + 1e-6)),
         "fp8": (lambda: fp8_linear(x, wq, ws, fast_accum=True), lambda y: (rel_l2(y[rows], exact_quantized), 2e-2)),
-        "fp8_outlier32": (fp8_outlier32, lambda y: (rel_l2(y[rows], exact_quantized16), 2e-2)),
+        "fp8_outlier32": (fp8_outlier32, lambda y: (rel_l2(y[rows], exact_quantized_out), 2e-2)),
         "fp8_exact_accum": (lambda: fp8_linear(x, wq, ws), lambda y: (rel_l2(y[rows], exact_quantized), 5e-3)),
         "fp8_gemm": (scaled_mm(False), lambda y: (rel_l2(y[rows], exact_quantized), 5e-3)),
         "fp8_gemm_fast_accum": (scaled_mm(True), lambda y: (rel_l2(y[rows], exact_quantized), 2e-2)),

@@ -54,9 +54,9 @@ def test_compiles_for_sm90_without_spills(tmp_path: Path, block_n, head_dim):
     mmas = [line for line in ptx.splitlines() if "wgmma.mma_async" in line]
     assert any(".s32.s8.s8" in line for line in mmas) and any(".e4m3.e4m3" in line for line in mmas), mmas[:4]
     assert_ptxas_sm90a_clean(ptx, tmp_path)
-    # The softmax's row max and sum are trees (`_row_reduce`), 7 deep at 128 keys. Under Triton 3.6 (the GPU machine's)
-    # `gl.max`/`gl.sum` alone compile to one dependent chain of block_n / 4 + 1 instructions per row (33 at 128 keys)
-    # on the softmax's critical path; Triton 3.8 builds trees itself.
+    # The softmax's row max and sum are trees (`gluon_hopper.row_reduce`), 7 deep at 128 keys. Under Triton 3.6 (the
+    # GPU machine's) `gl.max`/`gl.sum` alone compile to one dependent chain of block_n / 4 + 1 instructions per row
+    # (33 at 128 keys) on the softmax's critical path; Triton 3.8 builds trees itself.
     loop = sass_loop_body(tmp_path / "k.cubin", "QGMMA")
     assert longest_dependent_chain(loop, {"FMNMX", "IMNMX", "VIMNMX", "VIMNMX3"}) <= 8
     assert longest_dependent_chain(loop, {"FADD"}) <= 8
