@@ -127,7 +127,8 @@ def quantize_rows_fp8_ref(x: Tensor, extra_cols: Tensor | None = None, residual:
     e4m3_max = torch.full_like(amax, E4M3_MAX)
     xq = (xf * (e4m3_max / amax)).clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn)
     if extra_cols is not None:
-        picked = xf[..., extra_cols.clamp_min(0).long()] * (extra_cols >= 0)  # -1: a zero column (padding)
+        picked = xf[..., extra_cols.clamp_min(0).long()]
+        picked = torch.where(extra_cols >= 0, picked, 0.0)  # -1: a +0 column (x · False would be -0 for x < 0)
         scaled = (picked * (e4m3_max / amax)).clamp(-E4M3_MAX, E4M3_MAX)
         extra = scaled.to(torch.float8_e4m3fn)
         if residual:
@@ -311,7 +312,8 @@ def quantize_weight_fp8(w: Tensor, residual_cols: Tensor | None = None) -> tuple
 # K = 4096 (3.3 % at K = 16384, where the DiT-like input has 32 outlier channels), but 1.37-1.53x cuBLAS BF16
 # against 1.67-1.71x without: K + 16 took cuBLAS's FP8 GEMM off its fast path (+22 % at K = 16384, the time of its
 # fp32-promoted variant). Hence the 128-wide block (zero columns after the C chosen), which keeps K a multiple of 128;
-# its speed is not measured yet, so K6_FP8_OUTLIER_CHANNELS is off by default.
+# measured with 32 channels (2026-11-29_fp8-outliers, run 14): 2.8 / 2.8 / 3.0 % at 1.63 / 1.78 / 1.66x cuBLAS BF16
+# (plain fp8 in the same run: 3.5 / 3.5 / 3.7 % at 1.77 / 1.75 / 1.69x), so K6_FP8_OUTLIER_CHANNELS defaults to 32.
 # ---------------------------------------------------------------------------------------------------------------
 
 OUTLIER_COUNTS = (0, 16, 32, 64)  # C: how many channels get corrected (0: off)
