@@ -3,8 +3,8 @@
 What it holds:
 - `quantize_rows_fp8(x)`: one Triton pass per row: absmax, scale = absmax / 448, x · (448 / absmax) rounded to e4m3.
 - `quantize_weight_fp8(w)`: the same per output channel, at load or (streamed bf16 weights) at use.
-- `outlier_columns(x, C)`: opt-in extra GEMM columns that correct the weight's e4m3 rounding at the activations'
-  largest channels (the section below says what it buys and what it costs).
+- extra columns (`extra_cols`, `residual`) that correct the weight's e4m3 rounding at the activations' largest
+  channels; `fp8_outliers.outlier_columns(x, C)` chooses them and says what they buy.
 - `fp8_linear(x, wq, w_scale, bias)`: quantize the activation rows, then `torch._scaled_mm` with row-wise scales
   (CUTLASS kernels in PyTorch). Lossy: e4m3 keeps 3 mantissa bits, so each operand carries about 2.5% RMS
   relative rounding error and a product of incoherent sums about 3.5% (CPU measurement, Gaussian data with
@@ -30,6 +30,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
+from .fp8_outliers import OUTLIER_WIDTH
 from .fp16acc_wgmma import BLOCK_K as WGMMA_CHUNK
 from .fp16acc_wgmma import fp16acc_wgmma, fp16acc_wgmma_supported
 from .tiles import store_tile, wrapped_tile
@@ -297,40 +298,6 @@ def quantize_weight_fp8(w: Tensor, residual_cols: Tensor | None = None) -> tuple
         raise ValueError(f"quantize_weight_fp8: expected a weight [N, K], found shape {tuple(w.shape)}")
     wq, scale = quantize_rows_fp8(w.contiguous(), residual_cols, residual=True)
     return wq, scale.reshape(1, -1)
-
-
-# ---------------------------------------------------------------------------------------------------------------
-# Outlier columns: e4m3's rounding of the weight, corrected where the activations are largest
-#
-# With per-row activation and per-channel weight scales each operand carries ~2.4 % RMS relative rounding error,
-# ~3.5 % on the product. In a DiT a few input channels carry most of the activations' energy (outlier channels), so
-# most of the weight rounding's contribution to the output comes from those channels' weight columns. Appending C
-# columns to both operands, x's values at the C largest channels and what e4m3 rounding left of w's columns there
-# (in e4m3 on the same scales), adds that remainder back, for 2.74 % instead of 3.48 % relative L2 on DiT-like
-# inputs (CPU; nothing gained on inputs without outlier channels). The channels are chosen per call from every 64th
-# row's absmax. Measured on an H200 with a 16-wide block (measurements/sessions/2026-11-29_fp8-outliers): 2.8 % at
-# K = 4096 (3.3 % at K = 16384, where the DiT-like input has 32 outlier channels), but 1.37-1.53x cuBLAS BF16
-# against 1.67-1.71x without: K + 16 took cuBLAS's FP8 GEMM off its fast path (+22 % at K = 16384, the time of its
-# fp32-promoted variant). Hence the 128-wide block (zero columns after the C chosen), which keeps K a multiple of 128;
-# measured with 32 channels (2026-11-29_fp8-outliers, run 14): 2.8 / 2.8 / 3.0 % at 1.63 / 1.78 / 1.66x cuBLAS BF16
-# (plain fp8 in the same run: 3.5 / 3.5 / 3.7 % at 1.77 / 1.75 / 1.69x), so K6_FP8_OUTLIER_CHANNELS defaults to 32.
-# ---------------------------------------------------------------------------------------------------------------
-
-OUTLIER_COUNTS = (0, 16, 32, 64)  # C: how many channels get corrected (0: off)
-OUTLIER_WIDTH = 128  # columns appended when C > 0: C chosen, the rest zeros, so K stays a multiple of 128
-_OUTLIER_ROW_STRIDE = 64  # rows sampled for the channel absmax: outlier channels are outliers on every token
-
-
-def outlier_columns(x: Tensor, count: int) -> Tensor | None:
-    """The `count` input channels of x [..., K] with the largest absmax over every 64th row, then -1s (zero columns):
-    int32 [OUTLIER_WIDTH]; None when count is 0."""
-    if count not in OUTLIER_COUNTS:
-        raise ValueError(f"outlier_columns: expected count in {OUTLIER_COUNTS}, found {count}")
-    if count == 0:
-        return None
-    flat = x.reshape(-1, x.shape[-1])
-    top = flat[::_OUTLIER_ROW_STRIDE].abs().amax(dim=0).topk(min(count, flat.shape[-1])).indices.to(torch.int32)
-    return torch.cat([top, top.new_full((OUTLIER_WIDTH - top.numel(),), -1)])
 
 
 # ---------------------------------------------------------------------------------------------------------------

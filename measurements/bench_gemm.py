@@ -6,7 +6,7 @@ Variants per shape, each checked for correctness before it is timed:
   cublas_fp16         F.linear on fp16 copies (fp32 accumulation): the ceiling for fp16 operands
   fp8                 fp8_linear(x, wq, w_scale, fast_accum=True): Triton row quantization of x + torch._scaled_mm
                       with fast accumulation, what a layer of the fp8 arm costs (k6fast/dit/linear.py)
-  fp8_outlier32       fp8 with 32 outlier columns (kernels/fp8_linear.py `outlier_columns`), what a layer of the fp8
+  fp8_outlier32       fp8 with 32 outlier columns (kernels/fp8_outliers.py), what a layer of the fp8
                       arm costs on bf16 weights: channel choice + row quantization with the extra columns + a K+128
                       GEMM (the weight's residual columns are built outside the timing, as the weight itself is)
   fp8_exact_accum     the same with fp32-promoted accumulation (use_fast_accum=False)
@@ -30,12 +30,12 @@ import torch
 import torch.nn.functional as F
 from bench_common import gemm_shapes_main, quantiles_ms, rel_l2
 
+from k6fast.kernels.fp8_outliers import outlier_columns
 from k6fast.kernels.fp8_linear import (
     fp8_linear,
     fp8_linear_ref,
     fp16acc_linear,
     fp16acc_linear_ref,
-    outlier_columns,
     quantize_rows_fp8,
     quantize_rows_fp8_ref,
     quantize_weight_fp8,

@@ -25,12 +25,12 @@ from k6fast.kernels.fp8_linear import (
     fp16acc_linear,
     fp16acc_linear_ref,
     fp16acc_linear_triton,
-    outlier_columns,
     quantize_rows_fp8,
     quantize_rows_fp8_ref,
     quantize_rows_fp8_triton,
     quantize_weight_fp8,
 )
+from k6fast.kernels.fp8_outliers import outlier_columns
 
 # e4m3 keeps 3 mantissa bits: ≈2.5% RMS relative rounding error per operand, ≈3.5% for the product of two quantized
 # operands over incoherent sums (CPU measurement on the DiT-like data below). 3% would be below that floor.

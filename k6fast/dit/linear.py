@@ -156,14 +156,15 @@ class LinearDispatch:
         if counting:
             self.counts[self.kind] += 1
         if self.kind == "fp8":
-            from ..kernels.fp8_linear import outlier_columns, quantize_rows_fp8, quantize_weight_fp8
+            from ..kernels.fp8_linear import quantize_rows_fp8, quantize_weight_fp8
+            from ..kernels.fp8_outliers import outlier_columns
 
             # Weights are quantized at use: streamed blocks arrive in reused slots, so a cache keyed by tensor would
             # go stale. The pass reads each weight once per call (estimated ≈ 0.4 ms per Pro block at H200
             # bandwidth, against ≈ 120 ms of compute; included in the fp8 block time recorded in
             # measurements/sessions/2026-11-29_kernels). A checkpoint from `k6fast quantize --format fp8` removes it.
             # With K6_FP8_OUTLIER_CHANNELS > 0 (the bf16 weight at hand), its rounding at this call's outlier channels
-            # is corrected by extra GEMM columns (kernels/fp8_linear.py, `outlier_columns`).
+            # is corrected by extra GEMM columns (kernels/fp8_outliers.py).
             flat = x.reshape(-1, x.shape[-1]).contiguous()
             cols = outlier_columns(flat, self.outlier_channels)
             wq, w_scale = quantize_weight_fp8(weight, residual_cols=cols)
