@@ -13,8 +13,9 @@ channels (measurements/sessions/2026-11-29_fp8-outliers, run 14): 2.8 / 2.8 / 3.
 BF16 at the three W1 shapes (plain fp8 3.5 / 3.5 / 3.7 % at 1.77 / 1.75 / 1.69x).
 
 The channels are chosen per call from the absmax of every 64th row. `outlier_columns` runs two Triton kernels on
-CUDA: a column absmax over the sampled rows split across ~256 programs, and one program that finds the C-th largest
-value by bisection on its bits and writes the chosen channels in ascending order. torch's strided reduction + topk
+CUDA: a column absmax over the sampled rows split across ~1024 programs (merged by an integer atomic max on the
+bits), and one program that finds the C-th largest value by bisection on its bits and writes the chosen channels in
+ascending order. torch's strided reduction + topk
 took 59-97 us at K = 4096 and 90-165 us at K = 16,384 on the H200 (a single-block top-k), up to 7 % of the layer.
 `outlier_columns_ref` is the same choice in PyTorch (ties go to the lower channel).
 """
@@ -31,7 +32,8 @@ OUTLIER_WIDTH = 128  # columns appended when C > 0: C chosen, the rest zeros, so
 ROW_STRIDE = 64  # rows sampled for the channel absmax: outlier channels are outliers on every token
 _MAX_SELECT_BLOCK = 1 << 16  # widest K the one-program selection holds in registers; wider runs the reference
 _ABSMAX_COLUMNS = 128
-_ABSMAX_PROGRAMS = 256  # column blocks × row splits aimed at: ~2 programs per SM on an H200
+_ABSMAX_ROWS = 32  # sampled rows per load: 8 KB of bf16 in flight per program
+_ABSMAX_PROGRAMS = 1024  # column blocks × row splits aimed at: enough loads in flight to run at HBM bandwidth
 
 
 def outlier_columns_ref(x: Tensor, count: int) -> Tensor:
@@ -48,7 +50,7 @@ def outlier_columns_ref(x: Tensor, count: int) -> Tensor:
 @triton.jit
 def _sampled_column_absmax_kernel(
     x_ptr,  # [n_rows, K], unit column stride
-    partial_ptr,  # [SPLIT, K] fp32: program (c, s)'s absmax over the sampled rows s, s + SPLIT, ...
+    amax_ptr,  # [K] int32, zeros: the bits of each column's absmax over the sampled rows (atomic max)
     n_sampled,
     K,
     stride_sample,  # elements between two sampled rows (ROW_STRIDE rows)
@@ -57,34 +59,28 @@ def _sampled_column_absmax_kernel(
     BLOCK_C: tl.constexpr,
 ):
     cols = tl.program_id(0) * BLOCK_C + tl.arange(0, BLOCK_C)
-    split = tl.program_id(1)
     col_ok = cols < K
     amax = tl.zeros([BLOCK_C], dtype=tl.float32)
-    for first in range(split * ROWS, n_sampled, SPLIT * ROWS):
+    for first in range(tl.program_id(1) * ROWS, n_sampled, SPLIT * ROWS):
         rows = first + tl.arange(0, ROWS)
         ptrs = x_ptr + rows.to(tl.int64)[:, None] * stride_sample + cols[None, :]
         v = tl.load(ptrs, mask=(rows < n_sampled)[:, None] & col_ok[None, :], other=0.0)
         amax = tl.maximum(amax, tl.max(tl.abs(v.to(tl.float32)), axis=0))
-    tl.store(partial_ptr + split * K + cols, amax, mask=col_ok)
+    # Non-negative floats order like their bits as integers, so an integer atomic max merges the row splits exactly.
+    tl.atomic_max(amax_ptr + cols, amax.to(tl.int32, bitcast=True), mask=col_ok)
 
 
 @triton.jit
 def _select_top_channels_kernel(
-    partial_ptr,  # [SPLIT, K] fp32 ≥ 0
+    amax_ptr,  # [K] int32: bits of non-negative floats
     out_ptr,  # [WIDTH] int32
     K,
     COUNT: tl.constexpr,
-    SPLIT: tl.constexpr,
     WIDTH: tl.constexpr,
     BLOCK: tl.constexpr,
 ):
     cols = tl.arange(0, BLOCK)
-    col_ok = cols < K
-    amax = tl.zeros([BLOCK], dtype=tl.float32)
-    for s in range(SPLIT):
-        amax = tl.maximum(amax, tl.load(partial_ptr + s * K + cols, mask=col_ok, other=0.0))
-    # Non-negative floats order like their bits as integers; padding columns get -1 and are never chosen.
-    bits = tl.where(col_ok, amax.to(tl.int32, bitcast=True), -1)
+    bits = tl.load(amax_ptr + cols, mask=cols < K, other=-1)  # padding columns: -1, never chosen
     want = tl.minimum(K, COUNT)
     # Bisection for T, the want-th largest value: count(bits >= lo) >= want > count(bits >= hi).
     lo = tl.full([], 0, tl.int32)
@@ -106,23 +102,21 @@ def _select_top_channels_kernel(
 
 
 def outlier_columns_triton(x: Tensor, count: int) -> Tensor:
-    """`outlier_columns_ref` on a CUDA x [..., K] (contiguous rows) in two Triton launches."""
+    """`outlier_columns_ref` on a CUDA x [..., K] (contiguous rows) in two Triton launches (and a zero fill)."""
     flat = x.reshape(-1, x.shape[-1])
     n_rows, k = flat.shape
     n_sampled = triton.cdiv(n_rows, ROW_STRIDE)
     col_blocks = triton.cdiv(k, _ABSMAX_COLUMNS)
-    split = max(1, min(64, _ABSMAX_PROGRAMS // col_blocks, n_sampled))
-    partial = torch.empty((split, k), dtype=torch.float32, device=x.device)
+    split = max(1, min(_ABSMAX_PROGRAMS // col_blocks, triton.cdiv(n_sampled, _ABSMAX_ROWS)))
+    amax_bits = torch.zeros(k, dtype=torch.int32, device=x.device)
     _sampled_column_absmax_kernel[(col_blocks, split)](
-        flat, partial, n_sampled, k, flat.stride(0) * ROW_STRIDE,
-        SPLIT=split, ROWS=8, BLOCK_C=_ABSMAX_COLUMNS, num_warps=4,
+        flat, amax_bits, n_sampled, k, flat.stride(0) * ROW_STRIDE,
+        SPLIT=split, ROWS=_ABSMAX_ROWS, BLOCK_C=_ABSMAX_COLUMNS, num_warps=4,
     )  # fmt: skip
     out = torch.empty(OUTLIER_WIDTH, dtype=torch.int32, device=x.device)
     block = triton.next_power_of_2(k)
     warps = 16 if block >= 8192 else 8
-    _select_top_channels_kernel[(1,)](
-        partial, out, k, COUNT=count, SPLIT=split, WIDTH=OUTLIER_WIDTH, BLOCK=block, num_warps=warps
-    )
+    _select_top_channels_kernel[(1,)](amax_bits, out, k, COUNT=count, WIDTH=OUTLIER_WIDTH, BLOCK=block, num_warps=warps)
     return out
 
 

@@ -87,8 +87,8 @@ def test_triton_kernels_under_interpreter():
 @needs_interpreter
 @pytest.mark.parametrize(
     ("rows", "k", "count"),
-    [(1000, 256, 16), (300, 200, 32), (5, 96, 64), (2000, 1100, 32), (130, 20, 32)],
-    ids=["pow2", "ragged-k", "one-sampled-row", "several-column-blocks", "k-below-count"],
+    [(1000, 256, 16), (300, 200, 32), (5, 96, 64), (2000, 1100, 32), (5000, 256, 32), (130, 20, 32)],
+    ids=["pow2", "ragged-k", "one-sampled-row", "several-column-blocks", "row-splits", "k-below-count"],
 )
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_kernels_choose_the_reference_channels_interpreted(rows, k, count, dtype):
