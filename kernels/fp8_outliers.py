@@ -9,14 +9,14 @@ e4m3 on the same scales; `fp8_linear.quantize_rows_fp8(..., extra_cols, residual
 
 The block appended is 128 wide (the C chosen channels, then zero columns) so K stays a multiple of 128: with K + 16,
 cuBLAS's FP8 GEMM left its fast kernel (1.37-1.53x cuBLAS BF16 instead of 1.67-1.71x). Measured on an H200 with 32
-channels (measurements/sessions/2026-11-29_fp8-outliers, run 14): 2.8 / 2.8 / 3.0 % at 1.63 / 1.78 / 1.66x cuBLAS
-BF16 at the three W1 shapes (plain fp8 3.5 / 3.5 / 3.7 % at 1.77 / 1.75 / 1.69x).
+channels and the kernels below (measurements/sessions/2026-11-29_fp8-outliers, run 17): 2.8 / 2.8 / 3.0 % at
+1.70 / 1.82 / 1.69x cuBLAS BF16 at the three W1 shapes (plain fp8 3.5 / 3.5 / 3.7 % at 1.76 / 1.76 / 1.71x).
 
 The channels are chosen per call from the absmax of every 64th row. `outlier_columns` runs two Triton kernels on
 CUDA: a column absmax over the sampled rows split across ~1024 programs (merged by an integer atomic max on the
 bits), and one program that finds the C-th largest value by bisection on its bits and writes the chosen channels in
-ascending order. torch's strided reduction + topk
-took 59-97 us at K = 4096 and 90-165 us at K = 16,384 on the H200 (a single-block top-k), up to 7 % of the layer.
+ascending order: 53-59 us on the H200 at the W1 shapes, where torch's strided reduction + topk (one thread block on
+one long row) took 97-153 us, up to 7 % of the layer, and left the 4096 x 4096 layer at 1.56x cuBLAS in one run.
 `outlier_columns_ref` is the same choice in PyTorch (ties go to the lower channel).
 """
 

@@ -30,7 +30,6 @@ import torch
 import torch.nn.functional as F
 from bench_common import gemm_shapes_main, quantiles_ms, rel_l2
 
-from k6fast.kernels.fp8_outliers import outlier_columns
 from k6fast.kernels.fp8_linear import (
     fp8_linear,
     fp8_linear_ref,
@@ -40,6 +39,7 @@ from k6fast.kernels.fp8_linear import (
     quantize_rows_fp8_ref,
     quantize_weight_fp8,
 )
+from k6fast.kernels.fp8_outliers import outlier_columns
 
 # e4m3 rounding floor for DiT-like data ≈ 3.5% relative L2 vs the bf16 product (see tests/test_fp8_linear.py).
 FP8_REL_L2_LIMIT = 0.045

@@ -67,6 +67,8 @@ K6_KERNELS = {
     "_kv_quantize_kernel": ATTENTION,
     "_quant_attention_kernel": ATTENTION,
     "_quantize_rows_fp8_kernel": GEMM,
+    "_sampled_column_absmax_kernel": GEMM,  # the fp8 layer's outlier-channel choice
+    "_select_top_channels_kernel": GEMM,
     "_fp16acc_linear_kernel": GEMM,
     "_nvfp4_linear_kernel": GEMM,
 }

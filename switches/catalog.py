@@ -143,8 +143,8 @@ FP8_OUTLIER_CHANNELS = Switch(
     default="32",
     choices=("0", "16", "32", "64"),
     doc="with K6_GEMM=fp8 on bf16 weights: the input channels (largest activations, chosen per call) whose weight "
-    "rounding 128 extra GEMM columns correct (H200, DiT-like inputs: 2.8-3.0 % vs 3.5-3.7 % rel. L2, 1.63-1.78x "
-    "cuBLAS BF16 vs 1.69-1.77x); 0 = off",
+    "rounding 128 extra GEMM columns correct (H200, DiT-like inputs: 2.8-3.0 % vs 3.5-3.7 % rel. L2, 1.69-1.82x "
+    "cuBLAS BF16 vs 1.71-1.76x); 0 = off",
     lossy=True,
 )
 FUSED_ELEMENTWISE = Switch(
