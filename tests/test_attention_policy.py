@@ -134,3 +134,83 @@ def test_auto_choices_follow_the_card(monkeypatch) -> None:
         LinearDispatch(auto)
     with pytest.raises(ValueError, match="resolved for a device"):
         AttentionDispatch(auto, torch.device("cpu"))
+
+
+def test_projections_of_one_input_share_a_linears_call(model) -> None:
+    # q/k/v of a self-attention, k/v of a cross-attention: one `linears` call each, so the fp8 arm prepares the input
+    # (row quantization, outlier channels) once; the outputs equal separate `linear` calls.
+    cfg, weights = model
+    groups: list[list[str]] = []
+
+    class Recording(SwitchedBackend):
+        def linears(self, x, layers):
+            groups.append([name.rsplit(".", 1)[1] for _, _, name in layers])
+            return super().linears(x, layers)
+
+    backend = Recording(Options(), torch.device("cpu"))
+    recorded = K6DiT(cfg, weights, backend=backend)(**_inputs(cfg))
+    calls = {site: n for (_, site), n in backend.attn.counts.items()}
+    self_attentions = sum(n for site, n in calls.items() if site.endswith("_self"))
+    cross_attentions = sum(calls.values()) - self_attentions
+    assert self_attentions == 2 + 4 * 2 and cross_attentions == 4 * 4
+    assert groups.count(["to_query", "to_key", "to_value"]) == self_attentions
+    assert groups.count(["to_key", "to_value"]) == cross_attentions
+    assert len(groups) == self_attentions + cross_attentions
+    plain = K6DiT(cfg, weights, backend=SwitchedBackend(Options(), torch.device("cpu")))(**_inputs(cfg))
+    for a, b in zip(recorded, plain, strict=True):
+        assert torch.equal(a, b)
+
+
+def test_fp8_input_is_prepared_once_per_shared_dict(monkeypatch) -> None:
+    from k6fast.dit import linear as linear_module
+    from k6fast.kernels import fp8_outliers
+
+    calls = []
+    choose = fp8_outliers.outlier_columns
+    monkeypatch.setattr(fp8_outliers, "outlier_columns", lambda x, c: calls.append(c) or choose(x, c))
+    x = torch.randn(2, 70, 128)
+    shared: dict = {}
+    first = linear_module._fp8_input(x, 32, shared)
+    assert linear_module._fp8_input(x, 32, shared) is first and calls == [32]
+    cols, (xq, scale) = first
+    assert cols.shape == (128,) and xq.shape == (140, 256) and scale.shape == (140, 1)
+    plain = linear_module._fp8_input(x, 0, shared)  # stored fp8 weights: no outlier columns, its own entry
+    assert plain[0] is None and plain[1][0].shape == (140, 128) and calls == [32, 0]
+    assert linear_module._fp8_input(x, 32, None) is not first and calls == [32, 0, 32]  # no dict: no sharing
+
+
+def test_switched_linears_hand_the_layers_one_shared_dict() -> None:
+    backend = SwitchedBackend(Options(), torch.device("cpu"))
+    seen = []
+    backend.gemm = lambda x, w, b, *, name, shared: seen.append((name, shared)) or x @ w.t()
+    x, w = torch.randn(4, 8), torch.randn(6, 8)
+    outs = backend.linears(x, [(w, None, "a"), (2 * w, None, "b")])
+    backend.linears(x, [(w, None, "c")])
+    assert [name for name, _ in seen] == ["a", "b", "c"]
+    assert seen[0][1] is seen[1][1] and seen[2][1] is not seen[0][1]  # one dict per call, shared by its layers
+    assert torch.equal(outs[1], 2 * outs[0])
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("outliers", ["0", "32"])
+def test_fp8_linears_match_separate_calls_gpu(monkeypatch, outliers) -> None:
+    from k6fast.dit import linear as linear_module
+
+    prepared = []
+    prepare = linear_module._fp8_input
+    monkeypatch.setattr(linear_module, "_fp8_input", lambda *a: prepared.append(a[1]) or prepare(*a))
+    g = torch.Generator(device="cuda").manual_seed(0)
+    x = torch.randn(3000, 512, device="cuda", generator=g).bfloat16()
+    layers = [
+        ((torch.randn(n, 512, device="cuda", generator=g) * 0.02).bfloat16(), None, f"a.self_attention.{name}")
+        for n, name in ((512, "to_query"), (256, "to_key"), (256, "to_value"))
+    ]
+    options = Options().replace(gemm="fp8", gemm_min_rows=1, fp8_outlier_channels=outliers)
+    backend = SwitchedBackend(options, torch.device("cuda"))
+    together = backend.linears(x, layers)
+    assert len(prepared) == 1
+    separate = [backend.linear(x, w, b, name=name) for w, b, name in layers]
+    assert len(prepared) == 4 and backend.gemm.counts["fp8"] == 6
+    for a, b in zip(together, separate, strict=True):
+        assert torch.equal(a, b)

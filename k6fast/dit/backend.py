@@ -29,10 +29,15 @@ ATTENTION_SITES = (
 )
 
 
+Layer = tuple[Tensor, Tensor | None, str]  # (weight, bias, name) of a linear layer
+
+
 class Backend(Protocol):
     """What the DiT forward needs from a backend."""
 
     def linear(self, x: Tensor, weight: Tensor, bias: Tensor | None, *, name: str) -> Tensor: ...
+
+    def linears(self, x: Tensor, layers: list[Layer]) -> list[Tensor]: ...
 
     def attention(self, q: Tensor, k: Tensor, v: Tensor, *, site: str, mask: Tensor | None) -> Tensor: ...
 
@@ -93,6 +98,10 @@ class ExactBackend:
     def linear(self, x: Tensor, weight: Tensor, bias: Tensor | None, *, name: str) -> Tensor:
         return F.linear(x, weight, bias)
 
+    def linears(self, x: Tensor, layers: list[Layer]) -> list[Tensor]:
+        """Several layers on one input (q/k/v projections): one `linear` call each."""
+        return [self.linear(x, weight, bias, name=name) for weight, bias, name in layers]
+
     def attention(self, q: Tensor, k: Tensor, v: Tensor, *, site: str, mask: Tensor | None) -> Tensor:
         return sdpa(q, k, v, mask)
 
@@ -143,6 +152,11 @@ class SwitchedBackend(ExactBackend):
 
     def linear(self, x: Tensor, weight: Tensor, bias: Tensor | None, *, name: str) -> Tensor:
         return self.gemm(x, weight, bias, name=name)
+
+    def linears(self, x: Tensor, layers: list[Layer]) -> list[Tensor]:
+        # One shared fp8 preparation of x (row quantization, outlier channels) for all of them.
+        shared: dict = {}
+        return [self.gemm(x, weight, bias, name=name, shared=shared) for weight, bias, name in layers]
 
     def attention(self, q: Tensor, k: Tensor, v: Tensor, *, site: str, mask: Tensor | None) -> Tensor:
         return self.attn(q, k, v, site=site, mask=mask)

@@ -143,12 +143,16 @@ class LinearDispatch:
         # fp8 row-wise scaled_mm needs K and N multiples of 16.
         return rows >= self.min_rows and fast_gemm_layer(name, weight_shape)
 
-    def __call__(self, x: Tensor, weight: Tensor, bias: Tensor | None, *, name: str) -> Tensor:
-        """x: [..., K]; weight: [N, K] (plain or QuantizedWeight); bias: [N] or None → [..., N] in x.dtype."""
+    def __call__(
+        self, x: Tensor, weight: Tensor, bias: Tensor | None, *, name: str, shared: dict | None = None
+    ) -> Tensor:
+        """x: [..., K]; weight: [N, K] (plain or QuantizedWeight); bias: [N] or None → [..., N] in x.dtype.
+        shared: one dict passed to every layer that takes this same x (q/k/v projections), so x's fp8 quantization
+        and outlier channels are computed once for all of them."""
         counting = not torch.compiler.is_compiling()  # Python state would become a compile guard
         rows = x.numel() // x.shape[-1]
         if isinstance(weight, QuantizedWeight):
-            return self._stored(x, weight, bias, rows, counting)
+            return self._stored(x, weight, bias, rows, counting, shared)
         if not (x.is_cuda and self.use_fast(rows, tuple(weight.shape), name)):
             if counting:
                 self.counts["bf16"] += 1
@@ -156,8 +160,7 @@ class LinearDispatch:
         if counting:
             self.counts[self.kind] += 1
         if self.kind == "fp8":
-            from ..kernels.fp8_linear import quantize_rows_fp8, quantize_weight_fp8
-            from ..kernels.fp8_outliers import outlier_columns
+            from ..kernels.fp8_linear import quantize_weight_fp8
 
             # Weights are quantized at use: streamed blocks arrive in reused slots, so a cache keyed by tensor would
             # go stale. The pass reads each weight once per call (estimated ≈ 0.4 ms per Pro block at H200
@@ -165,37 +168,52 @@ class LinearDispatch:
             # measurements/sessions/2026-11-29_kernels). A checkpoint from `k6fast quantize --format fp8` removes it.
             # With K6_FP8_OUTLIER_CHANNELS > 0 (the bf16 weight at hand), its rounding at this call's outlier channels
             # is corrected by extra GEMM columns (kernels/fp8_outliers.py).
-            flat = x.reshape(-1, x.shape[-1]).contiguous()
-            cols = outlier_columns(flat, self.outlier_channels)
+            cols, xq = _fp8_input(x, self.outlier_channels, shared)
             wq, w_scale = quantize_weight_fp8(weight, residual_cols=cols)
-            return _fp8(x, wq, w_scale, bias, quantize_rows_fp8(flat, cols))
+            return _fp8(x, wq, w_scale, bias, xq)
         from ..kernels.fp8_linear import fp16acc_linear
 
         flat = x.reshape(-1, x.shape[-1]).contiguous()
         return fp16acc_linear(flat, weight, bias, out_dtype=x.dtype).reshape(*x.shape[:-1], weight.shape[0])
 
-    def _stored(self, x: Tensor, weight: QuantizedWeight, bias: Tensor | None, rows: int, counting: bool) -> Tensor:
+    def _stored(
+        self, x: Tensor, weight: QuantizedWeight, bias: Tensor | None, rows: int, counting: bool, shared: dict | None
+    ) -> Tensor:
         fast = rows >= self.min_rows and _stored_gemm_runs(weight.fmt, x)
         if counting:
             self.counts[weight.fmt if fast else f"{weight.fmt}-dequantized"] += 1
         if not fast:
             return F.linear(x, weight.dequantized(x.dtype), bias)
-        return _fp8(x, weight.qdata, weight.scale, bias)
+        # A stored e4m3 weight has no bf16 columns to correct: plain row quantization.
+        return _fp8(x, weight.qdata, weight.scale, bias, _fp8_input(x, 0, shared)[1])
 
 
-def _fp8(
-    x: Tensor, wq: Tensor, w_scale: Tensor, bias: Tensor | None, xq: tuple[Tensor, Tensor] | None = None
-) -> Tensor:
-    """x [..., K] through the row-wise fp8 GEMM with an e4m3 weight [N, K'] and its per-channel scale; xq: x already
-    quantized ([rows, K'] e4m3 and its row scales; K' > K with outlier columns), else quantized here."""
+def _fp8_input(x: Tensor, outlier_channels: int, shared: dict | None) -> tuple[Tensor | None, tuple[Tensor, Tensor]]:
+    """(outlier columns or None, x's rows quantized to e4m3 with them): computed once per `shared` dict."""
+    from ..kernels.fp8_linear import quantize_rows_fp8
+    from ..kernels.fp8_outliers import outlier_columns
+
+    key = ("fp8", outlier_channels)
+    if shared is not None and key in shared:
+        return shared[key]
+    flat = x.reshape(-1, x.shape[-1]).contiguous()
+    cols = outlier_columns(flat, outlier_channels)
+    prepared = cols, quantize_rows_fp8(flat, cols)
+    if shared is not None:
+        shared[key] = prepared
+    return prepared
+
+
+def _fp8(x: Tensor, wq: Tensor, w_scale: Tensor, bias: Tensor | None, xq: tuple[Tensor, Tensor]) -> Tensor:
+    """x [..., K] through the row-wise fp8 GEMM with an e4m3 weight [N, K'] and its per-channel scale; xq: x
+    quantized ([rows, K'] e4m3 and its row scales; K' > K with outlier columns)."""
     from ..kernels.fp8_linear import fp8_linear
 
-    flat = x.reshape(-1, x.shape[-1]).contiguous() if xq is None else xq
     # Hopper's fast accumulation (fewer promotions of the wgmma accumulator to fp32): this layer, row quantization
     # included, runs at 1.64-1.73x cuBLAS bf16 instead of 1.58-1.64x at the W1 shapes, for 0.2-0.4 % relative L2
     # against the exact quantized product (measurements/sessions/2026-11-29_h200-followup/gemm.json), small beside
     # e4m3's own ~3.5 %. The arm is lossy anyway.
     out = fp8_linear(
-        flat, wq, w_scale, bias=None if bias is None else bias.to(x.dtype), out_dtype=x.dtype, fast_accum=True
+        xq, wq, w_scale, bias=None if bias is None else bias.to(x.dtype), out_dtype=x.dtype, fast_accum=True
     )
     return out.reshape(*x.shape[:-1], wq.shape[0])

@@ -32,6 +32,11 @@ def linear(backend: Backend, w: Weights, name: str, x: Tensor) -> Tensor:
     return backend.linear(x, w[f"{name}.weight"], w.get(f"{name}.bias"), name=name)
 
 
+def linears(backend: Backend, w: Weights, names: list[str], x: Tensor) -> list[Tensor]:
+    """The layers `names` on one input, in order: a backend may prepare x once for all of them."""
+    return backend.linears(x, [(w[f"{n}.weight"], w.get(f"{n}.bias"), n) for n in names])
+
+
 def modulation(backend: Backend, w: Weights, name: str, temb: Tensor) -> Tensor:
     """AdaLN parameters from the time embedding: Linear(SiLU(temb)), fp32. temb: [B, time_dim] → [B, k * dim]."""
     return backend.linear(F.silu(temb.float()), w[f"{name}.weight"], w[f"{name}.bias"], name=name)
@@ -70,10 +75,12 @@ def attention(
 ) -> Tensor:
     """Multi-head attention with per-head RMSNorm on q and k, optional RoPE, and an output projection.
     x: [B, Nq, D]; context: [B, Nk, Dkv] (None = self-attention); mask: bool [B, Nk] (True = attend)."""
-    kv = x if context is None else context
-    q = linear(backend, w, f"{name}.to_query", x).unflatten(-1, (num_heads, -1))
-    k = linear(backend, w, f"{name}.to_key", kv).unflatten(-1, (num_heads, -1))
-    v = linear(backend, w, f"{name}.to_value", kv).unflatten(-1, (num_heads, -1))
+    if context is None:
+        q, k, v = linears(backend, w, [f"{name}.to_query", f"{name}.to_key", f"{name}.to_value"], x)
+    else:
+        q = linear(backend, w, f"{name}.to_query", x)
+        k, v = linears(backend, w, [f"{name}.to_key", f"{name}.to_value"], context)
+    q, k, v = (t.unflatten(-1, (num_heads, -1)) for t in (q, k, v))
     q = backend.norm_rope(q, w[f"{name}.query_norm.weight"], rope_q)
     k = backend.norm_rope(k, w[f"{name}.key_norm.weight"], rope_k)
     out = backend.attention(q, k, v, site=site, mask=mask)  # [B, Nq, H, Dh]
