@@ -45,6 +45,10 @@ def cmd_generate(args: argparse.Namespace) -> int:
         raise CliError(f"--out {out}: expected a path ending in .mp4")
     if not out.parent.is_dir():
         raise CliError(f"--out {out}: the directory {out.parent} does not exist")
+    if args.save_latents and (
+        not args.save_latents.endswith(".safetensors") or not Path(args.save_latents).parent.is_dir()
+    ):
+        raise CliError(f"--save-latents {args.save_latents}: expected a .safetensors path in an existing directory")
     width, height = args.size
     validate_geometry(width, height, args.frames)  # before minutes of loading
     image = None
@@ -80,7 +84,16 @@ def cmd_generate(args: argparse.Namespace) -> int:
     )
     with tqdm(total=steps, desc="denoise", unit="step", file=sys.stderr) as bar:
         result = pipe.generate(request, on_step=lambda event: bar.update(1))
-    write_result(result, out, options, request, args.model, pipe.ckpt.variant)
+    if args.save_latents:
+        from safetensors.torch import save_file
+
+        save_file({k: v.contiguous() for k, v in result.latents.items()}, args.save_latents)
+    extra = {"load_s": pipe.load_seconds, "residency": pipe.runtime_plan.as_dict() if pipe.runtime_plan else None}
+    if pipe.device.type == "cuda":
+        import torch
+
+        extra["gpu_name"] = torch.cuda.get_device_name(pipe.device)
+    write_result(result, out, options, request, args.model, pipe.ckpt.variant, extra)
     print(result.telemetry.summary(), file=sys.stderr)
     print(f"wrote {out} and {sidecar_path(out)}", file=sys.stderr)
     return 0
@@ -129,6 +142,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--negative-prompt", help="negative prompt for CFG (base checkpoints)")
     p.add_argument("--no-audio", action="store_true", help="denoise video only")
     p.add_argument("--out", required=True, help="output .mp4 path")
+    p.add_argument("--save-latents", help="also write the denoised latents (video, audio) to this .safetensors file")
     p.set_defaults(func=cmd_generate)
 
     p = sub.add_parser("make-tiny", help="write a tiny random-weight checkpoint (tests, first runs)")
@@ -149,6 +163,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--arm", help="show values with this arm applied")
     p.set_defaults(func=cmd_switches)
 
+    from .bench.acceptance_cli import register as register_acceptance
     from .bench.cli import register as register_bench
     from .quality_gate.command import register as register_gate
     from .quantize import register as register_quantize
@@ -157,11 +172,13 @@ def build_parser() -> argparse.ArgumentParser:
     register_serve(sub)
     register_gate(sub)
     register_bench(sub)
+    register_acceptance(sub)
     register_quantize(sub)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
+    from .allocator import configure_environment
     from .checkpoint import CheckpointError
     from .dit.residency import ResidencyError
     from .pipeline import RequestError
@@ -169,6 +186,7 @@ def main(argv: list[str] | None = None) -> int:
     from .switches import SwitchError
 
     args = build_parser().parse_args(argv)
+    configure_environment()  # before anything touches CUDA (k6fast/allocator.py says why)
     try:
         return args.func(args)
     except (CliError, CheckpointError, RequestError, SwitchError, ResidencyError, ServeError, FileExistsError) as exc:

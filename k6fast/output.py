@@ -36,9 +36,16 @@ def sidecar_path(out: Path) -> Path:
 
 
 def write_result(
-    result: Result, out: Path, options: Options, request: Request, model: str, variant: str
+    result: Result,
+    out: Path,
+    options: Options,
+    request: Request,
+    model: str,
+    variant: str,
+    extra: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
-    """Write `out` (MP4) and `out.json` (provenance, request, telemetry). Returns the sidecar's content."""
+    """Write `out` (MP4) and `out.json` (provenance, request, telemetry, and `extra`: what the caller knows of the
+    run, such as the load time and the residency plan). Returns the sidecar's content."""
     out = Path(out)
     audio = None if result.audio is None else prepare_audio(result.audio, options.audio_norm)
     with result.telemetry.phase("mux"):
@@ -61,6 +68,7 @@ def write_result(
             "image": request.image is not None,
         },
         "telemetry": result.telemetry.as_dict(),
+        **(extra or {}),
     }
     write_json_atomic(sidecar_path(out), record)
     return record

@@ -17,6 +17,7 @@ import PIL.Image
 import torch
 from diffusers.utils.torch_utils import randn_tensor
 
+from .allocator import configure_runtime
 from .checkpoint import Checkpoint, open_checkpoint
 from .dit.backend import SwitchedBackend, configure_inductor_cache
 from .dit.residency import RESERVE_BYTES
@@ -86,6 +87,9 @@ class Result:
     steps: int
     guidance: float
     telemetry: Telemetry
+    # The denoised latents before decoding, on the CPU: video [1, T, H, W, C], audio [1, L, C] or absent. What the
+    # acceptance run compares between arms (the whole chain's numerical cost, before the decoders).
+    latents: dict[str, torch.Tensor] = field(default_factory=dict)
 
 
 def component_bytes(folder: Path) -> int:
@@ -115,6 +119,8 @@ class Pipeline:
         self.options = options
         self.device = resolve_device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
         self.dtype = dtype or (torch.bfloat16 if self.device.type == "cuda" else torch.float32)
+        if self.device.type == "cuda":
+            configure_runtime()
         self.load_seconds = 0.0
         telemetry = Telemetry(device=str(self.device))
         self.budget_bytes = device_budget(self.device, options.vram_budget_gb)
@@ -126,9 +132,10 @@ class Pipeline:
             backend=SwitchedBackend(options, self.device),
             compile_blocks=options.compile,
         )
-        if options.compile and options.inductor_cache_dir:
+        if options.inductor_cache_dir:  # Triton's cache too: k6fast's kernels compile without torch.compile
             configure_inductor_cache(options.inductor_cache_dir)
         self.runtime: DiTRuntime | None = None
+        self.runtime_plan = None
         with telemetry.phase("load"):
             self._load_dit()
             # The text phase loads Qwen2.5-VL and CLIP next to what stays on the device; when the DiT's resident
@@ -168,6 +175,7 @@ class Pipeline:
         if self.runtime is None:
             self.runtime = build_dit(self.ckpt, self.device, self.dtype, **self._dit_args)
             self.dit = self.runtime.dit
+            self.runtime_plan = self.runtime.plan  # kept when the DiT leaves the device (the plan does not change)
 
     def _drop_dit(self) -> None:
         if self.runtime is not None:
@@ -368,6 +376,9 @@ class Pipeline:
                 should_stop=should_stop,
             )
         telemetry.dit_calls = out.dit_calls
+        denoised = {"video": out.video.cpu()}  # before the decoders run (a few MB)
+        if out.audio is not None:
+            denoised["audio"] = out.audio.cpu()
 
         with telemetry.phase("video_decode"):
             frames = self._decode_video(out.video, telemetry)[0].cpu().numpy()
@@ -375,4 +386,4 @@ class Pipeline:
         if out.audio is not None:
             with telemetry.phase("audio_decode"):
                 audio = decode_audio(self.audio_vae, self.vocoder, out.audio)[0].cpu().numpy()
-        return Result(frames, audio, self.sample_rate, request.fps, steps, guidance, telemetry)
+        return Result(frames, audio, self.sample_rate, request.fps, steps, guidance, telemetry, denoised)

@@ -32,6 +32,18 @@ def anon_rss_bytes() -> int:
     return 0
 
 
+def compile_counters() -> tuple[float, int]:
+    """(seconds, graphs) torch.compile has spent and made in this process so far; (0, 0) before any compile.
+    Dynamo's own bookkeeping: `_compile.compile_inner` wraps each frame's compile, Inductor's included."""
+    import sys
+
+    utils = sys.modules.get("torch._dynamo.utils")  # not imported = nothing compiled yet; never import it here
+    if utils is None:
+        return 0.0, 0
+    seconds = sum(utils.compilation_time_metrics.get("_compile.compile_inner", ()))
+    return seconds, int(utils.counters["stats"].get("unique_graphs", 0))
+
+
 @dataclass
 class Telemetry:
     device: str = "cpu"
@@ -39,9 +51,16 @@ class Telemetry:
     step_seconds: list[float] = field(default_factory=list)
     dit_calls: int = 0
     cached_steps: int = 0
-    peak_vram_bytes: int = 0
+    peak_vram_bytes: int = 0  # the largest allocated peak of any phase
+    peak_vram_reserved_bytes: int = 0  # ... and reserved (what the budget caps)
+    phase_peaks: dict[str, dict[str, int]] = field(default_factory=dict)  # phase → {"allocated", "reserved"}
     stream_steps: list[dict] = field(default_factory=list)  # per denoising step: streamed blocks' copy/compute
     video_decode: str = ""  # how the video was decoded (the decode plan)
+    compile_s: float = 0.0  # torch.compile time spent inside this request's phases (Dynamo + Inductor)
+    compiled_graphs: int = 0  # graphs compiled inside them (a recompile is one more)
+    # Restart CUDA's peak counters per phase. Off where work runs outside any phase (a peer's denoising loop, timed
+    # between phases): there the caller reads the whole request's peak itself.
+    per_phase_peaks: bool = True
 
     def add_stream_step(self, timings: list) -> None:
         """Aggregate one step's `BlockTiming`s: copy, compute and exposed seconds, hidden share of the copies."""
@@ -65,17 +84,31 @@ class Telemetry:
 
     @contextmanager
     def phase(self, name: str) -> Iterator[None]:
+        """Time a phase; on CUDA also its own peak memory (the peak counters restart with each phase, so the
+        residency planner's estimate can be held against the denoise phase alone)."""
         cuda = self.device.startswith("cuda") and torch.cuda.is_available()
         if cuda:
             torch.cuda.synchronize()
+            if self.per_phase_peaks:
+                torch.cuda.reset_peak_memory_stats()
+        compile_before = compile_counters()
         start = time.perf_counter()
         try:
             yield
         finally:
             if cuda:
                 torch.cuda.synchronize()
-                self.peak_vram_bytes = max(self.peak_vram_bytes, torch.cuda.max_memory_allocated())
+                allocated, reserved = torch.cuda.max_memory_allocated(), torch.cuda.max_memory_reserved()
+                if self.per_phase_peaks:
+                    seen = self.phase_peaks.setdefault(name, {"allocated": 0, "reserved": 0})
+                    seen["allocated"] = max(seen["allocated"], allocated)
+                    seen["reserved"] = max(seen["reserved"], reserved)
+                self.peak_vram_bytes = max(self.peak_vram_bytes, allocated)
+                self.peak_vram_reserved_bytes = max(self.peak_vram_reserved_bytes, reserved)
             self.phases[name] = self.phases.get(name, 0.0) + time.perf_counter() - start
+            seconds, graphs = compile_counters()
+            self.compile_s += seconds - compile_before[0]
+            self.compiled_graphs += graphs - compile_before[1]
 
     def as_dict(self) -> dict:
         return {
@@ -85,8 +118,12 @@ class Telemetry:
             "dit_calls": self.dit_calls,
             "cached_steps": self.cached_steps,
             "peak_vram_bytes": self.peak_vram_bytes,
+            "peak_vram_reserved_bytes": self.peak_vram_reserved_bytes,
+            "phase_peaks": self.phase_peaks,
             "stream_steps": self.stream_steps,
             "video_decode": self.video_decode,
+            "compile_s": round(self.compile_s, 3),
+            "compiled_graphs": self.compiled_graphs,
             "peak_host_rss_bytes": peak_host_rss_bytes(),
         }
 
@@ -106,7 +143,12 @@ class Telemetry:
             lines.append(f"streaming: copies {copy:.2f} s, exposed {exposed:.3f} s, hidden {share}")
         if self.video_decode:
             lines.append(f"video decode: {self.video_decode}")
+        if self.compiled_graphs:
+            lines.append(f"torch.compile: {self.compiled_graphs} graphs in {self.compile_s:.1f} s")
         if self.peak_vram_bytes:
-            lines.append(f"peak GPU memory: {self.peak_vram_bytes / 2**30:.2f} GiB")
+            lines.append(
+                f"peak GPU memory: {self.peak_vram_bytes / 2**30:.2f} GiB allocated, "
+                f"{self.peak_vram_reserved_bytes / 2**30:.2f} GiB reserved"
+            )
         lines.append(f"peak host RSS: {peak_host_rss_bytes() / 2**30:.2f} GiB")
         return "\n".join(lines)

@@ -161,7 +161,8 @@ class _PhaseClock:
         from ..telemetry import Telemetry
 
         self.device = device
-        self.telemetry = Telemetry(device=str(device))
+        # Denoising runs between the wrapped phases: the request's peak is read once at its end (see `run`).
+        self.telemetry = Telemetry(device=str(device), per_phase_peaks=False)
         self.mark = 0.0
 
     def wrap(self, phase: str, fn):
@@ -259,7 +260,6 @@ class PeerPipeline(_Peer):
                 write_mp4(path, frames, 24.0, audio, int(self.pipe.audio_sample_rate))
         sync(self.device)
         seconds = time.perf_counter() - start
-        telemetry.peak_vram_bytes = peak_vram(self.device)["allocated"]
-        record = telemetry.as_dict()
-        record["peak_vram_reserved_bytes"] = peak_vram(self.device)["reserved"]
-        return {"seconds": seconds, "telemetry": record}
+        peaks = peak_vram(self.device)
+        telemetry.peak_vram_bytes, telemetry.peak_vram_reserved_bytes = peaks["allocated"], peaks["reserved"]
+        return {"seconds": seconds, "telemetry": telemetry.as_dict()}

@@ -242,9 +242,7 @@ class K6Pipeline(_K6Runner):
             write_result(result, out, self.options, request, spec.model, self.pipe.ckpt.variant)
         sync(self.device)
         seconds = time.perf_counter() - start
-        record = result.telemetry.as_dict()
-        record["peak_vram_reserved_bytes"] = peak_vram(self.device)["reserved"]  # generate resets the peaks
-        return {"seconds": seconds, "telemetry": record}
+        return {"seconds": seconds, "telemetry": result.telemetry.as_dict()}
 
 
 def time_call(
@@ -263,9 +261,7 @@ def time_call(
     telemetry.dit_calls = 1 if phase == "dit_forward" else 0
     if on_done is not None:
         on_done(telemetry)
-    record = telemetry.as_dict()
-    record["peak_vram_reserved_bytes"] = peak_vram(device)["reserved"]
-    return {"seconds": seconds, "telemetry": record}
+    return {"seconds": seconds, "telemetry": telemetry.as_dict()}
 
 
 class K6DiTRunner(_K6Runner):
@@ -391,6 +387,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--spec", required=True, help="visit spec JSON written by `k6fast bench`")
     parser.add_argument("--out", required=True, help="where to write this visit's JSON record")
     args = parser.parse_args(argv)
+    from ..allocator import configure_environment
+
+    configure_environment()  # as `k6fast generate` does, before CUDA starts
     spec = VisitSpec.from_dict(json.loads(Path(args.spec).read_text()))
     try:
         record = run_visit(spec)

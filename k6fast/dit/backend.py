@@ -211,9 +211,11 @@ class SwitchedBackend(ExactBackend):
 
 
 def configure_inductor_cache(path) -> None:
-    """Point torch.compile's caches at a kept directory, so a second start compiles nothing. Inductor reads its
-    cache location from this variable when it first compiles; k6fast sets it just before building compiled blocks
-    (never at import)."""
+    """Point torch.compile's caches at a kept directory, so a second start compiles nothing: Inductor's, and
+    Triton's for k6fast's own kernels (`path/triton`, unless TRITON_CACHE_DIR is set). Both read their location
+    from these variables when they first compile; k6fast sets them before building the DiT (never at import)."""
     import os
+    from pathlib import Path
 
     os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(path)
+    os.environ.setdefault("TRITON_CACHE_DIR", str(Path(path) / "triton"))

@@ -33,6 +33,10 @@ class BlockSource(Protocol):
 
     def release(self, block: int) -> None: ...
 
+    def abort_forward(self) -> None:
+        """The forward raised inside a block: drop whatever per-forward state `get` left behind."""
+        ...
+
 
 class ResidentBlocks:
     """Every fused block already on the device, addressed in the full weight mapping."""
@@ -47,6 +51,9 @@ class ResidentBlocks:
         return PrefixView(self.weights, f"visual_transformer_blocks.{block}.")
 
     def release(self, block: int) -> None:
+        return None
+
+    def abort_forward(self) -> None:
         return None
 
 
@@ -169,10 +176,16 @@ class K6DiT:
 
         inputs = FusedBlockInputs(text_v, text_a, temb_v, temb_a, rope_v, rope_a, encoder_attention_mask)
         self.blocks.begin_forward()
-        for i in range(cfg.num_visual_blocks):
-            be.begin_block(i, cfg.num_visual_blocks)
-            vis, aud = self._fused_block(be, cfg, self.blocks.get(i), vis, aud, inputs)
-            self.blocks.release(i)
+        try:
+            for i in range(cfg.num_visual_blocks):
+                be.begin_block(i, cfg.num_visual_blocks)
+                vis, aud = self._fused_block(be, cfg, self.blocks.get(i), vis, aud, inputs)
+                self.blocks.release(i)
+        except BaseException:
+            # The runtime outlives a failed request (a server's next job): its block source must not keep this
+            # forward's half-done bookkeeping.
+            self.blocks.abort_forward()
+            raise
 
         video_out = self._video_head(vis.reshape(-1, *grid, vis.shape[-1]), temb_v)
         audio_out = self._audio_head(aud, temb_a) if aud is not None else None

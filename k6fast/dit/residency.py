@@ -9,6 +9,11 @@ GiB = 2**30
 # from its tensors: the fp32 AdaLN temporaries (x.float(), the normalised copy, the affine result: 12 bytes) and the
 # feed-forward's 4x-wide hidden state and GELU output (16 bytes) on top of the bf16 stream, with a margin.
 ACTIVATION_BYTES_PER_TOKEN_DIM = 32
+# What the lossy arms hold on top, per video token. fp8 GEMMs: the e4m3 copy of each layer's input (the
+# feed-forward's hidden state is the widest, ff_dim bytes) and of the block's stream (model_dim). Quantized attention:
+# head-major bf16 copies of q, k and v (6 x model_dim) and their 8-bit forms (3 x model_dim).
+FP8_GEMM_EXTRA_PER_DIM = 1  # x (ff_dim + model_dim)
+QUANT_ATTENTION_EXTRA_PER_DIM = 9  # x model_dim
 # What the allocator, cuBLAS/cuDNN workspaces and the CUDA context take outside our tensors.
 RESERVE_BYTES = 2 * GiB
 
@@ -35,6 +40,19 @@ class ResidencyPlan:
     def weight_bytes(self) -> int:
         return self.fixed_bytes + self.resident_blocks * self.block_bytes + self.slots * self.block_bytes
 
+    def as_dict(self) -> dict[str, int]:
+        return {
+            "budget_bytes": self.budget_bytes,
+            "fixed_bytes": self.fixed_bytes,
+            "block_bytes": self.block_bytes,
+            "num_blocks": self.num_blocks,
+            "resident_blocks": self.resident_blocks,
+            "slots": self.slots,
+            "weight_bytes": self.weight_bytes,
+            "activation_bytes": self.activation_bytes,
+            "reserve_bytes": RESERVE_BYTES,
+        }
+
     def describe(self) -> str:
         gib = lambda n: f"{n / GiB:.2f} GiB"  # noqa: E731
         lines = [
@@ -51,8 +69,25 @@ class ResidencyPlan:
         return "\n".join(lines)
 
 
-def activation_estimate(video_tokens: int, audio_tokens: int, model_dim: int, model_dim_a: int) -> int:
-    return ACTIVATION_BYTES_PER_TOKEN_DIM * (video_tokens * model_dim + audio_tokens * model_dim_a)
+def activation_estimate(
+    video_tokens: int,
+    audio_tokens: int,
+    model_dim: int,
+    model_dim_a: int,
+    *,
+    ff_dim: int = 0,
+    fp8_gemm: bool = False,
+    quant_attention: bool = False,
+) -> int:
+    """Bytes the DiT's activations may take at their peak (one fused block's live set), for the arm's kernels.
+    Held against peaks measured on the GPU: tests/test_residency_gpu.py (one block) and the full-size acceptance
+    record (tests/test_acceptance_record.py)."""
+    per_token = ACTIVATION_BYTES_PER_TOKEN_DIM * model_dim
+    if fp8_gemm:
+        per_token += FP8_GEMM_EXTRA_PER_DIM * (ff_dim + model_dim)
+    if quant_attention:
+        per_token += QUANT_ATTENTION_EXTRA_PER_DIM * model_dim
+    return per_token * video_tokens + ACTIVATION_BYTES_PER_TOKEN_DIM * audio_tokens * model_dim_a
 
 
 def plan_residency(

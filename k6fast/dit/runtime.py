@@ -37,6 +37,10 @@ class MixedBlocks:
         if block not in self.resident:
             self.streamer.release(block)
 
+    def abort_forward(self) -> None:
+        if self.streamer is not None:
+            self.streamer.abort_forward()
+
 
 def block_of(name: str) -> int | None:
     if not name.startswith(BLOCK_PREFIX):
@@ -81,6 +85,16 @@ class DiTRuntime:
         self.reader.close()
 
 
+def _activation_profile(backend: Backend | None, index: Mapping[str, TensorLocation]) -> dict[str, bool]:
+    """Which lossy kernels run, for the activation estimate: the switched backend's resolved choices (a plain
+    ExactBackend runs neither), and fp8 GEMMs whenever the checkpoint stores e4m3 weights (they run whatever
+    K6_GEMM says)."""
+    gemm = getattr(getattr(backend, "gemm", None), "kind", "bf16")
+    attn = getattr(getattr(backend, "attn", None), "kind", "exact")
+    stored_fp8 = any(loc.dtype == torch.float8_e4m3fn for loc in index.values())
+    return {"fp8_gemm": gemm == "fp8" or stored_fp8, "quant_attention": attn != "exact"}
+
+
 def build_dit(
     ckpt: Checkpoint,
     device: torch.device,
@@ -98,12 +112,15 @@ def build_dit(
     device = resolve_device(device)
     index = index_safetensors(list(ckpt.transformer_files))
     fixed_bytes, block_bytes = index_footprint(index, cfg.num_visual_blocks, dtype)
+    profile = _activation_profile(backend, index)
     plan = plan_residency(
         budget_bytes=budget_bytes,
         fixed_bytes=fixed_bytes,
         block_bytes=block_bytes,
         num_blocks=cfg.num_visual_blocks,
-        activation_bytes=activation_estimate(tokens[0], tokens[1], cfg.model_dim, cfg.model_dim_a),
+        activation_bytes=activation_estimate(
+            tokens[0], tokens[1], cfg.model_dim, cfg.model_dim_a, ff_dim=cfg.ff_dim, **profile
+        ),
         prefetch=prefetch,
         max_resident=max_resident,
     )

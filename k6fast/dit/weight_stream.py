@@ -230,7 +230,8 @@ class BlockStreamer:
         self._error: BaseException | None = None
         self._stop = False
         self.timings: list[BlockTiming] = []
-        self._pending: list[tuple] = []
+        self._pending: list[tuple] = []  # released blocks of the forwards since the last collect_timings
+        self._in_flight: tuple | None = None  # the block handed out by `get`, not yet released
         self._thread = threading.Thread(target=self._run, name="k6-stream", daemon=True)
         self._thread.start()
 
@@ -311,7 +312,9 @@ class BlockStreamer:
             before.record(stream)
             stream.wait_event(self._ready[slot_i])
             after.record(stream)
-            self._pending.append((block, slot_i, before, after, done, copy_timing))
+            # Held apart until `release` records `done`: a block whose compute raised never gets there, and an
+            # unrecorded event in `_pending` would fail every later `collect_timings`.
+            self._in_flight = (block, slot_i, before, after, done, copy_timing)
         return self.layouts[block].views(self._slots[slot_i], self.compute)
 
     def release(self, block: int) -> None:
@@ -320,10 +323,22 @@ class BlockStreamer:
         if self.cuda:
             stream = torch.cuda.current_stream(self.device)
             self._slot_free[slot_i].record(stream)
-            self._pending[-1][4].record(stream)
+            if self._in_flight is not None:
+                self._in_flight[4].record(stream)
+                self._pending.append(self._in_flight)
+                self._in_flight = None
         with self._cond:
             self._consumed += 1
             self._cond.notify_all()
+
+    def abort_forward(self) -> None:
+        """A forward raised between `get` and `release` (an OOM inside a block, a cancellation): forget its timings.
+        The slot it held is reused as soon as the next forward's `begin_forward` restarts the cycle."""
+        if self.cuda and self._in_flight is not None:
+            # Kernels of the failed block already queued may still read its slot: the next copy into it waits.
+            self._slot_free[self._in_flight[1]].record(torch.cuda.current_stream(self.device))
+        self._in_flight = None
+        self._pending.clear()
 
     def collect_timings(self) -> list[BlockTiming]:
         """Resolve the events of the forwards since the last call (synchronises the device once)."""

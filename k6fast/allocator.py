@@ -1,0 +1,54 @@
+"""PyTorch's CUDA caching allocator, configured for a run that fills a card to its budget.
+
+The DiT phase at W1 on a 32 GiB budget holds ~23 GiB of weights and reallocates multi-GiB activations (the
+feed-forward's hidden state, the attention inputs) every block. With fixed-size segments those allocations
+fragment the reserved memory until a large one no longer fits ("3.37 GiB reserved but unallocated" at the OOM the
+full-size acceptance run met, measurements/README.md#acceptance). Expandable segments map physical pages into one
+growing virtual range instead, so freed room is reusable for any size.
+
+PyTorch reads `PYTORCH_CUDA_ALLOC_CONF` when CUDA first initialises, so the command line sets it before anything
+touches CUDA; a library user who builds a `Pipeline` after CUDA started gets the same setting through the
+allocator's runtime switch. A user's own `expandable_segments` choice is left alone.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+
+logger = logging.getLogger(__name__)
+
+ENV = "PYTORCH_CUDA_ALLOC_CONF"
+SETTING = "expandable_segments:True"
+
+
+def _user_chose(environ: dict[str, str] | os._Environ) -> bool:
+    return "expandable_segments" in environ.get(ENV, "")
+
+
+def configure_environment(environ: dict[str, str] | os._Environ | None = None) -> bool:
+    """Before CUDA starts (the CLI's first step): ask for expandable segments in the environment, keeping any other
+    allocator options the user set. Returns True when it changed the environment."""
+    environ = os.environ if environ is None else environ
+    if _user_chose(environ):
+        return False
+    current = environ.get(ENV, "").strip().strip(",")
+    environ[ENV] = f"{current},{SETTING}" if current else SETTING
+    return True
+
+
+def configure_runtime() -> None:
+    """From inside a process where CUDA may already run (a `Pipeline` built by library code): switch the allocator
+    to expandable segments for the segments it creates from now on, unless the user chose otherwise."""
+    import torch
+
+    if _user_chose(os.environ) or not torch.cuda.is_available():
+        return
+    setter = getattr(torch.cuda.memory, "_set_allocator_settings", None)
+    if setter is None:  # a PyTorch without the runtime switch: the environment variable is the only way
+        logger.warning("this PyTorch cannot switch on expandable segments at run time; set %s=%s", ENV, SETTING)
+        return
+    try:
+        setter(SETTING)
+    except RuntimeError as exc:  # keep running with fixed segments: slower to fit, not wrong
+        logger.warning("could not switch the CUDA allocator to expandable segments (%s); set %s=%s", exc, ENV, SETTING)

@@ -1,0 +1,268 @@
+"""`k6fast acceptance`: the product run whole, as a user runs it. Every shipped arm at full depth and the real
+geometry, each run a fresh `k6fast generate` process under a VRAM budget: cold (empty compile caches) and warm
+(caches from the cold run), under a host-memory ballast that leaves what a consumer machine has, and the diffusers
+peer in the same session.
+
+A run's row (appended to `runs.jsonl` as it ends, so an interrupted session keeps what it measured): pass/fail and
+why, process wall time, the request's phases, compile seconds and graphs, peak VRAM (allocator; per phase; and what
+nvidia-smi saw, CUDA context included), peak host RSS, share of the weight copies hidden, and the final latents'
+rel. L2 / cosine against the reference arm's (same seed): the whole chain's numerical cost. `README.md` in the
+record folder is the table (`acceptance_report.py`).
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import os
+import shutil
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+from .acceptance_report import ROWS_FILE, latent_error, render_table, request_summary
+from .records import append_jsonl, read_jsonl, write_json
+
+PLAN_FILE = "acceptance.json"
+REFERENCE_ARM = "reference"
+DEFAULT_PROMPT = (
+    "A rain-slicked Tokyo alley at night, camera tracking forward past a glowing neon sign that reads OPEN in red "
+    "letters, reflections rippling in puddles. Audio: steady rain on metal awnings, a distant train."
+)
+
+
+@dataclass(frozen=True)
+class Run:
+    """One fresh process: an arm (or the peer) under a budget, with cold or warm compile caches, and optionally a
+    ballast that leaves `host_ram_gb` of the host's memory."""
+
+    arm: str
+    budget_gb: float
+    cache: str  # "cold": caches emptied first; "warm": the caches a cold run of this arm left
+    host_ram_gb: float | None = None
+
+    @property
+    def name(self) -> str:
+        ballast = f", {self.host_ram_gb:g} GB host" if self.host_ram_gb else ""
+        return f"{self.arm} @ {self.budget_gb:g} GiB, {self.cache}{ballast}"
+
+    @property
+    def peer(self) -> bool:
+        return self.arm.startswith("diffusers")
+
+    @property
+    def slug(self) -> str:
+        ballast = f"-host{self.host_ram_gb:g}" if self.host_ram_gb else ""
+        return f"{self.arm}-{self.budget_gb:g}-{self.cache}{ballast}".replace("/", "_")
+
+
+def build_plan(
+    arms: list[str],
+    budgets: list[float],
+    *,
+    ballast_arms: list[str] = (),
+    host_ram_gb: float | None = None,
+    peer: str | None = None,
+) -> list[Run]:
+    """Most important first (a lease can end early): every arm cold at the first budget, then warm there, every arm
+    warm at the other budgets, the ballast runs, the peer last (it fills the host's memory and page cache)."""
+    if not arms or not budgets:
+        raise ValueError("expected at least one arm and one budget")
+    first, *others = budgets
+    runs = [Run(arm, first, "cold") for arm in arms]
+    runs += [Run(arm, first, "warm") for arm in arms]
+    runs += [Run(arm, budget, "warm") for budget in others for arm in arms]
+    if host_ram_gb:
+        runs += [Run(arm, first, "warm", host_ram_gb) for arm in ballast_arms]
+    if peer:
+        runs.append(Run(peer, first, "cold"))
+    return runs
+
+
+class ProcessWatch:
+    """Peak RSS of a child process (VmRSS and RssAnon from /proc, sampled) and the GPU memory nvidia-smi reports in
+    use above what it showed before the child started (the CUDA context and everything outside the allocator)."""
+
+    def __init__(self, pid: int, interval_s: float = 0.25, smi: str | None = None):
+        self.pid, self.interval_s = pid, interval_s
+        self.smi = smi if smi is not None else shutil.which("nvidia-smi")
+        self.peak_rss = self.peak_anon = self.peak_smi_mib = 0
+        self.baseline_smi_mib = self._smi_used()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="k6fast-acceptance-watch", daemon=True)
+        self._thread.start()
+
+    def _smi_used(self) -> int:
+        if not self.smi:
+            return 0
+        try:
+            out = subprocess.run([self.smi, "--query-gpu=memory.used", "--format=csv,noheader,nounits"],
+                                 capture_output=True, text=True, timeout=10, check=False).stdout  # fmt: skip
+            return sum(int(v) for v in out.split() if v.isdigit())
+        except (OSError, subprocess.SubprocessError):
+            return 0
+
+    def _sample(self) -> None:
+        try:
+            text = Path(f"/proc/{self.pid}/status").read_text()
+        except OSError:
+            return
+        for line in text.splitlines():
+            if line.startswith("VmRSS:"):
+                self.peak_rss = max(self.peak_rss, int(line.split()[1]) * 1024)
+            elif line.startswith("RssAnon:"):
+                self.peak_anon = max(self.peak_anon, int(line.split()[1]) * 1024)
+
+    def _run(self) -> None:
+        tick = 0
+        while not self._stop.wait(self.interval_s):
+            self._sample()
+            tick += 1
+            if tick % 4 == 0:  # nvidia-smi costs ~50 ms a call: once a second
+                self.peak_smi_mib = max(self.peak_smi_mib, self._smi_used() - self.baseline_smi_mib)
+
+    def stop(self) -> dict[str, int]:
+        self._stop.set()
+        self._thread.join()
+        return {"peak_rss_bytes": self.peak_rss, "peak_rss_anon_bytes": self.peak_anon,
+                "peak_smi_used_mib": self.peak_smi_mib}  # fmt: skip
+
+
+class Ballast:
+    """A process holding host memory locked so that only `leave_gb` (10^9 bytes) stays for everything else (page
+    cache included): a consumer machine's share of RAM on a bigger host (`k6fast/bench/ballast.py`)."""
+
+    def __init__(self, leave_gb: float, python: str = sys.executable):
+        self.proc = subprocess.Popen([python, "-m", "k6fast.bench.ballast", "--leave-gb", str(leave_gb)],
+                                     stdout=subprocess.PIPE, text=True)  # fmt: skip
+        line = self.proc.stdout.readline().strip()  # "held N bytes of M" once every page is in place
+        if not line.startswith("held"):
+            self.proc.kill()
+            raise RuntimeError(f"the host-memory ballast did not start: {line or 'no output'}")
+        self.description = line
+
+    def close(self) -> None:
+        self.proc.kill()
+        self.proc.wait()
+
+
+def child_env(run: Run, work: Path, base: dict[str, str]) -> dict[str, str]:
+    """The run's environment: no K6_* from the caller (the arm file decides), the budget, and the arm's own compile
+    caches (Inductor's and Triton's: both are what a second start reuses)."""
+    env = {k: v for k, v in base.items() if not k.startswith("K6_")}
+    cache = work / "cache" / run.arm
+    env.update(K6_VRAM_BUDGET_GB=f"{run.budget_gb:g}", K6_INDUCTOR_CACHE_DIR=str(cache),
+               TRITON_CACHE_DIR=str(cache / "triton"), PYTHONUNBUFFERED="1")  # fmt: skip
+    return env
+
+
+@dataclass(frozen=True)
+class Workload:
+    """What every run of a session asks for: the same request."""
+
+    model: str
+    geometry: str  # WIDTHxHEIGHTxFRAMES
+    prompt: str
+    seed: int
+    steps: int
+    guidance: float
+
+
+def generate_command(run: Run, w: Workload, run_dir: Path, python: str) -> list[str]:
+    width, height, frames = w.geometry.split("x")
+    return [python, "-m", "k6fast.cli", "generate", "--model", w.model, "--arm", run.arm, "--prompt", w.prompt,
+            "--seed", str(w.seed), "--steps", str(w.steps), "--guidance", f"{w.guidance:g}",
+            "--size", f"{width}x{height}", "--frames", frames,
+            "--out", str(run_dir / "clip.mp4"), "--save-latents", str(run_dir / "latents.safetensors")]  # fmt: skip
+
+
+def peer_command(run: Run, w: Workload, run_dir: Path, python: str) -> list[str]:
+    """The peer through `k6fast bench`'s visit process: one request, no warm-up (a user's first request), under
+    the same allocator cap, MP4 written by the same writer."""
+    import json
+
+    from .visit import VisitSpec
+
+    width, height, frames = (int(v) for v in w.geometry.split("x"))
+    spec = VisitSpec(session="acceptance", visit=0, position=0, repeat=0, arm=run.arm, model=w.model,
+                     component="pipeline", width=width, height=height, frames=frames, steps=w.steps,
+                     guidance=w.guidance, seed=w.seed, prompt=w.prompt, requests=1, warmup=0,
+                     switches={"K6_VRAM_BUDGET_GB": f"{run.budget_gb:g}"})  # fmt: skip
+    (run_dir / "spec.json").write_text(json.dumps(spec.as_dict()))
+    return [python, "-m", "k6fast.bench.visit", "--spec", str(run_dir / "spec.json"),
+            "--out", str(run_dir / "peer.json")]  # fmt: skip
+
+
+def execute(run: Run, w: Workload, *, work: Path, timeout_s: float, python: str = sys.executable,
+            reference_latents: Path | None = None) -> dict[str, Any]:  # fmt: skip
+    """Run one fresh process and return its row."""
+    run_dir = work / "runs" / run.slug
+    shutil.rmtree(run_dir, ignore_errors=True)
+    run_dir.mkdir(parents=True)
+    if run.cache == "cold":
+        shutil.rmtree(work / "cache" / run.arm, ignore_errors=True)
+    make = peer_command if run.peer else generate_command
+    cmd = make(run, w, run_dir, python)
+    ballast = Ballast(run.host_ram_gb, python) if run.host_ram_gb else None
+    row: dict[str, Any] = {"run": run.name, **asdict(run), "command": cmd,
+                           "ballast": ballast.description if ballast else None}  # fmt: skip
+    start = time.perf_counter()
+    try:
+        with open(run_dir / "stderr.log", "w") as log:
+            proc = subprocess.Popen(cmd, env=child_env(run, work, dict(os.environ)), stdout=log, stderr=log)
+            watch = ProcessWatch(proc.pid)
+            try:
+                row["returncode"] = proc.wait(timeout=timeout_s)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+                row["returncode"] = None
+            row.update(watch.stop())
+    finally:
+        if ballast is not None:
+            ballast.close()
+    row["process_s"] = round(time.perf_counter() - start, 3)
+    row.update(request_summary(run_dir, peer=run.peer))
+    tail = (run_dir / "stderr.log").read_text(errors="replace").splitlines()[-15:]
+    if row["returncode"] != 0:
+        why = f"timed out after {timeout_s:.0f} s" if row["returncode"] is None else f"exit {row['returncode']}"
+        row.update(passed=False, error=f"{why}: " + " | ".join(line.strip() for line in tail[-3:]))
+    else:
+        row["passed"] = row.get("error") is None
+    row["stderr_tail"] = tail
+    latents = run_dir / "latents.safetensors"
+    if row["passed"] and not run.peer and reference_latents is not None and latents.is_file():
+        row["vs_reference"] = latent_error(latents, reference_latents)
+    return row
+
+
+def run_acceptance(
+    runs: list[Run], w: Workload, *, out: Path, work: Path, timeout_s: float = 1200.0,
+    header: dict[str, Any] | None = None, log=lambda line: print(line, file=sys.stderr, flush=True),
+) -> Path:  # fmt: skip
+    """Run the plan; rows go to `out/runs.jsonl` as they end, the table to `out/README.md` after each run."""
+    out.mkdir(parents=True, exist_ok=True)
+    work.mkdir(parents=True, exist_ok=True)
+    started = dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds")
+    plan = {**asdict(w), "timeout_s": timeout_s, "runs": [asdict(r) for r in runs], "started": started,
+            "argv": sys.argv, **(header or {})}  # fmt: skip
+    write_json(out / PLAN_FILE, plan)
+    reference: Path | None = None
+    for i, run in enumerate(runs, 1):
+        log(f"acceptance: run {i}/{len(runs)}: {run.name}")
+        row = execute(run, w, work=work, timeout_s=timeout_s, reference_latents=reference)
+        latents = work / "runs" / run.slug / "latents.safetensors"
+        if run.arm == REFERENCE_ARM and reference is None and row["passed"] and latents.is_file():
+            reference = latents  # the first reference run that passed is what every later arm is held against
+            row["vs_reference"] = latent_error(latents, latents)
+        append_jsonl(out / ROWS_FILE, row)
+        verdict = "PASS" if row["passed"] else f"FAIL ({row.get('error', '')[:200]})"
+        log(f"acceptance:   {verdict} in {row['process_s']:.1f} s")
+        (out / "README.md").write_text(render_table(read_jsonl(out / ROWS_FILE), plan))
+    plan["finished"] = dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds")
+    write_json(out / PLAN_FILE, plan)
+    (out / "README.md").write_text(render_table(read_jsonl(out / ROWS_FILE), plan))
+    return out

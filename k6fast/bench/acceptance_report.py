@@ -1,0 +1,166 @@
+"""What an acceptance run's files say, and the table they make: a row per run from the `k6fast generate` sidecar
+(or the peer's visit record), latent errors between arms, and the Markdown table of a session.
+
+Pure reading and formatting (no GPU, no model code): the CPU tests hold it against hand-made records.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+ROWS_FILE = "runs.jsonl"
+GiB = 2**30
+
+
+def latent_error(latents: Path, reference: Path) -> dict[str, dict[str, float]]:
+    """Per stream (video, audio): relative L2 ‖a − r‖ / ‖r‖ and cosine similarity of the final latents, in fp64."""
+    from safetensors.torch import load_file
+
+    a, r = load_file(str(latents)), load_file(str(reference))
+    out = {}
+    for key in sorted(set(a) & set(r)):
+        x, y = a[key].double().flatten(), r[key].double().flatten()
+        if x.shape != y.shape:
+            raise ValueError(f"{latents}: {key} latents {tuple(a[key].shape)} vs reference {tuple(r[key].shape)}")
+        ref_norm = float(y.norm())
+        rel = float((x - y).norm()) / ref_norm if ref_norm > 0 else float((x - y).norm())
+        cos = float(x @ y) / (float(x.norm()) * ref_norm) if ref_norm > 0 and float(x.norm()) > 0 else 1.0
+        out[key] = {"rel_l2": rel, "cosine": cos}
+    return out
+
+
+def _hidden_share(stream_steps: list[dict]) -> float | None:
+    copy = sum(s.get("copy_s", 0.0) for s in stream_steps)
+    exposed = sum(s.get("exposed_s", 0.0) for s in stream_steps)
+    return None if copy <= 0 else 1 - exposed / copy
+
+
+def request_summary(run_dir: Path, *, peer: bool = False) -> dict[str, Any]:
+    """The figures of one run from what its process wrote: `clip.mp4.json` (k6fast) or `peer.json` (the peer's
+    bench visit). Empty when the process wrote nothing (it failed before the end); `error` when it says so."""
+    path = run_dir / ("peer.json" if peer else "clip.mp4.json")
+    if not path.is_file():
+        return {}
+    record = json.loads(path.read_text())
+    if peer:
+        if "error" in record:
+            return {"error": record["error"]}
+        request = record["requests"][0]
+        telemetry = request["telemetry"]
+        extra = {"load_s": record.get("load_s"), "import_s": record.get("import_s"),
+                 "child_peak_rss_anon_bytes": record.get("peak_rss_anon_bytes")}  # fmt: skip
+        provenance = record.get("provenance", {})
+        gpu = (record.get("environment") or {}).get("gpu_name")
+    else:
+        telemetry = record["telemetry"]
+        extra = {"load_s": record.get("load_s"), "residency": record.get("residency")}
+        provenance = record.get("provenance", {})
+        gpu = record.get("gpu_name")
+    phases = telemetry.get("phases_s", {})
+    return {
+        **extra,
+        "request_s": sum(phases.values()),
+        "phases_s": phases,
+        "steps": len(telemetry.get("step_s", [])),
+        "dit_calls": telemetry.get("dit_calls"),
+        "compile_s": telemetry.get("compile_s", 0.0),
+        "compiled_graphs": telemetry.get("compiled_graphs", 0),
+        "peak_vram_bytes": telemetry.get("peak_vram_bytes", 0),
+        "peak_vram_reserved_bytes": telemetry.get("peak_vram_reserved_bytes", 0),
+        "phase_peaks": telemetry.get("phase_peaks", {}),
+        "hidden_share": _hidden_share(telemetry.get("stream_steps", [])),
+        "video_decode": telemetry.get("video_decode", ""),
+        "ru_maxrss_bytes": telemetry.get("peak_host_rss_bytes"),
+        "commit": provenance.get("git_commit"),
+        "dirty": provenance.get("git_dirty"),
+        "arm_hash": provenance.get("arm_hash"),
+        "gpu_name": gpu,
+    }
+
+
+def _s(value: float | None, digits: int = 1) -> str:
+    return "—" if value is None else f"{value:.{digits}f}"
+
+
+def _gib(value: int | None) -> str:
+    return "—" if not value else f"{value / GiB:.2f}"
+
+
+def _latents(row: dict[str, Any]) -> str:
+    errors = row.get("vs_reference")
+    if not errors:
+        return "—"
+    return " / ".join(f"{key} {e['rel_l2']:.2e}, cos {e['cosine']:.5f}" for key, e in errors.items())
+
+
+def _result(row: dict[str, Any]) -> str:
+    if row.get("passed"):
+        return "PASS"
+    return "**FAIL**: " + str(row.get("error", "")).replace("|", "/")[:160]
+
+
+COLUMNS = (
+    "run", "result", "process s", "request s", "text / denoise / decode / mux s", "compile s (graphs)",
+    "peak VRAM alloc / reserved GiB", "denoise peak GiB", "nvidia-smi peak GiB", "peak host RSS GiB",
+    "copies hidden", "final latents vs reference (rel. L2, cosine)",
+)  # fmt: skip
+
+
+def table_row(row: dict[str, Any]) -> str:
+    phases = row.get("phases_s") or {}
+    split = " / ".join(_s(phases.get(k)) for k in ("text_encode", "denoise", "video_decode", "mux"))
+    denoise_peak = (row.get("phase_peaks") or {}).get("denoise", {}).get("reserved")
+    smi = row.get("peak_smi_used_mib")
+    hidden = row.get("hidden_share")
+    cells = [
+        row.get("run", "?"),
+        _result(row),
+        _s(row.get("process_s")),
+        _s(row.get("request_s")) if row.get("request_s") else "—",
+        split if phases else "—",
+        f"{_s(row.get('compile_s'))} ({row.get('compiled_graphs', 0)})" if row.get("phases_s") else "—",
+        f"{_gib(row.get('peak_vram_bytes'))} / {_gib(row.get('peak_vram_reserved_bytes'))}",
+        _gib(denoise_peak),
+        "—" if not smi else f"{smi / 1024:.2f}",
+        _gib(row.get("peak_rss_bytes")),
+        "—" if hidden is None else f"{100 * hidden:.1f} %",
+        _latents(row),
+    ]
+    return "| " + " | ".join(str(c) for c in cells) + " |"
+
+
+def render_table(rows: list[dict[str, Any]], plan: dict[str, Any]) -> str:
+    """The session's README: what ran, on what, and a row per run."""
+    commits = sorted({str(r.get("commit")) + (" (dirty)" if r.get("dirty") else "") for r in rows if r.get("commit")})
+    gpus = sorted({r["gpu_name"] for r in rows if r.get("gpu_name")})
+    passed = sum(1 for r in rows if r.get("passed"))
+    lines = [
+        f"# Acceptance: {plan.get('model')} at {plan.get('geometry')}, {plan.get('steps')} steps",
+        "",
+        f"Generated by `k6fast acceptance` (`{' '.join(plan.get('argv', []))}`); started {plan.get('started')}"
+        + (f", finished {plan['finished']}" if plan.get("finished") else ", still running or interrupted")
+        + ".",
+        "",
+        f"- GPU: {', '.join(gpus) or 'none'}; versions: {json.dumps(plan.get('versions', {}))}",
+        f"- commit(s): {', '.join(commits) or 'unknown'}",
+        f"- checkpoint: {plan.get('checkpoint_note', plan.get('model'))}",
+        f"- each run a fresh process: `k6fast generate --arm ARM` under `K6_VRAM_BUDGET_GB`; cold = empty Inductor and "
+        "Triton caches, warm = the caches a cold run of the same arm left; seed "
+        f"{plan.get('seed')}, prompt: {plan.get('prompt')!r}",
+        f"- {passed} of {len(rows)} runs passed",
+        "",
+        "| " + " | ".join(COLUMNS) + " |",
+        "|" + "---|" * len(COLUMNS),
+        *(table_row(r) for r in rows),
+        "",
+        "Columns: process s = the whole `k6fast generate` process (imports, load, request, exit); request s = the sum "
+        "of the request's phases; peak VRAM = the caching allocator's peaks over the request (what the budget caps); "
+        "denoise peak = reserved during denoising alone (what the residency planner's estimate covers); nvidia-smi "
+        "peak = device memory in use above the idle level while the process ran (CUDA context included); peak host "
+        "RSS = VmRSS sampled every 0.25 s; copies hidden = share of the streamed weight copies overlapped with "
+        "compute.",
+        "",
+    ]
+    return "\n".join(lines)
