@@ -165,6 +165,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     from .bench.acceptance_cli import register as register_acceptance
     from .bench.cli import register as register_bench
+    from .doctor import register as register_doctor
     from .quality_gate.command import register as register_gate
     from .quantize import register as register_quantize
     from .server.cli import register as register_serve
@@ -173,6 +174,7 @@ def build_parser() -> argparse.ArgumentParser:
     register_gate(sub)
     register_bench(sub)
     register_acceptance(sub)
+    register_doctor(sub)
     register_quantize(sub)
     return parser
 

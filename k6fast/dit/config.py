@@ -257,6 +257,19 @@ def quantized_layout(shapes: dict[str, tuple[int, ...]], fmt: str) -> tuple[dict
     return out, dtypes
 
 
+def stays_as_stored(name: str, stored_itemsize: int, floating: bool) -> bool:
+    """Tensors the device holds in their stored dtype: integers, quantized weights (one byte an element: e4m3,
+    packed nvfp4) and their scales. The stored form is what their GEMM reads."""
+    return not floating or stored_itemsize == 1 or name.endswith(SCALE_SUFFIXES)
+
+
+def held_itemsize(name: str, stored_itemsize: int, floating: bool, compute_itemsize: int) -> int:
+    """Bytes an element of this tensor takes on the device (the rule `weight_stream.target_dtype` applies)."""
+    if stays_as_stored(name, stored_itemsize, floating):
+        return stored_itemsize
+    return 4 if is_fp32_tensor(name) else compute_itemsize
+
+
 def is_fp32_tensor(name: str) -> bool:
     """Layers k6fast keeps in float32 whatever the compute dtype: every AdaLN modulation projection, both time
     embeddings and the pooled-text projections added to them. They see one row of activations per sample and their

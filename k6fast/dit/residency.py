@@ -2,7 +2,12 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass
+
+from .config import held_itemsize
+
+BLOCK_PREFIX = "visual_transformer_blocks."
 
 GiB = 2**30
 # Peak activation bytes of one fused block per (video token x model_dim) for k6fast's exact BF16 block, counted
@@ -67,6 +72,33 @@ class ResidencyPlan:
             )
         lines.append(f"  activations (estimate) {gib(self.activation_bytes)}, reserve {gib(RESERVE_BYTES)}")
         return "\n".join(lines)
+
+
+def block_of(name: str) -> int | None:
+    """The fused block a checkpoint tensor belongs to, None for the always-resident rest."""
+    if not name.startswith(BLOCK_PREFIX):
+        return None
+    return int(name[len(BLOCK_PREFIX) :].split(".", 1)[0])
+
+
+def weight_footprint(
+    entries: Iterable[tuple[str, int, int, bool]], num_blocks: int, compute_itemsize: int
+) -> tuple[int, int]:
+    """(fixed bytes, largest fused block's bytes) as held on the device, from (name, elements, stored itemsize,
+    floating) per tensor.
+
+    Counted in the dtype each tensor computes in: resident blocks keep their modulation layers in fp32 (≈ 150 MB
+    more than the bf16 file holds per Pro block), and a streamed slot holds the stored bytes plus the same fp32
+    copies while its block runs, so one figure covers both."""
+    fixed, blocks = 0, [0] * num_blocks
+    for name, elements, itemsize, floating in entries:
+        held = elements * held_itemsize(name, itemsize, floating, compute_itemsize)
+        b = block_of(name)
+        if b is None:
+            fixed += held
+        else:
+            blocks[b] += held
+    return fixed, max(blocks)
 
 
 def activation_estimate(

@@ -11,10 +11,8 @@ from torch import Tensor
 from ..checkpoint import Checkpoint
 from .backend import Backend
 from .model import K6DiT
-from .residency import GiB, ResidencyPlan, activation_estimate, plan_residency
-from .weight_stream import BlockStreamer, FileReader, TensorLocation, index_safetensors, target_dtype, upload
-
-BLOCK_PREFIX = "visual_transformer_blocks."
+from .residency import BLOCK_PREFIX, GiB, ResidencyPlan, activation_estimate, block_of, plan_residency, weight_footprint
+from .weight_stream import BlockStreamer, FileReader, TensorLocation, index_safetensors, upload
 
 
 class MixedBlocks:
@@ -42,29 +40,12 @@ class MixedBlocks:
             self.streamer.abort_forward()
 
 
-def block_of(name: str) -> int | None:
-    if not name.startswith(BLOCK_PREFIX):
-        return None
-    return int(name[len(BLOCK_PREFIX) :].split(".", 1)[0])
-
-
 def footprint(
     tensors: Iterable[tuple[str, int, torch.dtype]], num_blocks: int, compute: torch.dtype
 ) -> tuple[int, int]:
-    """(fixed bytes, largest fused block's bytes) as held on the device, from (name, elements, stored dtype).
-
-    Counted in the dtype each tensor computes in: resident blocks keep their modulation layers in fp32 (≈ 150 MB
-    more than the bf16 file holds per Pro block), and a streamed slot holds the stored bytes plus the same fp32
-    copies while its block runs, so one figure covers both."""
-    fixed, blocks = 0, [0] * num_blocks
-    for name, elements, stored in tensors:
-        held = elements * target_dtype(name, stored, compute).itemsize
-        b = block_of(name)
-        if b is None:
-            fixed += held
-        else:
-            blocks[b] += held
-    return fixed, max(blocks)
+    """(fixed bytes, largest fused block's bytes) as held on the device, from (name, elements, stored dtype)."""
+    entries = ((name, n, dtype.itemsize, dtype.is_floating_point) for name, n, dtype in tensors)
+    return weight_footprint(entries, num_blocks, compute.itemsize)
 
 
 def index_footprint(index: Mapping[str, TensorLocation], num_blocks: int, compute: torch.dtype) -> tuple[int, int]:

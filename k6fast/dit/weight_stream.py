@@ -23,7 +23,7 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
-from .config import SCALE_SUFFIXES, is_fp32_tensor
+from .config import is_fp32_tensor, stays_as_stored
 from .linear import bind_quantized
 
 _DTYPES = {
@@ -76,7 +76,7 @@ def index_safetensors(files: list[Path] | tuple[Path, ...]) -> dict[str, TensorL
 def target_dtype(name: str, stored: torch.dtype, compute: torch.dtype) -> torch.dtype:
     """Modulation and time-embedding layers run in fp32, other floating tensors in the compute dtype. Quantized
     weights (e4m3, packed uint8) and their scales stay as stored: the stored form is what their GEMM reads."""
-    if not stored.is_floating_point or stored.itemsize == 1 or name.endswith(SCALE_SUFFIXES):
+    if stays_as_stored(name, stored.itemsize, stored.is_floating_point):
         return stored
     return torch.float32 if is_fp32_tensor(name) else compute
 

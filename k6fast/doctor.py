@@ -1,0 +1,218 @@
+"""`k6fast doctor`: what a user runs before downloading 56 GB. The machine (GPU, compute capability, VRAM, host
+RAM, free disk), the checkpoint's disk read speed when one is given, and the arm, budget and residency k6fast would
+choose, each with its reason.
+
+It imports no model code and not even PyTorch (the GPU is read through nvidia-smi), so it answers in well under a
+second; the residency plan comes from the safetensors headers alone, the same arithmetic the runtime uses.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+from .dit.residency import GiB, activation_estimate, plan_residency, weight_footprint
+
+GB = 1e9
+# The Pro DiT in BF16 (60 fused blocks, text blocks, embeddings): the size a user would download.
+PRO_DIT_BF16_BYTES = int(56.14 * GiB)
+# The DiT process's own anonymous memory beside the page cache: text encoders' activations, pinned staging, the
+# decoders (6.2 GiB seen in the full-size acceptance run; a margin on top).
+PROCESS_HOST_BYTES = 8 * GiB
+W1_TOKENS = (31 * 30 * 54, 218)  # video, audio tokens of 864x480x121
+_ITEMSIZE = {"BF16": 2, "F16": 2, "F32": 4, "F8_E4M3": 1, "U8": 1, "I8": 1, "I32": 4, "I64": 8}
+
+
+@dataclass
+class Gpu:
+    name: str
+    compute_capability: str
+    memory_bytes: int
+    driver: str
+
+    @property
+    def geforce(self) -> bool:
+        return "GeForce" in self.name  # the rule `k6fast.dit.arch` applies to the auto choices
+
+
+@dataclass
+class Report:
+    gpus: list[Gpu]
+    host_ram_bytes: int
+    host_available_bytes: int
+    disk_free_bytes: int
+    disk_path: str
+    read_gb_s: float | None = None
+    read_note: str = ""
+    advice: list[str] = field(default_factory=list)
+    plan: dict | None = None
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+
+def read_gpus(smi: str | None = None) -> list[Gpu]:
+    smi = smi or shutil.which("nvidia-smi")
+    if smi is None:
+        return []
+    query = "--query-gpu=name,compute_cap,memory.total,driver_version"
+    try:
+        out = subprocess.run([smi, query, "--format=csv,noheader,nounits"], capture_output=True, text=True,
+                             timeout=10, check=True).stdout  # fmt: skip
+    except (OSError, subprocess.SubprocessError):
+        return []
+    gpus = []
+    for line in out.splitlines():
+        parts = [p.strip() for p in line.split(",")]
+        if len(parts) == 4 and parts[2].isdigit():
+            gpus.append(Gpu(parts[0], parts[1], int(parts[2]) * 2**20, parts[3]))
+    return gpus
+
+
+def meminfo(path: str = "/proc/meminfo") -> tuple[int, int]:
+    """(MemTotal, MemAvailable) in bytes."""
+    values = {}
+    with open(path) as f:
+        for line in f:
+            key, _, rest = line.partition(":")
+            if key in ("MemTotal", "MemAvailable"):
+                values[key] = int(rest.split()[0]) * 1024
+    return values.get("MemTotal", 0), values.get("MemAvailable", 0)
+
+
+def measure_read(path: Path, nbytes: int = 512 << 20) -> tuple[float, str]:
+    """Sequential read speed of `path` (GB/s) after asking the kernel to drop its cached pages of the range, so the
+    figure is the disk's rather than the page cache's (a range another process keeps mapped may still be cached)."""
+    size = min(nbytes, path.stat().st_size)
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.posix_fadvise(fd, 0, size, os.POSIX_FADV_DONTNEED)
+        buf, done, start = bytearray(16 << 20), 0, time.perf_counter()
+        view = memoryview(buf)
+        while done < size:
+            n = os.readv(fd, [view[: min(len(buf), size - done)]])
+            if n <= 0:
+                break
+            done += n
+        seconds = time.perf_counter() - start
+    finally:
+        os.close(fd)
+    return done / seconds / GB, f"{done / 2**20:.0f} MiB of {path.name}, cached pages dropped first"
+
+
+def dit_plan(model: Path, budget_bytes: int) -> dict:
+    """The residency plan the runtime would make at W1 for this checkpoint and budget (bf16 compute, exact arm)."""
+    from .checkpoint import open_checkpoint, safetensors_header
+
+    ckpt = open_checkpoint(model)
+    entries = []
+    for file in ckpt.transformer_files:
+        for name, meta in safetensors_header(file).items():
+            if name != "__metadata__":
+                itemsize = _ITEMSIZE[meta["dtype"]]
+                floating = meta["dtype"] in ("BF16", "F16", "F32", "F8_E4M3")
+                entries.append(
+                    (name, (meta["data_offsets"][1] - meta["data_offsets"][0]) // itemsize, itemsize, floating)
+                )
+    cfg = ckpt.dit
+    fixed, block = weight_footprint(entries, cfg.num_visual_blocks, 2)
+    activations = activation_estimate(*W1_TOKENS, cfg.model_dim, cfg.model_dim_a, ff_dim=cfg.ff_dim)
+    plan = plan_residency(budget_bytes=budget_bytes, fixed_bytes=fixed, block_bytes=block,
+                          num_blocks=cfg.num_visual_blocks, activation_bytes=activations)  # fmt: skip
+    stored = sum(f.stat().st_size for f in ckpt.transformer_files)
+    return {"variant": ckpt.variant, "dit_file_bytes": stored, **plan.as_dict(), "describe": plan.describe()}
+
+
+def advise(report: Report, dit_bytes: int, plan: dict | None) -> list[str]:
+    """The choices k6fast would make on this machine, each with its reason."""
+    out = []
+    if not report.gpus:
+        out.append("no NVIDIA GPU found (nvidia-smi absent or silent): k6fast would run on the CPU, for tests only")
+        return out
+    gpu = report.gpus[0]
+    arm = "final"
+    why = ("GeForce card: `final`'s auto choices take the GeForce GEMM and attention kernels on the middle blocks, "
+           "not measured on such a card yet; `k6fast switches --arm final` shows them") if gpu.geforce else (
+           "datacenter card: `final`'s auto choices keep BF16 GEMMs and exact attention")  # fmt: skip
+    out.append(f"arm: {arm} ({why}); `fast` is the lossy mode - judge it with `k6fast gate` on your prompts")
+    budget = gpu.memory_bytes
+    out.append(f"budget: the whole card, {budget / GiB:.1f} GiB (K6_VRAM_BUDGET_GB=0); lower it by what the display "
+               "and other programs hold")  # fmt: skip
+    if plan is not None:
+        out.append(f"residency at W1: {plan['resident_blocks']} of {plan['num_blocks']} blocks resident, the rest "
+                   f"streamed through {plan['slots']} slots")  # fmt: skip
+    cache_room = report.host_ram_bytes - PROCESS_HOST_BYTES
+    fp8_bytes = int(dit_bytes * 0.58)
+    if dit_bytes > cache_room:
+        hint = (f"an fp8 checkpoint (`k6fast quantize --format fp8`, ~{fp8_bytes / GB:.0f} GB) would fit"
+                if fp8_bytes <= cache_room else "a smaller (fp8/nvfp4) checkpoint or more RAM would help")  # fmt: skip
+        out.append(f"page cache: the DiT's {dit_bytes / GB:.0f} GB do not fit beside {report.host_ram_bytes / GB:.0f} "
+                   f"GB of RAM: expect disk reads every denoising step; {hint}")  # fmt: skip
+    else:
+        out.append(f"page cache: the DiT's {dit_bytes / GB:.0f} GB fit in {report.host_ram_bytes / GB:.0f} GB of RAM "
+                   "after the first request")  # fmt: skip
+    if report.read_gb_s is not None and plan is not None:
+        streamed = (plan["num_blocks"] - plan["resident_blocks"]) * plan["block_bytes"]
+        out.append(f"disk: {report.read_gb_s:.2f} GB/s; a step that misses the page cache reads "
+                   f"{streamed / GB:.0f} GB: {streamed / GB / report.read_gb_s:.1f} s of reading per step")  # fmt: skip
+    if report.disk_free_bytes < dit_bytes:
+        out.append(f"disk space: {report.disk_free_bytes / GB:.0f} GB free at {report.disk_path}, the DiT alone is "
+                   f"{dit_bytes / GB:.0f} GB")  # fmt: skip
+    return out
+
+
+def run_doctor(model: str | None = None, budget_gb: float = 0.0, measure: bool = True) -> Report:
+    total, available = meminfo()
+    where = Path(model) if model and Path(model).exists() else Path.cwd()
+    report = Report(read_gpus(), total, available, shutil.disk_usage(where).free, str(where))
+    dit_bytes = PRO_DIT_BF16_BYTES
+    if model and Path(model).is_dir():
+        budget = int(budget_gb * GiB) if budget_gb > 0 else (report.gpus[0].memory_bytes if report.gpus else 32 * GiB)
+        report.plan = dit_plan(Path(model), budget)
+        dit_bytes = report.plan["dit_file_bytes"]
+        if measure:
+            from .checkpoint import open_checkpoint
+
+            largest = max(open_checkpoint(model).transformer_files, key=lambda f: f.stat().st_size)
+            report.read_gb_s, report.read_note = measure_read(largest)
+    report.advice = advise(report, dit_bytes, report.plan)
+    return report
+
+
+def render(report: Report) -> str:
+    lines = []
+    for i, g in enumerate(report.gpus):
+        lines.append(f"GPU {i}: {g.name}, sm_{g.compute_capability.replace('.', '')}, {g.memory_bytes / GiB:.1f} GiB, "
+                     f"driver {g.driver}")  # fmt: skip
+    if not report.gpus:
+        lines.append("GPU: none found")
+    lines.append(f"host RAM: {report.host_ram_bytes / GB:.1f} GB ({report.host_available_bytes / GB:.1f} GB available)")
+    lines.append(f"free disk at {report.disk_path}: {report.disk_free_bytes / GB:.1f} GB")
+    if report.read_gb_s is not None:
+        lines.append(f"checkpoint read speed: {report.read_gb_s:.2f} GB/s ({report.read_note})")
+    if report.plan is not None:
+        lines.append(f"checkpoint: {report.plan['variant']}, DiT {report.plan['dit_file_bytes'] / GB:.1f} GB")
+        lines.append(report.plan["describe"])
+    lines += [f"- {a}" for a in report.advice]
+    return "\n".join(lines)
+
+
+def register(subparsers):
+    p = subparsers.add_parser("doctor", help="check this machine before downloading a checkpoint: GPU, RAM, disk, plan")
+    p.add_argument("--model", help="a local checkpoint directory: its disk speed and the residency plan for it")
+    p.add_argument("--budget-gb", type=float, default=0.0, help="VRAM budget to plan for (default: the whole card)")
+    p.add_argument("--no-read-test", action="store_true", help="skip the disk read measurement")
+    p.add_argument("--json", action="store_true", help="print the report as JSON")
+    p.set_defaults(func=cmd_doctor)
+    return p
+
+
+def cmd_doctor(args) -> int:
+    report = run_doctor(args.model, args.budget_gb, measure=not args.no_read_test)
+    print(json.dumps(report.as_dict(), indent=2) if args.json else render(report))
+    return 0

@@ -1,0 +1,71 @@
+"""`k6fast doctor`: machine facts, the residency plan from the headers alone, advice with reasons, no PyTorch."""
+
+from __future__ import annotations
+
+import stat
+import subprocess
+import sys
+
+from k6fast.dit.residency import GiB
+from k6fast.doctor import GB, Gpu, Report, advise, dit_plan, measure_read, read_gpus, render, run_doctor
+
+
+def _fake_smi(tmp_path, line: str) -> str:
+    path = tmp_path / "nvidia-smi"
+    path.write_text(f"#!/bin/sh\necho '{line}'\n")
+    path.chmod(path.stat().st_mode | stat.S_IEXEC)
+    return str(path)
+
+
+def test_doctor_imports_no_torch_and_no_model_code() -> None:
+    heavy = "('torch', 'diffusers', 'transformers')"
+    code = f"import sys, k6fast.doctor; print(sorted(m for m in sys.modules if m.split('.')[0] in {heavy}))"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "[]"
+
+
+def test_gpus_are_read_from_nvidia_smi(tmp_path) -> None:
+    smi = _fake_smi(tmp_path, "NVIDIA GeForce RTX 5090, 12.0, 32607, 580.95")
+    (gpu,) = read_gpus(smi)
+    assert gpu == Gpu("NVIDIA GeForce RTX 5090", "12.0", 32607 * 2**20, "580.95") and gpu.geforce
+    assert read_gpus(str(tmp_path / "absent")) == []
+
+
+def test_plan_from_the_headers_matches_the_runtime_arithmetic(tiny_distill) -> None:
+    import torch
+
+    from k6fast.checkpoint import open_checkpoint
+    from k6fast.dit.runtime import index_footprint
+    from k6fast.dit.weight_stream import index_safetensors
+
+    plan = dit_plan(tiny_distill, 32 * GiB)
+    ckpt = open_checkpoint(tiny_distill)
+    fixed, block = index_footprint(
+        index_safetensors(ckpt.transformer_files), ckpt.dit.num_visual_blocks, torch.bfloat16
+    )
+    assert (plan["fixed_bytes"], plan["block_bytes"]) == (fixed, block)
+    assert plan["resident_blocks"] == plan["num_blocks"] == ckpt.dit.num_visual_blocks and plan["slots"] == 0
+
+
+def test_advice_on_a_consumer_machine_names_the_page_cache_and_the_fp8_way_out() -> None:
+    report = Report([Gpu("NVIDIA GeForce RTX 5090", "12.0", 32 * GiB, "580")], 60 * 10**9, 50 * 10**9, 200 * 10**9, "/")
+    report.read_gb_s = 2.0
+    plan = {"resident_blocks": 17, "num_blocks": 60, "slots": 2, "block_bytes": int(1.04 * GiB)}
+    advice = "\n".join(advise(report, int(56.14 * GiB), plan))
+    assert "arm: final (GeForce card" in advice
+    assert "do not fit beside 60 GB of RAM" in advice and "an fp8 checkpoint" in advice and "would fit" in advice
+    assert "a step that misses the page cache reads 48 GB: 24.0 s of reading per step" in advice
+    big = Report([Gpu("NVIDIA H200", "9.0", 140 * GiB, "580")], 128 * 10**9, 120 * 10**9, 200 * 10**9, "/")
+    assert "fit in 128 GB of RAM" in "\n".join(advise(big, int(56.14 * GiB), None))
+    assert "no NVIDIA GPU" in advise(Report([], 8 * 10**9, 4 * 10**9, 10**9, "/"), 1, None)[0]
+
+
+def test_read_speed_and_a_whole_report(tiny_distill, tmp_path) -> None:
+    data = tmp_path / "blob"
+    data.write_bytes(b"\0" * (4 << 20))
+    speed, note = measure_read(data)
+    assert speed > 0 and "4 MiB of blob" in note
+    report = run_doctor(str(tiny_distill))
+    text = render(report)
+    assert report.plan is not None and report.read_gb_s is not None and report.host_ram_bytes > GB
+    assert "residency plan" in text and "checkpoint read speed" in text
