@@ -60,8 +60,11 @@ def test_acceptance_session_on_the_tiny_checkpoint(tiny_distill, tmp_path) -> No
     out, work = tmp_path / "record", tmp_path / "work"
     argv = ["acceptance", "--model", str(tiny_distill), "--arms", "reference,step-cache", "--budgets", "8",
             "--host-ram-gb", "0", "--peer", "none", "--geometry", "64x64x5", "--out", str(out), "--work", str(work),
-            "--only", "reference-8-cold,step-cache-8-cold,step-cache-8-warm", "--timeout", "300"]  # fmt: skip
-    assert main(argv) == 0
+            "--timeout", "300", "--only"]  # fmt: skip
+    # In two parts, as a lease that must be polled runs it: the second continues the first's record.
+    assert main([*argv, "reference-8-cold"]) == 0
+    assert main([*argv, "step-cache-8-cold,step-cache-8-warm"]) == 0
+    assert main([*argv[:-1], "--seed", "7", "--only", "reference-8-cold"]) == 2  # another workload: refused
     rows = read_jsonl(out / "runs.jsonl")
     assert [r["run"] for r in rows] == [
         "reference @ 8 GiB, cold", "step-cache @ 8 GiB, cold", "step-cache @ 8 GiB, warm"
@@ -75,7 +78,7 @@ def test_acceptance_session_on_the_tiny_checkpoint(tiny_distill, tmp_path) -> No
     assert ref["peak_rss_bytes"] > 0 and ref["request_s"] > 0 and ref["residency"]["num_blocks"] == 2
     assert set(ref["phases_s"]) >= {"text_encode", "denoise", "video_decode", "mux"}
     plan = json.loads((out / "acceptance.json").read_text())
-    assert plan["finished"] and plan["steps"] == 10 and len(plan["runs"]) == 3
+    assert plan["finished"] and plan["steps"] == 10 and len(plan["runs"]) == 3 and plan["parts"] == 2
     table = (out / "README.md").read_text()
     assert "3 of 3 runs passed" in table and table.count("| PASS |") == 3
     assert (work / "runs" / "reference-8-cold" / "clip.mp4").stat().st_size > 0

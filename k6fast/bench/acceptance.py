@@ -13,6 +13,7 @@ record folder is the table (`acceptance_report.py`).
 from __future__ import annotations
 
 import datetime as dt
+import json
 import os
 import shutil
 import subprocess
@@ -151,11 +152,12 @@ class Ballast:
 
 def child_env(run: Run, work: Path, base: dict[str, str]) -> dict[str, str]:
     """The run's environment: no K6_* from the caller (the arm file decides), the budget, and the arm's own compile
-    caches (Inductor's and Triton's: both are what a second start reuses)."""
+    caches through K6_INDUCTOR_CACHE_DIR (Inductor's, Triton's, flash-attn-4's: what a second start reuses)."""
     env = {k: v for k, v in base.items() if not k.startswith("K6_")}
     cache = work / "cache" / run.arm
-    env.update(K6_VRAM_BUDGET_GB=f"{run.budget_gb:g}", K6_INDUCTOR_CACHE_DIR=str(cache),
-               TRITON_CACHE_DIR=str(cache / "triton"), PYTHONUNBUFFERED="1")  # fmt: skip
+    for name in ("TORCHINDUCTOR_CACHE_DIR", "TRITON_CACHE_DIR", "FLASH_ATTENTION_CUTE_DSL_CACHE_DIR"):
+        env.pop(name, None)  # the caller's caches would make a cold run warm
+    env.update(K6_VRAM_BUDGET_GB=f"{run.budget_gb:g}", K6_INDUCTOR_CACHE_DIR=str(cache), PYTHONUNBUFFERED="1")
     return env
 
 
@@ -182,8 +184,6 @@ def generate_command(run: Run, w: Workload, run_dir: Path, python: str) -> list[
 def peer_command(run: Run, w: Workload, run_dir: Path, python: str) -> list[str]:
     """The peer through `k6fast bench`'s visit process: one request, no warm-up (a user's first request), under
     the same allocator cap, MP4 written by the same writer."""
-    import json
-
     from .visit import VisitSpec
 
     width, height, frames = (int(v) for v in w.geometry.split("x"))
@@ -207,7 +207,7 @@ def execute(run: Run, w: Workload, *, work: Path, timeout_s: float, python: str 
     make = peer_command if run.peer else generate_command
     cmd = make(run, w, run_dir, python)
     ballast = Ballast(run.host_ram_gb, python) if run.host_ram_gb else None
-    row: dict[str, Any] = {"run": run.name, **asdict(run), "command": cmd,
+    row: dict[str, Any] = {"run": run.name, "slug": run.slug, **asdict(run), "command": cmd,
                            "ballast": ballast.description if ballast else None}  # fmt: skip
     start = time.perf_counter()
     try:
@@ -243,14 +243,24 @@ def run_acceptance(
     runs: list[Run], w: Workload, *, out: Path, work: Path, timeout_s: float = 1200.0,
     header: dict[str, Any] | None = None, log=lambda line: print(line, file=sys.stderr, flush=True),
 ) -> Path:  # fmt: skip
-    """Run the plan; rows go to `out/runs.jsonl` as they end, the table to `out/README.md` after each run."""
+    """Run the plan; rows go to `out/runs.jsonl` as they end, the table to `out/README.md` after each run. A record
+    folder that already holds rows of the same workload is continued (a session run in several parts): its first
+    passing reference run stays the one every arm is held against."""
     out.mkdir(parents=True, exist_ok=True)
     work.mkdir(parents=True, exist_ok=True)
-    started = dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds")
-    plan = {**asdict(w), "timeout_s": timeout_s, "runs": [asdict(r) for r in runs], "started": started,
-            "argv": sys.argv, **(header or {})}  # fmt: skip
+    now = lambda: dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds")  # noqa: E731
+    rows = read_jsonl(out / ROWS_FILE) if (out / ROWS_FILE).is_file() else []
+    plan = {**asdict(w), "timeout_s": timeout_s, "runs": [], "started": now(), "argv": sys.argv, **(header or {})}
+    if rows and (out / PLAN_FILE).is_file():
+        earlier = json.loads((out / PLAN_FILE).read_text())
+        if {k: earlier.get(k) for k in asdict(w)} != asdict(w):
+            raise ValueError(f"{out} holds a session of another workload; expected an empty folder or the same one")
+        plan = {**earlier, "runs": earlier.get("runs", []), "parts": earlier.get("parts", 1) + 1}
+    plan["runs"] += [asdict(r) for r in runs]
+    plan.pop("finished", None)
     write_json(out / PLAN_FILE, plan)
-    reference: Path | None = None
+    reference = next((work / "runs" / row["slug"] / "latents.safetensors" for row in rows
+                      if row.get("arm") == REFERENCE_ARM and row.get("passed")), None)  # fmt: skip
     for i, run in enumerate(runs, 1):
         log(f"acceptance: run {i}/{len(runs)}: {run.name}")
         row = execute(run, w, work=work, timeout_s=timeout_s, reference_latents=reference)
@@ -262,7 +272,7 @@ def run_acceptance(
         verdict = "PASS" if row["passed"] else f"FAIL ({row.get('error', '')[:200]})"
         log(f"acceptance:   {verdict} in {row['process_s']:.1f} s")
         (out / "README.md").write_text(render_table(read_jsonl(out / ROWS_FILE), plan))
-    plan["finished"] = dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds")
+    plan["finished"] = now()
     write_json(out / PLAN_FILE, plan)
     (out / "README.md").write_text(render_table(read_jsonl(out / ROWS_FILE), plan))
     return out

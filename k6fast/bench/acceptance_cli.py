@@ -112,6 +112,10 @@ def cmd_acceptance(args: argparse.Namespace) -> int:
     )  # fmt: skip
     out = Path(args.out or f"measurements/sessions/{dt.date.today().isoformat()}_acceptance")
     header = _header(str(model)) | {"synthetic_write_s": made}
-    run_acceptance(runs, workload, out=out, work=Path(args.work), timeout_s=args.timeout, header=header)
+    try:
+        run_acceptance(runs, workload, out=out, work=Path(args.work), timeout_s=args.timeout, header=header)
+    except ValueError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
     print(f"acceptance: the table is {out / 'README.md'}", file=sys.stderr)
     return 0

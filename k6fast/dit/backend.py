@@ -211,11 +211,14 @@ class SwitchedBackend(ExactBackend):
 
 
 def configure_inductor_cache(path) -> None:
-    """Point torch.compile's caches at a kept directory, so a second start compiles nothing: Inductor's, and
-    Triton's for k6fast's own kernels (`path/triton`, unless TRITON_CACHE_DIR is set). Both read their location
-    from these variables when they first compile; k6fast sets them before building the DiT (never at import)."""
+    """Point every kernel compiler's cache at a kept directory, so a second start compiles nothing: Inductor's,
+    Triton's for k6fast's own kernels (`path/triton`) and flash-attn-4's CuTe DSL kernels (`path/fa4`; that cache
+    is off unless asked for), each unless the user set its variable. They read these variables when they first
+    compile (flash-attn-4 when it is imported); k6fast sets them before building the DiT (never at import)."""
     import os
     from pathlib import Path
 
     os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(path)
     os.environ.setdefault("TRITON_CACHE_DIR", str(Path(path) / "triton"))
+    os.environ.setdefault("FLASH_ATTENTION_CUTE_DSL_CACHE_ENABLED", "1")
+    os.environ.setdefault("FLASH_ATTENTION_CUTE_DSL_CACHE_DIR", str(Path(path) / "fa4"))
