@@ -236,6 +236,10 @@ def execute(run: Run, w: Workload, *, work: Path, timeout_s: float, python: str 
     latents = run_dir / "latents.safetensors"
     if row["passed"] and not run.peer and reference_latents is not None and latents.is_file():
         row["vs_reference"] = latent_error(latents, reference_latents)
+    clip = run_dir / "clip.mp4"
+    if clip.is_file():  # checked, then dropped: a W1 clip of random-weight noise is ~100 MB, the disk is the limit
+        row["clip_bytes"] = clip.stat().st_size
+        clip.unlink()
     return row
 
 

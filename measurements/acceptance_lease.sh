@@ -1,0 +1,92 @@
+#!/usr/bin/env bash
+# The full-size acceptance session on one H200 lease, unattended. Run from the repository root on the GPU machine.
+#
+#   bash measurements/acceptance_lease.sh install DIR [--self]  # the wheels in DIR (and this tree) into /tmp/site
+#   bash measurements/acceptance_lease.sh start          # the whole session in the background (setsid); returns at once
+#   bash measurements/acceptance_lease.sh status OUT     # progress; copies the record so far into OUT
+#
+# The session: the GPU test suite beside the 57 GB checkpoint's write, then the attention benchmarks (once
+# flash-attn-4 is installed: `touch /tmp/lease/fa4.ready`), then `k6fast acceptance` in parts, most important first
+# (each part continues the same record), and last a compile diagnostic of the `fast` block.
+set -uo pipefail
+# Overridable for a dry run on a small checkpoint (e.g. BLOCKS=2 PRESET=lite-distill GEOMETRY=64x64x5 on a CPU).
+PRESET=${PRESET:-pro-distill}
+BLOCKS=${BLOCKS:-}
+GEOMETRY=${GEOMETRY:-w1}
+W=${LEASE_DIR:-/tmp/lease}
+REC=$W/record
+SITE=/tmp/site
+export PYTHONPATH=$SITE:$SITE/nvidia_cutlass_dsl/dsl_packages HF_HUB_OFFLINE=1 PYTHONUNBUFFERED=1
+repo=$(pwd)
+k6() { (cd /tmp && python3 -m k6fast.cli "$@"); }  # the installed copy, not the source tree
+step() { echo; echo "=== $* ($(date +%T))"; }
+
+acceptance() {  # the slugs to run, comma-separated
+  k6 acceptance --model $W/syn --geometry "$GEOMETRY" --out $REC --work $W/work --timeout 420 --only "$1"
+}
+
+case "${1:?expected install, start, run or status}" in
+install)
+  mkdir -p $W $SITE
+  self=(); [ "${3:-}" = --self ] && self=("$repo")
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-build-isolation --target $SITE "${self[@]}" \
+    "${2:?wheel dir}"/*.whl
+  ;;
+start)
+  mkdir -p $W
+  setsid nohup bash "$repo/measurements/acceptance_lease.sh" run > $W/run.log 2>&1 < /dev/null &
+  echo "started $!"
+  ;;
+run)
+  mkdir -p $W
+  step gpu tests beside the checkpoint write
+  (cd /tmp && timeout 1500 python3 -m k6fast.cli make-synthetic $W/syn --preset "$PRESET" ${BLOCKS:+--blocks $BLOCKS} \
+    > $W/synthetic.log 2>&1) &
+  writer=$!
+  (cd "$repo" && timeout 420 python3 -P -m pytest -m "${PYTEST_MARK:-gpu}" -q -p no:cacheprovider -rs \
+    > $W/pytest_gpu.log 2>&1)
+  echo "pytest exit $?"; tail -3 $W/pytest_gpu.log
+  wait $writer; echo "checkpoint exit $?"; tail -2 $W/synthetic.log
+  step attention benchmarks
+  for _ in $(seq "${FA4_WAIT_POLLS:-120}"); do [ -f $W/fa4.ready ] && break; sleep 5; done
+  ls $W/fa4.ready 2>/dev/null || echo "flash-attn-4 never arrived"
+  (cd "$repo" && timeout 600 python3 -P -m pytest -m gpu -q -p no:cacheprovider -rs -k "fa4 or sparse" \
+    > $W/pytest_gpu_fa4.log 2>&1); tail -3 $W/pytest_gpu_fa4.log
+  if [ -f "$repo/measurements/bench_exact_attention.py" ]; then
+    (cd "$repo" && timeout 300 python3 measurements/bench_exact_attention.py --out $W/exact_attention.json) 2>&1 | tail -15
+  fi
+  if [ -f "$repo/measurements/bench_sparse_attention.py" ]; then
+    (cd "$repo" && timeout 300 python3 measurements/bench_sparse_attention.py --out $W/sparse_attention.json) 2>&1 | tail -15
+  fi
+  step acceptance 1: the shipped arms under 32 and 31 GiB, cold and warm
+  acceptance reference-32-cold,final-32-cold,fast-32-cold,final-32-warm,fast-32-warm,reference-31-warm,final-31-warm,fast-31-warm
+  step acceptance 2: the diffusers peer
+  acceptance diffusers-offload-32-cold
+  step acceptance 3: beside a ballast that leaves 60 GB of host memory
+  acceptance reference-32-warm-host60,final-32-warm-host60
+  step acceptance 4: the step-cache arm
+  acceptance step-cache-32-cold,step-cache-31-warm
+  step compile diagnostic of the fast block
+  sed 's/^K6_COMPILE=0$/K6_COMPILE=1/' "$repo/switches/arms/fast.env" > $W/fast-compiled.env
+  (cd /tmp && TORCH_LOGS=recompiles,graph_breaks K6_INDUCTOR_CACHE_DIR=$W/diag-cache K6_VRAM_BUDGET_GB=32 \
+    K6_PIFLOW_CACHE_STEPS= timeout 240 python3 -m k6fast.cli generate --model $W/syn --arm $W/fast-compiled.env \
+    --prompt "a diagnostic" --size 256x256 --frames 9 --steps 3 --out $W/diag.mp4) > $W/diag_compile.log 2>&1
+  echo "diagnostic exit $?"; grep -c "Recompiling" $W/diag_compile.log
+  step done
+  touch $W/done
+  ;;
+status)
+  out=${2:?output folder}
+  tail -25 $W/run.log
+  for f in $REC/runs.jsonl $REC/README.md $REC/acceptance.json $W/exact_attention.json $W/sparse_attention.json; do
+    [ -f "$f" ] && cp "$f" "$out/"
+  done
+  (cd $W && tar czf "$out/logs.tgz" $(ls run.log pytest_gpu*.log synthetic.log diag_compile.log \
+    work/runs/*/stderr.log work/runs/*/*.json 2>/dev/null))
+  ls $W/done 2>/dev/null && echo "session finished"
+  ;;
+*)
+  echo "expected install, start, run or status" >&2
+  exit 2
+  ;;
+esac
