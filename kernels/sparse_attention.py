@@ -80,8 +80,9 @@ class SparseAttentionConfig:
 
 
 # Not tuned on any GPU yet (the RTX 5090 is the card this path is for): `measurements/bench_sparse_attention.py
-# --sweep` times CANDIDATE_CONFIGS; until a record says otherwise every GPU runs the default. Shared memory of the
-# default at head_dim 128: Q 32 KiB + 2 stages x (K + V) 32 KiB = 96 KiB, inside sm_120's 99 KiB.
+# --sweep` times CANDIDATE_CONFIGS; until a record says otherwise every GPU runs the default. Every candidate compiles
+# for sm_120 with its loads pipelined (cp.async) inside the card's 99 KiB of shared memory (the default at head_dim
+# 128 takes 96 KiB: both 64-key halves of a kept block in flight, double-buffered); tests/test_sparse_attention.py.
 _DEFAULT_CONFIG = SparseAttentionConfig()
 CANDIDATE_CONFIGS = (
     SparseAttentionConfig(128, 64, 8, 2),

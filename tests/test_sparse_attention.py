@@ -2,7 +2,8 @@
 
 CPU: the FP32 reference with every block kept equals dense FP32 attention (to fp32 rounding) and with a hand-built
 block list equals SDPA under the same token mask, at odd shapes (one query, ragged last blocks, cross attention, a
-query block with no key, per-head lists); input checks; the custom op under torch.compile (fullgraph).
+query block with no key, per-head lists); input checks; the custom op under torch.compile (fullgraph); the Triton
+kernel compiled for sm_120 (tensor cores, pipelined loads, within 99 KiB of shared memory) and sm_90 without a GPU.
 `interpret`: the Triton kernel under TRITON_INTERPRET=1 against the reference, fp32 and fp16 operands (bf16 dots are
 wrong in the interpreter), every launch config. `gpu`: the Triton kernel and flash-attn-4's block-sparse path (where
 installed, sm_90/sm_100) in bf16 at the Pro and Lite head dims by the flash-attention rule (error against FP32 no worse
@@ -284,3 +285,47 @@ def test_gpu_dispatch_picks_the_expected_kernel():
     assert sa.implementation_for(dev, torch.float32, 128) == "triton"
     q, k, v, idx, cnt = _gpu_case((1, 2, 1000, 1000, 128), seed=21, density=0.5)
     torch.testing.assert_close(sa.sparse_attention_op(q, k, v, idx, cnt), sa.sparse_attention(q, k, v, idx, cnt))
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# CPU: the Triton kernel compiles for the cards it is for
+# ---------------------------------------------------------------------------------------------------------------------
+
+SM120_SMEM = 101376  # bytes of shared memory per block on sm_120 (99 KiB)
+
+
+def _compile(capability: int, config: sa.SparseAttentionConfig, head_dim: int):
+    """The kernel compiled for `capability` with no GPU, specialised as a launch on aligned bf16 tensors would be
+    (pointers and strides divisible by 16: without that Triton neither vectorises nor pipelines the loads)."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    names = ["Q", "K", "V", "Out", "KV_IDX", "KV_CNT"]
+    sig = {n: "*bf16" for n in names[:4]} | {"KV_IDX": "*i32", "KV_CNT": "*i32"}
+    strides = [f"stride_{t}{a}" for t in "qkvo" for a in ("b", "m" if t in "qo" else "n", "h")]
+    sig |= {n: "i32" for n in [*strides, "WIDTH", "H", "M", "N"]} | {"qk_scale": "fp32"}
+    consts = {"HEAD_DIM": head_dim, "BLOCK_M": config.block_m, "BLOCK_N": config.block_n, "TILE": sa.BLOCK,
+              "PRECISION": "tf32"}  # fmt: skip
+    sig |= {n: "constexpr" for n in consts}
+    aligned = {(i,): [["tt.divisibility", 16]] for i in range(len(names) + len(strides))}
+    src = ASTSource(fn=sa._sparse_attention_kernel, signature=sig, constexprs=consts, attrs=aligned)
+    options = {"num_warps": config.num_warps, "num_stages": config.num_stages}
+    return triton.compile(src, target=GPUTarget("cuda", capability, 32), options=options)
+
+
+@pytest.mark.skipif(INTERPRETED, reason="compiles for a GPU target")
+@pytest.mark.parametrize("head_dim", [128, 64])
+@pytest.mark.parametrize("config", [sa.SparseAttentionConfig(), sa.SparseAttentionConfig(128, 128, 8, 2)], ids=str)
+def test_compiles_for_sm120_pipelined_within_its_shared_memory(config, head_dim):
+    kernel = _compile(120, config, head_dim)
+    ptx = kernel.asm["ptx"]
+    assert "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32" in ptx  # tensor cores, fp32 accumulation
+    assert "cp.async.commit_group" in ptx  # K/V loads pipelined
+    assert kernel.metadata.shared <= SM120_SMEM, kernel.metadata.shared
+
+
+@pytest.mark.skipif(INTERPRETED, reason="compiles for a GPU target")
+def test_compiles_for_sm90_with_wgmma():
+    ptx = _compile(90, sa.SparseAttentionConfig(), 128).asm["ptx"]
+    assert "wgmma.mma_async" in ptx and "cp.async.commit_group" in ptx
