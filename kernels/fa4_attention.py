@@ -10,9 +10,10 @@ What the tested version (4.0.0b36, read from its source) offers k6fast:
 - Block sparsity (`block_sparse_tensors=BlockSparseTensorsTorch(...)`): per (batch, head, query block) a count and a
   list of key blocks, split into "mask" blocks (a `mask_mod` is applied inside them) and "full" blocks (no mask but
   the sequence end). k6fast's kept blocks are full blocks. On sm_90 the key block must equal the kernel's key tile
-  (128 at head_dim 64 and 128) and the query block a multiple of its query tile (128 once sparse); sm_100 also runs
-  it. sm_120 refuses it ("Block sparsity not supported on SM 12.0"), and the sm_80 path ignores it without an error
-  (flash-attention issue 2897), so block sparsity is used on sm_90 and sm_100/110 only.
+  (128 at head_dim 64 and 128) and the query block a multiple of its query tile (128 once sparse), which k6fast's
+  128 x 128 blocks are. sm_100 runs block sparsity too, but with two 128-row query tiles per CTA (q_stage 2) its query
+  block must be a multiple of 256; sm_120 refuses it ("Block sparsity not supported on SM 12.0"), and the sm_80 path
+  ignores it without an error (flash-attention issue 2897). So block sparsity goes to flash-attn-4 on sm_90 only.
 
 The import is tried once; when it fails the reason is returned for the caller to log (the runtime falls back to SDPA
 for exact attention and to k6fast's Triton kernel for sparse attention). Installed with `pip install --target`, the
@@ -39,7 +40,7 @@ __all__ = [
 ]
 
 DENSE_MAJORS = (9, 10, 11, 12)  # sm_90, sm_100/103, sm_110, sm_120/121
-BLOCK_SPARSE_MAJORS = (9, 10, 11)
+BLOCK_SPARSE_MAJORS = (9,)  # with 128-token query blocks (see above)
 _DTYPES = (torch.bfloat16, torch.float16)
 
 
@@ -91,7 +92,8 @@ def fa4_supported(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
 
 
 def fa4_block_sparse_runs_on(device: torch.device) -> bool:
-    """Whether flash-attn-4's block-sparse forward can run on `device` (sm_90, sm_100/110, the package importable)."""
+    """Whether flash-attn-4's block-sparse forward takes k6fast's 128 x 128 blocks on `device` (sm_90, the package
+    importable)."""
     if device.type != "cuda" or torch.cuda.get_device_capability(device)[0] not in BLOCK_SPARSE_MAJORS:
         return False
     return _import()[0] is not None
@@ -134,7 +136,7 @@ def fa4_block_sparse_attention(
     if not fa4_block_sparse_supported(q):
         cap = torch.cuda.get_device_capability(q.device) if q.is_cuda else None
         raise ValueError(
-            f"fa4_block_sparse_attention: expected bf16/fp16 CUDA tensors on sm_90 or sm_100/110 with flash-attn-4 "
+            f"fa4_block_sparse_attention: expected bf16/fp16 CUDA tensors on sm_90 with flash-attn-4 "
             f"importable, found {q.dtype} on {q.device} (capability {cap}; {_import()[1] or 'imports'})"
         )
     from flash_attn.cute.block_sparsity import BlockSparseTensorsTorch

@@ -2,7 +2,7 @@
 against cuDNN dense SDPA, and the error of dropping blocks against dense attention.
 
 What is measured, in order:
-1. Correctness of each kernel (flash-attn-4's block-sparse path where installed on sm_90/sm_100, the Triton kernel):
+1. Correctness of each kernel (flash-attn-4's block-sparse path where installed on sm_90, the Triton kernel):
    at W1's token count with 4 heads, per density, the kernel against the FP32 reference under the same block mask,
    by the flash-attention rule (error no worse than twice a bf16 SDPA's under that mask). A kernel that fails is not
    timed.

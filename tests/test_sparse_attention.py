@@ -6,7 +6,7 @@ query block with no key, per-head lists); input checks; the custom op under torc
 kernel compiled for sm_120 (tensor cores, pipelined loads, within 99 KiB of shared memory) and sm_90 without a GPU.
 `interpret`: the Triton kernel under TRITON_INTERPRET=1 against the reference, fp32 and fp16 operands (bf16 dots are
 wrong in the interpreter), every launch config. `gpu`: the Triton kernel and flash-attn-4's block-sparse path (where
-installed, sm_90/sm_100) in bf16 at the Pro and Lite head dims by the flash-attention rule (error against FP32 no worse
+installed, sm_90) in bf16 at the Pro and Lite head dims by the flash-attention rule (error against FP32 no worse
 than twice a bf16 SDPA's under the same mask).
 """
 
@@ -266,7 +266,7 @@ def test_gpu_kernels_by_the_flash_attention_rule(shape, density, impl):
         from k6fast.kernels.fa4_attention import fa4_block_sparse_runs_on
 
         if not fa4_block_sparse_runs_on(torch.device("cuda")):
-            pytest.skip("flash-attn-4 block sparsity needs the package and sm_90/sm_100")
+            pytest.skip("flash-attn-4 block sparsity needs the package and sm_90")
     q, k, v, idx, cnt = _gpu_case(shape, seed=20, density=density)
     out = sa.sparse_attention(q, k, v, idx, cnt, impl=impl)
     assert out.shape == q.shape and out.dtype == q.dtype and torch.isfinite(out).all()
