@@ -311,3 +311,21 @@ def test_the_order_is_built_once_per_geometry() -> None:
     tail = dispatch.video_token_order(grid, (torch.tensor([0, 1, 2, 0]), torch.arange(8), torch.arange(16)))
     assert tail is not first and tail.lo[0, 0] == tail.hi[0, 0] == 0  # frame 0 and the tail frame share a strip
     assert dispatch._window.shape == (tail.num_blocks, tail.num_blocks)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_sparse_forward_on_the_gpu(model) -> None:
+    # fp32 on the GPU: the Triton kernel (fp32 operands multiply in full precision), the token order on the device.
+    cfg, weights = model
+    dev = torch.device("cuda")
+    weights = {k: v.to(dev) for k, v in weights.items()}
+    inputs = {k: v.to(dev) if isinstance(v, torch.Tensor) else v for k, v in _video_inputs(cfg, image=True).items()}
+    inputs["visual_rope_pos"] = tuple(t.to(dev) for t in inputs["visual_rope_pos"])
+    dense = K6DiT(cfg, weights, backend=SwitchedBackend(Options(), dev))(**inputs)
+    for density, bound in ((1.0, 1e-4), (0.5, None)):
+        backend = SwitchedBackend(Options().replace(sparse_attn=density), dev)
+        out = K6DiT(cfg, weights, backend=backend)(**inputs)
+        assert backend.attn.counts[("sparse", "video_self")] == 4 and torch.isfinite(out[0]).all()
+        rel = _rel(out[0], dense[0])
+        assert rel < bound if bound else rel > 1e-3, (density, rel)
