@@ -20,7 +20,7 @@ Why both. flash-attn-4 is FlashAttention-3-class on Hopper (warp-specialised, TM
 a key block there removes its whole cost, so it is the form most likely to reach the H200 target (density 0.25 at
 >= 3x cuDNN dense at W1): a portable Triton kernel reaches a fraction of Hopper's wgmma rate, and a block-sparse
 variant of k6fast's Gluon cores would be a second hand-written Hopper kernel to keep. The Triton kernel is the
-portable path (sm_80, sm_89, sm_120) and runs under the interpreter, so its logic is tested on CPU.
+portable path (sm_80, sm_89, sm_100, sm_120) and runs under the interpreter, so its logic is tested on CPU.
 
 Both kernels read the last entry of a row as the only key block that may be ragged (N not a multiple of BLOCK), so
 rows must be ascending: flash-attn-4 processes a row's full blocks last to first and masks sequence ends only in
