@@ -96,14 +96,14 @@ EXACT_ATTN_BLOCKS = Switch(
     name="K6_EXACT_ATTN_BLOCKS",
     kind="int",
     default=0,
-    doc="with a quantized K6_ATTN: the first and last N fused blocks keep exact attention",
+    doc="with a quantized K6_ATTN or K6_SPARSE_ATTN: the first and last N fused blocks keep exact attention",
     min=0,
 )
 EXACT_ATTN_STEPS = Switch(
     name="K6_EXACT_ATTN_STEPS",
     kind="int",
     default=0,
-    doc="with a quantized K6_ATTN: the first N denoising steps keep exact attention",
+    doc="with a quantized K6_ATTN or K6_SPARSE_ATTN: the first N denoising steps keep exact attention",
     min=0,
 )
 QUANT_ATTN_SITES = Switch(
@@ -117,9 +117,30 @@ EXACT_ATTN_KERNEL = Switch(
     name="K6_EXACT_ATTN_KERNEL",
     kind="enum",
     default="sdpa",
-    choices=("sdpa", "k6"),
-    doc="the exact attention calls (unmasked): PyTorch SDPA, or k6fast's Gluon BF16/FP16 kernel on sm_90 (SDPA "
-    "elsewhere); both within the flash-attention rule of fp32",
+    choices=("sdpa", "k6", "fa4"),
+    doc="the exact attention calls (unmasked): PyTorch SDPA, k6fast's Gluon BF16/FP16 kernel on sm_90, or "
+    "flash-attn-4 on sm_90/sm_100/sm_120 where installed (k6fast[fa4]); SDPA where the choice cannot run (logged "
+    "once); all within the flash-attention rule of fp32",
+)
+SPARSE_ATTN = Switch(
+    name="K6_SPARSE_ATTN",
+    kind="float",
+    default=0.0,
+    doc="training-free block-sparse video self-attention in the blocks and steps the K6_EXACT_ATTN_* policy leaves: "
+    "the share of 128-token key blocks each query block keeps (a 3-D window of tiles first, then the highest "
+    "mean-pooled scores, per head), tokens in 3-D tiles; 0 = off (dense)",
+    lossy=True,
+    min=0.0,
+    max=1.0,
+)
+SPARSE_ATTN_WINDOW = Switch(
+    name="K6_SPARSE_ATTN_WINDOW",
+    kind="int",
+    default=1,
+    doc="with K6_SPARSE_ATTN: the always-kept neighbourhood, in 2x8x8-token tiles around a query block along each "
+    "axis (1 = the 3x3x3 tiles of Sliding Tile Attention and NABLA)",
+    min=0,
+    max=8,
 )
 GEMM = Switch(
     name="K6_GEMM",
@@ -182,6 +203,8 @@ SWITCHES: tuple[Switch, ...] = (
     EXACT_ATTN_STEPS,
     QUANT_ATTN_SITES,
     EXACT_ATTN_KERNEL,
+    SPARSE_ATTN,
+    SPARSE_ATTN_WINDOW,
     GEMM,
     GEMM_MIN_ROWS,
     FP8_OUTLIER_CHANNELS,

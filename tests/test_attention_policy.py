@@ -222,3 +222,118 @@ def test_fp8_linears_match_separate_calls_gpu(monkeypatch, outliers) -> None:
     assert len(prepared) == 4 and backend.gemm.counts["fp8"] == 6
     for a, b in zip(together, separate, strict=True):
         assert torch.equal(a, b)
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# The sparse video self-attention arm (K6_SPARSE_ATTN): its policy, the token order, and nothing moving when off
+# ---------------------------------------------------------------------------------------------------------------------
+
+
+def _video_inputs(cfg: DiTConfig, image: bool = False) -> dict:
+    """A 4 x 8 x 16 token grid (4 blocks of 128) with audio; `image`: a tail frame at temporal position 0."""
+    kw = _inputs(cfg)
+    g = torch.Generator().manual_seed(2)
+    frames = 4
+    kw["hidden_states"] = torch.randn(1, frames, 16, 32, cfg.visual_in_channels, generator=g)
+    if image:
+        kw["visual_rope_pos"] = (torch.tensor([0, 1, 2, 0]), torch.arange(8), torch.arange(16))
+        kw["visual_token_type_ids"] = torch.tensor([[0, 0, 0, 1]])
+    return kw
+
+
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return ((a - b).norm() / b.norm()).item()
+
+
+def test_sparse_runs_in_the_middle_blocks_after_the_first_steps(model) -> None:
+    cfg, weights = model
+    options = Options().replace(sparse_attn=0.5, exact_attn_blocks=1, exact_attn_steps=1)
+    backend = SwitchedBackend(options, torch.device("cpu"))
+    dit = K6DiT(cfg, weights, backend=backend)
+    counts = backend.attn.counts
+    dit.begin_step(0)
+    dit(**_video_inputs(cfg))
+    assert counts[("sparse", "video_self")] == 0 and counts[("exact", "video_self")] == 4  # step 0 dense
+    counts.clear()
+    dit.begin_step(1)
+    dit(**_video_inputs(cfg))
+    # Blocks 1 and 2 sparse; blocks 0 and 3 (first and last) dense; no other site is ever sparse.
+    assert counts[("sparse", "video_self")] == 2 and counts[("exact", "video_self")] == 2
+    assert {site for (kind, site) in counts if kind == "sparse"} == {"video_self"}
+    assert counts[("exact", "audio_self")] == 4 and counts[("exact", "video_audio")] == 4
+    policy = backend.attn
+    assert [policy.sparsifies_block(i, 4) for i in range(4)] == [False, True, True, False]
+    policy.begin_step(0)
+    assert not any(policy.sparsifies_block(i, 4) for i in range(4))
+
+
+def test_sparse_takes_video_self_attention_from_the_quantized_arm(model) -> None:
+    cfg, weights = model
+    options = Options().replace(sparse_attn=0.5, attn="k6", quant_attn_sites="self")
+    backend = SwitchedBackend(options, torch.device("cpu"))
+    K6DiT(cfg, weights, backend=backend)(**_video_inputs(cfg))
+    counts = backend.attn.counts
+    assert counts[("sparse", "video_self")] == 4 and counts[("k6", "video_self")] == 0
+    assert counts[("k6", "audio_self")] == 4
+
+
+def test_with_the_arm_off_nothing_moves(model) -> None:
+    cfg, weights = model
+    backend = SwitchedBackend(Options().replace(exact_attn_blocks=2, exact_attn_steps=1), torch.device("cpu"))
+    assert backend.video_token_order((4, 8, 16), None) is None
+    got = K6DiT(cfg, weights, backend=backend)(**_video_inputs(cfg, image=True))
+    want = K6DiT(cfg, weights)(**_video_inputs(cfg, image=True))  # ExactBackend: no order hook at all
+    for a, b in zip(got, want, strict=True):
+        assert torch.equal(a, b)
+    assert "sparse" not in backend.attn.choices
+
+
+@pytest.mark.parametrize("image", [False, True])
+def test_the_tiled_order_round_trips_through_the_forward(model, image) -> None:
+    # Density 1 keeps every block: the only differences from the dense forward are the order in which attention sums
+    # its keys. A token or a RoPE row left out of place, or an order not undone, would be an O(1) error.
+    cfg, weights = model
+    backend = SwitchedBackend(Options().replace(sparse_attn=1.0), torch.device("cpu"))
+    dense = K6DiT(cfg, weights)(**_video_inputs(cfg, image))
+    tiled = K6DiT(cfg, weights, backend=backend)(**_video_inputs(cfg, image))
+    assert backend.attn.counts[("sparse", "video_self")] == 4
+    order = backend.attn._order
+    assert order is not None and order.num_tokens == 4 * 8 * 16 and not torch.equal(order.perm, order.inverse)
+    assert _rel(tiled[0], dense[0]) < 1e-5 and _rel(tiled[1], dense[1]) < 1e-5
+
+
+def test_sparse_at_half_density_changes_the_output(model) -> None:
+    cfg, weights = model
+    backend = SwitchedBackend(Options().replace(sparse_attn=0.5, sparse_attn_window=0), torch.device("cpu"))
+    dense = K6DiT(cfg, weights)(**_video_inputs(cfg))
+    sparse = K6DiT(cfg, weights, backend=backend)(**_video_inputs(cfg))
+    assert torch.isfinite(sparse[0]).all() and _rel(sparse[0], dense[0]) > 1e-3
+    assert backend.attn.choices["sparse"] == "density 0.5, window 0, reference"
+
+
+def test_the_order_is_built_once_per_geometry() -> None:
+    dispatch = AttentionDispatch(Options().replace(sparse_attn=0.25), torch.device("cpu"))
+    grid = (4, 8, 16)
+    first = dispatch.video_token_order(grid, None)
+    assert dispatch.video_token_order(grid, None) is first
+    tail = dispatch.video_token_order(grid, (torch.tensor([0, 1, 2, 0]), torch.arange(8), torch.arange(16)))
+    assert tail is not first and tail.lo[0, 0] == tail.hi[0, 0] == 0  # frame 0 and the tail frame share a strip
+    assert dispatch._window.shape == (tail.num_blocks, tail.num_blocks)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_sparse_forward_on_the_gpu(model) -> None:
+    # fp32 on the GPU: the Triton kernel (fp32 operands multiply in full precision), the token order on the device.
+    cfg, weights = model
+    dev = torch.device("cuda")
+    weights = {k: v.to(dev) for k, v in weights.items()}
+    inputs = {k: v.to(dev) if isinstance(v, torch.Tensor) else v for k, v in _video_inputs(cfg, image=True).items()}
+    inputs["visual_rope_pos"] = tuple(t.to(dev) for t in inputs["visual_rope_pos"])
+    dense = K6DiT(cfg, weights, backend=SwitchedBackend(Options(), dev))(**inputs)
+    for density, bound in ((1.0, 1e-4), (0.5, None)):
+        backend = SwitchedBackend(Options().replace(sparse_attn=density), dev)
+        out = K6DiT(cfg, weights, backend=backend)(**inputs)
+        assert backend.attn.counts[("sparse", "video_self")] == 4 and torch.isfinite(out[0]).all()
+        rel = _rel(out[0], dense[0])
+        assert rel < bound if bound else rel > 1e-3, (density, rel)

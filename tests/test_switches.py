@@ -151,7 +151,7 @@ def test_bad_switch_declarations_are_rejected(kwargs: dict, fragment: str) -> No
 
 
 # Switches that only tune another switch (K6_GEMM_MIN_ROWS does nothing while K6_GEMM=bf16).
-PARAMETER_SWITCHES = {"K6_GEMM_MIN_ROWS"}
+PARAMETER_SWITCHES = {"K6_GEMM_MIN_ROWS", "K6_SPARSE_ATTN_WINDOW"}
 
 
 def test_catalog_defaults_are_off_and_names_unique() -> None:

@@ -1,17 +1,26 @@
-"""Attention dispatch per call site: exact SDPA (the fastest backend for the architecture, chosen once), k6fast's
-INT8/FP8 kernel, or the `sageattention` package, by block and by step.
+"""Attention dispatch per call site: exact attention (SDPA with the fastest backend for the architecture, chosen once;
+flash-attn-4 or k6fast's Gluon kernel where the switch asks and they run), k6fast's INT8/FP8 kernel or the
+`sageattention` package, and block-sparse video self-attention, by block and by step.
 
-Exact calls run PyTorch SDPA, or with `K6_EXACT_ATTN_KERNEL=k6` k6fast's Gluon BF16/FP16 kernel where it runs
-(sm_90, unmasked, head_dim 64/128); both are exact by the flash-attention rule.
+Exact calls run PyTorch SDPA, or with `K6_EXACT_ATTN_KERNEL=k6` k6fast's Gluon BF16/FP16 kernel where it runs (sm_90,
+unmasked, head_dim 64/128), or with `=fa4` flash-attn-4 where it is installed and runs (sm_90, sm_100, sm_120;
+unmasked); all exact by the flash-attention rule. A choice that cannot run falls back to SDPA, logged once.
 
-Policy (switches): a quantized backend (`K6_ATTN=k6|sage`) covers the call sites `K6_QUANT_ATTN_SITES` names,
-except in the first and last `K6_EXACT_ATTN_BLOCKS` fused blocks and the first `K6_EXACT_ATTN_STEPS` steps, where
-errors would propagate through every later block or step. A masked call always goes exact.
+Policy (switches): a lossy arm (a quantized `K6_ATTN=k6|sage` on the sites `K6_QUANT_ATTN_SITES` names, block-sparse
+video self-attention with `K6_SPARSE_ATTN`) runs everywhere except in the first and last `K6_EXACT_ATTN_BLOCKS` fused
+blocks and the first `K6_EXACT_ATTN_STEPS` steps, where errors would propagate through every later block or step
+(the policy Radial Attention's dense layers and timesteps also follow). Where both lossy arms could take video
+self-attention, the sparse one does (it skips the work instead of cheapening it). A masked call always goes exact.
+
+The sparse arm needs the video tokens in 3-D tiles (kernels/tile_mask.py): the DiT asks `video_token_order` once
+per forward, permutes its tokens and RoPE tables, and undoes the order before the head. With the arm off it gets
+None and nothing moves.
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import logging
 from collections import Counter
@@ -20,6 +29,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from ..kernels.tile_mask import TokenOrder
 from ..switches import Options, SwitchError
 from .backend import ATTENTION_SITES
 
@@ -67,6 +77,16 @@ class AttentionDispatch:
         self.counts: Counter[tuple[str, str]] = Counter()  # (backend, site) → calls
         self._backends = exact_sdpa_backends(device)
         self.exact_kernel = options.exact_attn_kernel
+        self._fa4 = self.exact_kernel == "fa4" and _fa4_runs_on(device)
+        self.sparse_density = options.sparse_attn
+        self.sparse_window = options.sparse_attn_window
+        self.block_sparse = False  # the policy's verdict on sparse video self-attention for the block running now
+        self._order: TokenOrder | None = None
+        self._order_key: tuple | None = None
+        self._window: torch.Tensor | None = None
+        self._device = device
+        self.choices = self._describe(device)
+        logger.info("attention on %s: %s", device, ", ".join(f"{k} {v}" for k, v in self.choices.items()))
         self._sage = None
         if self.kind == "sage":
             try:
@@ -81,15 +101,55 @@ class AttentionDispatch:
     def begin_step(self, step: int) -> None:
         self.step = step
 
-    def quantizes_block(self, block: int, num_blocks: int) -> bool:
-        """Whether a quantized backend may run in this block at the current step (first/last blocks and first
-        steps stay exact)."""
-        if self.kind == "exact" or self.step < self.exact_steps:
+    def lossy_block(self, block: int, num_blocks: int) -> bool:
+        """Whether a lossy arm may run in this block at the current step (first/last blocks and first steps stay
+        exact)."""
+        if self.step < self.exact_steps:
             return False
         return self.exact_blocks <= block < num_blocks - self.exact_blocks
 
+    def quantizes_block(self, block: int, num_blocks: int) -> bool:
+        """Whether a quantized backend may run in this block at the current step."""
+        return self.kind != "exact" and self.lossy_block(block, num_blocks)
+
+    def sparsifies_block(self, block: int, num_blocks: int) -> bool:
+        """Whether video self-attention runs block-sparse in this block at the current step."""
+        return self.sparse_density > 0.0 and self.lossy_block(block, num_blocks)
+
     def begin_block(self, block: int, num_blocks: int) -> None:
         self.block_quantized = self.quantizes_block(block, num_blocks)
+        self.block_sparse = self.sparsifies_block(block, num_blocks)
+
+    def video_token_order(
+        self, grid: tuple[int, int, int], positions: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None
+    ) -> TokenOrder | None:
+        """The order the DiT puts its video tokens in for this forward: None with the sparse arm off, else the tiled
+        order of the (T, H, W) `grid` with frames by their temporal RoPE position (`positions[0]`; default
+        0..T-1). Built once per geometry; the window of its blocks with it."""
+        if self.sparse_density == 0.0:
+            self._order = None
+            return None
+        t_positions = None if positions is None else tuple(int(p) for p in positions[0].tolist())
+        key = (tuple(int(n) for n in grid), t_positions)
+        if key != self._order_key:
+            from ..kernels.tile_mask import tile_order, window_blocks
+
+            order = tile_order(grid, t_positions)
+            self._window = window_blocks(order, self.sparse_window).to(self._device)
+            dev = self._device
+            self._order = dataclasses.replace(order, perm=order.perm.to(dev), inverse=order.inverse.to(dev))
+            self._order_key = key
+        return self._order
+
+    def sparse_here(self, site: str, masked: bool, q: Tensor, k: Tensor) -> bool:
+        order = self._order
+        return (
+            self.block_sparse
+            and site == "video_self"
+            and not masked
+            and order is not None
+            and q.shape[1] == k.shape[1] == order.num_tokens
+        )
 
     def quantized_here(self, site: str, masked: bool, head_dim: int) -> bool:
         if not self.block_quantized or masked or site not in self.sites:
@@ -107,6 +167,13 @@ class AttentionDispatch:
 
     def __call__(self, q: Tensor, k: Tensor, v: Tensor, *, site: str, mask: Tensor | None) -> Tensor:
         """q: [B, Nq, H, D], k/v: [B, Nk, H, D], mask: bool [B, Nk] or None → [B, Nq, H, D]."""
+        if self.sparse_here(site, mask is not None, q, k):
+            from ..kernels.sparse_attention import sparse_attention_op
+            from ..kernels.tile_mask import build_block_mask
+
+            self._count("sparse", site)
+            kv_idx, kv_cnt = build_block_mask(q, k, self._window, self.sparse_density)
+            return sparse_attention_op(q, k, v, kv_idx, kv_cnt)
         if self.quantized_here(site, mask is not None, q.shape[-1]):
             self._count(self.kind, site)
             if self.kind == "sage":
@@ -123,6 +190,14 @@ class AttentionDispatch:
             if flash_attention_supported(q, k, v):
                 self._count("exact_k6", site)
                 return flash_attention_op(q, k, v)
+        if mask is None and self._fa4:
+            from ..kernels.fa4_attention import fa4_attention_op, fa4_shapes_ok
+
+            if fa4_shapes_ok(q, k, v):
+                self._count("exact_fa4", site)
+                return fa4_attention_op(q, k, v)
+            if not torch.compiler.is_compiling():
+                _log_once(f"K6_EXACT_ATTN_KERNEL=fa4: {q.dtype} head_dim {q.shape[-1]} is not taken; using SDPA")
         self._count("exact", site)
         attn_mask = None if mask is None else mask[:, None, None, :]
         from torch.nn.attention import sdpa_kernel
@@ -132,3 +207,29 @@ class AttentionDispatch:
             out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
                                                  attn_mask=attn_mask)  # fmt: skip
         return out.transpose(1, 2)
+
+    def _describe(self, device: torch.device) -> dict[str, str]:
+        """What the exact and sparse arms run on `device`, for the start-up log and records."""
+        exact = {"sdpa": "sdpa", "k6": "k6 Gluon on sm_90, else sdpa"}.get(self.exact_kernel, "")
+        if self.exact_kernel == "fa4":
+            from ..kernels.fa4_attention import fa4_version
+
+            exact = f"flash-attn-4 {fa4_version()}" if self._fa4 else "sdpa (flash-attn-4 unavailable)"
+        choices = {"exact": exact}
+        if self.sparse_density > 0.0:
+            from ..kernels.sparse_attention import implementation_for
+
+            choices["sparse"] = (
+                f"density {self.sparse_density}, window {self.sparse_window}, {implementation_for(device)}"
+            )
+        return choices
+
+
+def _fa4_runs_on(device: torch.device) -> bool:
+    """Whether flash-attn-4 runs on `device`; the reason it does not is logged once (exact calls then run SDPA)."""
+    from ..kernels.fa4_attention import fa4_unavailable_reason
+
+    reason = fa4_unavailable_reason(device)
+    if reason is not None:
+        _log_once(f"K6_EXACT_ATTN_KERNEL=fa4: {reason}; exact attention runs PyTorch SDPA")
+    return reason is None

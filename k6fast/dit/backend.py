@@ -7,11 +7,14 @@ choose per layer and per call site without the forward knowing. `ExactBackend` i
 from __future__ import annotations
 
 import logging
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
+
+if TYPE_CHECKING:
+    from ..kernels.tile_mask import TokenOrder
 
 logger = logging.getLogger(__name__)
 
@@ -56,6 +59,8 @@ class Backend(Protocol):
     def begin_step(self, step: int) -> None: ...
 
     def begin_block(self, block: int, num_blocks: int) -> None: ...
+
+    def video_token_order(self, grid: tuple[int, int, int], positions) -> TokenOrder | None: ...
 
 
 def sdpa(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None) -> Tensor:
@@ -129,6 +134,10 @@ class ExactBackend:
         return None
 
     def begin_block(self, block: int, num_blocks: int) -> None:
+        return None
+
+    def video_token_order(self, grid: tuple[int, int, int], positions) -> TokenOrder | None:
+        """The order a backend wants the video tokens in for this forward (see attention.py); None: as they are."""
         return None
 
 
@@ -208,6 +217,9 @@ class SwitchedBackend(ExactBackend):
 
     def begin_block(self, block: int, num_blocks: int) -> None:
         self.attn.begin_block(block, num_blocks)
+
+    def video_token_order(self, grid: tuple[int, int, int], positions) -> TokenOrder | None:
+        return self.attn.video_token_order(grid, positions)
 
 
 def configure_inductor_cache(path) -> None:

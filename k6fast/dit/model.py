@@ -167,6 +167,12 @@ class K6DiT:
             visual_rope_pos = tuple(torch.arange(n, device=device) for n in grid)
         rope_v = rope_3d(visual_rope_pos, cfg.axes_dims, cfg.scale_factor)
         vis = vis.flatten(1, 3)
+        # A sparse attention arm wants the video tokens in 3-D tiles. Every op but attention is per token and
+        # cross-attention ignores token order, so the order changes once here (RoPE tables alike) and is undone before
+        # the head; with no such arm the backend returns None and nothing moves.
+        order = be.video_token_order(grid, visual_rope_pos)
+        if order is not None:
+            vis, rope_v = order.apply(vis, rope_v)
 
         aud = rope_a = None
         if audio_hidden_states is not None:
@@ -187,6 +193,8 @@ class K6DiT:
             self.blocks.abort_forward()
             raise
 
+        if order is not None:
+            vis = order.undo(vis)
         video_out = self._video_head(vis.reshape(-1, *grid, vis.shape[-1]), temb_v)
         audio_out = self._audio_head(aud, temb_a) if aud is not None else None
         return video_out, audio_out

@@ -1,0 +1,143 @@
+"""flash-attn-4 as the exact-attention kernel (kernels/fa4_attention.py, `K6_EXACT_ATTN_KERNEL=fa4`).
+
+CPU: where it cannot run (no CUDA device, the package missing) the reason is explicit and the dispatch falls back to
+SDPA, logged once, and counts it; with flash-attn-4 present, unmasked calls of a shape it takes go to its op and
+masked or unsupported ones to SDPA (the op replaced by a recording stand-in). GPU (`-m gpu`, flash-attn-4 installed,
+sm_90/sm_100/sm_120): the flash-attention rule against FP32 attention (error no worse than twice SDPA's) at odd shapes
+and both head dims, the op under torch.compile, the dispatch routing unmasked calls to it.
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+
+import pytest
+import torch
+import torch.nn.functional as F
+from kernel_testing import needs_cuda
+
+from k6fast.dit import attention as attention_module
+from k6fast.dit.attention import AttentionDispatch
+from k6fast.kernels import fa4_attention as fa4
+from k6fast.switches import Options
+
+
+@pytest.fixture
+def fresh_import():
+    fa4._import.cache_clear()
+    attention_module._log_once.cache_clear()
+    yield
+    fa4._import.cache_clear()
+    attention_module._log_once.cache_clear()
+
+
+def test_no_cuda_device_is_a_stated_reason():
+    assert "needs a CUDA device" in fa4.fa4_unavailable_reason(torch.device("cpu"))
+
+
+def test_a_missing_package_is_a_stated_reason(monkeypatch, fresh_import):
+    monkeypatch.setitem(sys.modules, "flash_attn", None)  # makes `import flash_attn.cute` raise ImportError
+    module, why = fa4._import()
+    assert module is None and "flash-attn-4 cannot be imported (ModuleNotFoundError" in why and "k6fast[fa4]" in why
+
+
+def test_shapes_it_takes():
+    bf = torch.empty(1, 10, 2, 64, dtype=torch.bfloat16)
+    assert fa4.fa4_shapes_ok(bf, bf, bf)
+    assert fa4.fa4_shapes_ok(bf, bf[:, :3], bf[:, :3])  # cross attention
+    assert not fa4.fa4_shapes_ok(bf.float(), bf.float(), bf.float())  # fp32
+    assert not fa4.fa4_shapes_ok(bf, bf.half(), bf)  # mixed dtypes
+    wide = torch.empty(1, 10, 2, 192, dtype=torch.bfloat16)
+    assert not fa4.fa4_shapes_ok(wide, wide, wide)  # above 128 (sm_100's bound)
+    assert not fa4.fa4_supported(bf, bf, bf)  # CPU tensors
+    with pytest.raises(ValueError, match="fa4_attention: expected"):
+        fa4.fa4_attention(bf, bf, bf)
+
+
+def test_dispatch_falls_back_to_sdpa_logged_once(caplog, fresh_import):
+    with caplog.at_level(logging.WARNING):
+        dispatch = AttentionDispatch(Options().replace(exact_attn_kernel="fa4"), torch.device("cpu"))
+        AttentionDispatch(Options().replace(exact_attn_kernel="fa4"), torch.device("cpu"))
+    warnings = [r.getMessage() for r in caplog.records if "K6_EXACT_ATTN_KERNEL=fa4" in r.getMessage()]
+    assert len(warnings) == 1 and "needs a CUDA device" in warnings[0] and "runs PyTorch SDPA" in warnings[0]
+    assert dispatch.choices["exact"] == "sdpa (flash-attn-4 unavailable)"
+    q = torch.randn(1, 20, 2, 64)
+    out = dispatch(q, q, q, site="video_self", mask=None)
+    assert dispatch.counts[("exact", "video_self")] == 1
+    torch.testing.assert_close(out, F.scaled_dot_product_attention(*(q.transpose(1, 2),) * 3).transpose(1, 2))
+
+
+def test_dispatch_routes_unmasked_calls_it_takes(monkeypatch, caplog, fresh_import):
+    calls = []
+
+    def stand_in(q, k, v):
+        calls.append(q.shape)
+        return F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)).transpose(1, 2)
+
+    monkeypatch.setattr(attention_module, "_fa4_runs_on", lambda device: True)
+    monkeypatch.setattr(fa4, "fa4_attention_op", stand_in)
+    dispatch = AttentionDispatch(Options().replace(exact_attn_kernel="fa4"), torch.device("cpu"))
+    q = torch.randn(1, 20, 2, 64, dtype=torch.bfloat16)
+    dispatch(q, q, q, site="video_self", mask=None)
+    dispatch(q, q[:, :5], q[:, :5], site="video_text", mask=torch.ones(1, 5, dtype=torch.bool))  # masked: SDPA
+    with caplog.at_level(logging.WARNING):
+        dispatch(q.float(), q.float(), q.float(), site="audio_self", mask=None)  # fp32: SDPA, said once
+        dispatch(q.float(), q.float(), q.float(), site="audio_self", mask=None)
+    assert calls == [q.shape]
+    assert dispatch.counts == {("exact_fa4", "video_self"): 1, ("exact", "video_text"): 1, ("exact", "audio_self"): 2}
+    said = [r for r in caplog.records if "is not taken; using SDPA" in r.getMessage()]
+    assert len(said) == 1
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# GPU
+# ---------------------------------------------------------------------------------------------------------------------
+
+
+def _needs_fa4():
+    if not torch.cuda.is_available() or fa4.fa4_unavailable_reason(torch.device("cuda")) is not None:
+        pytest.skip(f"flash-attn-4 does not run here: {fa4.fa4_unavailable_reason(torch.device('cuda'))}")
+
+
+def _rel(a, b):
+    return ((a.double() - b.double()).norm() / b.double().norm()).item()
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize(
+    "shape", [(2, 3, 218, 218, 128), (1, 2, 1, 1000, 64), (1, 4, 1000, 1, 128), (2, 3, 1000, 777, 64)]
+)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_gpu_flash_attention_rule(shape, dtype):
+    _needs_fa4()
+    from k6fast.kernels.quant_attention import attention_fp32
+
+    b, h, m, n, d = shape
+    g = torch.Generator(device="cuda").manual_seed(0)
+    q = torch.randn(b, m, h, d, generator=g, device="cuda").to(dtype)
+    k = (torch.randn(b, n, h, d, generator=g, device="cuda") + 3 * torch.randn(h, d, generator=g, device="cuda")).to(
+        dtype
+    )
+    v = torch.randn(b, n, h, d, generator=g, device="cuda").to(dtype)
+    exact = attention_fp32(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)).transpose(1, 2)
+    sdpa = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)).transpose(1, 2)
+    out = fa4.fa4_attention(q, k, v)
+    assert out.shape == q.shape and out.dtype == dtype
+    assert _rel(out, exact) <= 2 * _rel(sdpa, exact) + 1e-6, (_rel(out, exact), _rel(sdpa, exact))
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_gpu_compiled_op_and_dispatch():
+    _needs_fa4()
+    g = torch.Generator(device="cuda").manual_seed(1)
+    q, k, v = (torch.randn(1, 500, 4, 128, generator=g, device="cuda").bfloat16() for _ in range(3))
+    eager = fa4.fa4_attention(q, k, v)
+    compiled = torch.compile(lambda a, b, c: fa4.fa4_attention_op(a, b, c) * 1.0, fullgraph=True)(q, k, v)
+    assert torch.equal(compiled, eager)
+    dispatch = AttentionDispatch(Options().replace(exact_attn_kernel="fa4"), torch.device("cuda"))
+    assert dispatch.choices["exact"].startswith("flash-attn-4 ")
+    assert torch.equal(dispatch(q, k, v, site="video_self", mask=None), eager)
+    assert dispatch.counts[("exact_fa4", "video_self")] == 1
