@@ -9,6 +9,7 @@ from typing import Any
 import numpy as np
 
 from .atomic import write_json_atomic
+from .cancel import StopCheck
 from .media import prepare_audio, write_mp4
 from .pipeline import Request, Result
 from .switches import Options, provenance
@@ -36,13 +37,28 @@ def sidecar_path(out: Path) -> Path:
 
 
 def write_result(
-    result: Result, out: Path, options: Options, request: Request, model: str, variant: str
+    result: Result,
+    out: Path,
+    options: Options,
+    request: Request,
+    model: str,
+    variant: str,
+    should_stop: StopCheck | None = None,
 ) -> dict[str, Any]:
-    """Write `out` (MP4) and `out.json` (provenance, request, telemetry). Returns the sidecar's content."""
+    """Write `out` (MP4) and `out.json` (provenance, request, telemetry). Returns the sidecar's content.
+    `should_stop`: checked between the MP4's frames (`write_mp4`); a stop leaves neither file behind."""
     out = Path(out)
     audio = None if result.audio is None else prepare_audio(result.audio, options.audio_norm)
     with result.telemetry.phase("mux"):
-        write_mp4(out, frames_to_uint8(result.frames), result.fps, audio, result.sample_rate, mp4_metadata(options))
+        write_mp4(
+            out,
+            frames_to_uint8(result.frames),
+            result.fps,
+            audio,
+            result.sample_rate,
+            mp4_metadata(options),
+            should_stop=should_stop,
+        )
     record = {
         "provenance": provenance(options),
         "model": model,
