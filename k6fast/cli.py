@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import argparse
+import math
+import os
 import sys
 from pathlib import Path
 
 from . import __version__
-from .cli_args import size_arg
+from .cli_args import device_problem, seed_problem, size_arg
 
 
 class CliError(Exception):
@@ -33,36 +35,72 @@ def _dtype(name: str | None):
     return {None: None, "bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[name]
 
 
-def cmd_generate(args: argparse.Namespace) -> int:
+def _check_out(out: Path) -> None:
+    """`--out` must be a new or existing file ending in .mp4 in a directory this user can write."""
+    if out.suffix.lower() != ".mp4":
+        raise CliError(f"--out {out}: expected a path ending in .mp4")
+    if out.is_dir():
+        raise CliError(f"--out {out}: is a directory; expected a file path ending in .mp4")
+    if not out.parent.is_dir():
+        raise CliError(f"--out {out}: the directory {out.parent} does not exist")
+    # The clip is written beside `out` and renamed over it, so the directory must be writable, not only the file.
+    if not os.access(out.parent, os.W_OK | os.X_OK):
+        raise CliError(f"--out {out}: the directory {out.parent} is not writable by this user")
+
+
+def _check_generate_args(args: argparse.Namespace) -> None:
+    """Everything that can be checked before a model loads (minutes on the real checkpoint)."""
+    from .pipeline import validate_geometry
+
+    _check_out(Path(args.out))
+    width, height = args.size
+    validate_geometry(width, height, args.frames)
+    problem = seed_problem(args.seed)
+    if problem:
+        raise CliError(f"--seed: {problem}")
+    if args.steps is not None and args.steps < 1:
+        raise CliError(f"--steps: expected an integer >= 1, found {args.steps}")
+    if args.guidance is not None and not (math.isfinite(args.guidance) and args.guidance >= 1.0):
+        raise CliError(f"--guidance: expected a finite number >= 1.0 (1.0 = no CFG), found {args.guidance}")
+    if not args.prompt.strip():
+        raise CliError("--prompt is empty; expected a description of the video and its sound")
+    problem = device_problem(args.device)
+    if problem:
+        raise CliError(f"--device {args.device}: {problem}")
+
+
+def _open_image(path: str):
     import PIL.Image
+
+    try:
+        image = PIL.Image.open(path)
+        image.load()
+    except (OSError, SyntaxError, ValueError, PIL.Image.DecompressionBombError) as exc:
+        why = exc.strerror if isinstance(exc, OSError) and exc.strerror else "not an image Pillow can read"
+        raise CliError(f"--image {path}: {why}; expected an image file such as PNG, JPEG or WebP") from None
+    return image
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
     from tqdm import tqdm
 
     from .output import sidecar_path, write_result
-    from .pipeline import Pipeline, Request, validate_geometry
+    from .pipeline import Pipeline, Request
 
+    _check_generate_args(args)
     out = Path(args.out)
-    if out.suffix.lower() != ".mp4":
-        raise CliError(f"--out {out}: expected a path ending in .mp4")
-    if not out.parent.is_dir():
-        raise CliError(f"--out {out}: the directory {out.parent} does not exist")
     if args.save_latents and (
         not args.save_latents.endswith(".safetensors") or not Path(args.save_latents).parent.is_dir()
     ):
         raise CliError(f"--save-latents {args.save_latents}: expected a .safetensors path in an existing directory")
     width, height = args.size
-    validate_geometry(width, height, args.frames)  # before minutes of loading
-    image = None
-    if args.image:
-        try:
-            image = PIL.Image.open(args.image)
-            image.load()
-        except (OSError, PIL.UnidentifiedImageError) as exc:
-            raise CliError(f"--image {args.image}: not a readable image ({exc})") from exc
+    image = _open_image(args.image) if args.image else None
     options = _load_options(args.arm)
     pipe = Pipeline(
         args.model, options, device=args.device, dtype=_dtype(args.dtype), plan_geometry=(width, height, args.frames)
     )
-    print(pipe.runtime.plan.describe(), file=sys.stderr)
+    if pipe.device.type == "cuda":  # the residency plan is a GPU memory budget; the CPU has none
+        print(pipe.runtime.plan.describe(), file=sys.stderr)
     request = Request(
         prompt=args.prompt,
         width=width,
@@ -93,7 +131,10 @@ def cmd_generate(args: argparse.Namespace) -> int:
         import torch
 
         extra["gpu_name"] = torch.cuda.get_device_name(pipe.device)
-    write_result(result, out, options, request, args.model, pipe.ckpt.variant, extra)
+    try:
+        write_result(result, out, options, request, args.model, pipe.ckpt.variant, extra)
+    except OSError as exc:  # the disk filled up or the directory changed while the clip was generated
+        raise CliError(f"--out {out}: could not write the clip ({exc.strerror or 'write failed'})") from None
     print(result.telemetry.summary(), file=sys.stderr)
     print(f"wrote {out} and {sidecar_path(out)}", file=sys.stderr)
     return 0
@@ -194,6 +235,9 @@ def main(argv: list[str] | None = None) -> int:
     except (CliError, CheckpointError, RequestError, SwitchError, ResidencyError, ServeError, FileExistsError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:
+        print("error: interrupted", file=sys.stderr)
+        return 130
 
 
 if __name__ == "__main__":

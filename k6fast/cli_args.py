@@ -13,3 +13,37 @@ def size_arg(text: str) -> tuple[int, int]:
     except ValueError:
         raise argparse.ArgumentTypeError(f"expected WIDTHxHEIGHT such as 864x480, found {text!r}") from None
     return width, height
+
+
+SEED_MAX = 2**63 - 1  # the server's bound too: a seed that works in one works in the other
+
+
+def seed_problem(seed: int) -> str | None:
+    """What is wrong with a seed, or None: an integer in [0, 2**63 - 1]."""
+    if not 0 <= seed <= SEED_MAX:
+        return f"expected an integer in [0, {SEED_MAX}], found {seed}"
+    return None
+
+
+def device_problem(name: str | None) -> str | None:
+    """What keeps the device `name` (cpu, cuda, cuda:N) from being used on this machine, or None; the message reads
+    after "--device NAME: ". Imports torch: call it after parsing, before loading a model."""
+    if name is None:
+        return None
+    import torch
+
+    expected = "expected cpu, cuda or cuda:N (k6fast runs on a CUDA GPU or the CPU)"
+    try:
+        device = torch.device(name)
+    except (RuntimeError, ValueError):
+        return f"not a device name; {expected}"
+    if device.type == "cpu":
+        return None
+    if device.type != "cuda":
+        return f"{device.type} devices are not supported; {expected}"
+    if not torch.cuda.is_available():
+        return "no CUDA GPU is available on this machine; expected --device cpu here"
+    count = torch.cuda.device_count()
+    if device.index is not None and device.index >= count:
+        return f"this machine has {count} CUDA GPU(s); expected cuda:0 to cuda:{count - 1}"
+    return None

@@ -28,6 +28,7 @@ import numpy as np
 from av.video.reformatter import ColorRange, Colorspace
 
 from .atomic import atomic_path
+from .cancel import StopCheck, check_stop
 
 __all__ = ["Mp4Info", "prepare_audio", "probe_mp4", "read_mp4", "write_mp4"]
 
@@ -86,6 +87,7 @@ def write_mp4(
     audio: np.ndarray | None = None,
     sample_rate: int = 44100,
     metadata: Mapping[str, str] | None = None,
+    should_stop: StopCheck | None = None,
 ) -> None:
     """Encode frames (and optional mono audio) to an H.264/AAC MP4 at `path`, atomically.
 
@@ -97,6 +99,8 @@ def write_mp4(
     sample_rate: Hz, one AAC can signal (44100 for K6).
     metadata: str -> str, stored in the file and returned by `probe_mp4(path).metadata`. Keys must be non-empty,
         free of NUL and not one the muxer writes itself (major_brand, minor_version, compatible_brands, encoder).
+    should_stop: checked before each frame is encoded (k6fast.cancel); when it says stop, `Cancelled` is raised and
+        nothing is left at `path`.
 
     The clip is written to a hidden temporary file next to `path` (faststart rewrites the file in a second pass, so
     it must be a real seekable file on the same filesystem), flushed to disk, then renamed over `path`. On any error
@@ -130,7 +134,7 @@ def write_mp4(
             options["movie_timescale"] = str(sample_rate)
         container = av.open(str(tmp), "w", format="mp4", options=options)
         try:
-            _mux(container, rgb, rate, wave, sample_rate, tags)
+            _mux(container, rgb, rate, wave, sample_rate, tags, should_stop)
         except BaseException:
             # The original error is the one worth reporting; a second one from tearing down is not.
             with contextlib.suppress(Exception):
@@ -298,6 +302,7 @@ def _mux(
     wave: np.ndarray | None,
     sample_rate: int,
     tags: dict[str, str],
+    should_stop: StopCheck | None = None,
 ) -> None:
     """Encode rgb [T, H, W, 3] uint8 and wave [N] float32 into an open mp4 container, interleaved in time order."""
     for key, value in tags.items():
@@ -317,6 +322,7 @@ def _mux(
 
     audio_pos = 0
     for i in range(t):
+        check_stop(should_stop, "mux", f"before frame {i + 1} of {t}")
         frame = _video_frame(np.ascontiguousarray(rgb[i]))
         frame.pts, frame.time_base = i, 1 / rate
         for packet in vstream.encode(frame):

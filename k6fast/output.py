@@ -9,6 +9,7 @@ from typing import Any
 import numpy as np
 
 from .atomic import write_json_atomic
+from .cancel import StopCheck
 from .media import prepare_audio, write_mp4
 from .pipeline import Request, Result
 from .switches import Options, provenance
@@ -43,13 +44,23 @@ def write_result(
     model: str,
     variant: str,
     extra: dict[str, Any] | None = None,
+    should_stop: StopCheck | None = None,
 ) -> dict[str, Any]:
     """Write `out` (MP4) and `out.json` (provenance, request, telemetry, and `extra`: what the caller knows of the
-    run, such as the load time and the residency plan). Returns the sidecar's content."""
+    run, such as the load time and the residency plan). Returns the sidecar's content.
+    `should_stop`: checked between the MP4's frames (`write_mp4`); a stop leaves neither file behind."""
     out = Path(out)
     audio = None if result.audio is None else prepare_audio(result.audio, options.audio_norm)
     with result.telemetry.phase("mux"):
-        write_mp4(out, frames_to_uint8(result.frames), result.fps, audio, result.sample_rate, mp4_metadata(options))
+        write_mp4(
+            out,
+            frames_to_uint8(result.frames),
+            result.fps,
+            audio,
+            result.sample_rate,
+            mp4_metadata(options),
+            should_stop=should_stop,
+        )
     record = {
         "provenance": provenance(options),
         "model": model,

@@ -18,6 +18,7 @@ import torch
 from diffusers.utils.torch_utils import randn_tensor
 
 from .allocator import configure_runtime
+from .cancel import StopCheck, check_stop
 from .checkpoint import Checkpoint, open_checkpoint
 from .dit.backend import SwitchedBackend, configure_inductor_cache
 from .dit.residency import RESERVE_BYTES
@@ -230,8 +231,11 @@ class Pipeline:
         except ValueError:
             return None
 
-    def _decode_video(self, latents: torch.Tensor, telemetry: Telemetry) -> torch.Tensor:
-        """latents [1, T, H, W, C] → frames [1, F, 8H, 8W, 3] in [0, 1], by K6_VIDEO_DECODE (see the switch)."""
+    def _decode_video(
+        self, latents: torch.Tensor, telemetry: Telemetry, should_stop: StopCheck | None = None
+    ) -> torch.Tensor:
+        """latents [1, T, H, W, C] → frames [1, F, 8H, 8W, 3] in [0, 1], by K6_VIDEO_DECODE (see the switch).
+        `should_stop` is checked between the decode's ops (diffusers' tiled decode runs whole)."""
         mode = self.options.video_decode
         if mode == "tiled":
             telemetry.video_decode = "tiled (diffusers)"
@@ -254,8 +258,8 @@ class Pipeline:
                 "device; expected a larger K6_VRAM_BUDGET_GB, a smaller geometry, or K6_VIDEO_DECODE=streamed "
                 "(slabs with running GroupNorm statistics) or tiled"
             )
-        telemetry.video_decode = plan.describe()
         cuda = latents.is_cuda
+        telemetry.video_decode = plan.describe(peak=cuda)
         # Channels-last activations, cuDNN's timed algorithms and the fused GroupNorm+SiLU kernel: the fastest
         # variant measured on an H200 (measurements/sessions/2026-11-29_vae-decode); plain PyTorch on the CPU.
         return decode_video_fast(
@@ -265,6 +269,7 @@ class Pipeline:
             layout="ndhwc" if cuda else "ncdhw",
             cudnn_benchmark=cuda,
             triton_norm=cuda,
+            should_stop=should_stop,
         )
 
     def close(self) -> None:
@@ -309,7 +314,9 @@ class Pipeline:
         should_stop: Callable[[], bool] | None = None,
         initial_noise: tuple[torch.Tensor, torch.Tensor | None] | None = None,
     ) -> Result:
-        """Run one request. `initial_noise` (video [1,T,H,W,C], audio [1,L,C]) replaces the seeded draw (tests)."""
+        """Run one request. `initial_noise` (video [1,T,H,W,C], audio [1,L,C]) replaces the seeded draw (tests).
+        `should_stop` (k6fast.cancel) is checked before every phase, before every denoising step, between the DiT's
+        fused blocks and between the video decode's ops; `Cancelled` says where it stopped."""
         steps, guidance = self.resolve(request)
         cfg, device, dtype = self.ckpt.dit, self.device, self.dtype
         telemetry = Telemetry(device=str(device))
@@ -320,6 +327,7 @@ class Pipeline:
         generator = torch.Generator("cpu").manual_seed(request.seed)
 
         self._check_decode_fits(request)
+        check_stop(should_stop, "text_encode", "before the text encoders")
         if self.dit_leaves_for_text:
             self._drop_dit()
         with telemetry.phase("text_encode"):
@@ -329,11 +337,13 @@ class Pipeline:
             cond, uncond = self._encode_text(request.prompt, negative)
 
         if self.runtime is None:
+            check_stop(should_stop, "dit_load", "before loading the DiT")
             with telemetry.phase("dit_load"):
                 self._load_dit()
 
         first_frame = None
         if request.image is not None:
+            check_stop(should_stop, "image_encode", "before the image encode")
             with telemetry.phase("image_encode"):
                 first_frame = encode_image(self.vae, request.image, request.height, request.width, generator, dtype)
 
@@ -358,32 +368,39 @@ class Pipeline:
             if on_step is not None:
                 on_step(event)
 
-        with telemetry.phase("denoise"):
-            out = sample(
-                self.dit,
-                self.scheduler,
-                num_steps=steps,
-                guidance=guidance,
-                cond=cond,
-                uncond=uncond,
-                latents=latents,
-                audio_latents=audio_latents,
-                first_frame=first_frame,
-                visual_cond=cfg.visual_cond,
-                patch=cfg.patch_size,
-                cache_steps=self.options.piflow_cache_steps,
-                on_step=step_hook,
-                should_stop=should_stop,
-            )
+        self.dit.should_stop = should_stop
+        try:
+            with telemetry.phase("denoise"):
+                out = sample(
+                    self.dit,
+                    self.scheduler,
+                    num_steps=steps,
+                    guidance=guidance,
+                    cond=cond,
+                    uncond=uncond,
+                    latents=latents,
+                    audio_latents=audio_latents,
+                    first_frame=first_frame,
+                    visual_cond=cfg.visual_cond,
+                    patch=cfg.patch_size,
+                    cache_steps=self.options.piflow_cache_steps,
+                    on_step=step_hook,
+                    should_stop=should_stop,
+                )
+        finally:
+            if self.dit is not None:
+                self.dit.should_stop = None
         telemetry.dit_calls = out.dit_calls
         denoised = {"video": out.video.cpu()}  # before the decoders run (a few MB)
         if out.audio is not None:
             denoised["audio"] = out.audio.cpu()
 
+        check_stop(should_stop, "video_decode", "before the video decode")
         with telemetry.phase("video_decode"):
-            frames = self._decode_video(out.video, telemetry)[0].cpu().numpy()
+            frames = self._decode_video(out.video, telemetry, should_stop)[0].cpu().numpy()
         audio = None
         if out.audio is not None:
+            check_stop(should_stop, "audio_decode", "before the audio decode")
             with telemetry.phase("audio_decode"):
                 audio = decode_audio(self.audio_vae, self.vocoder, out.audio)[0].cpu().numpy()
         return Result(frames, audio, self.sample_rate, request.fps, steps, guidance, telemetry, denoised)

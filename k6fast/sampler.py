@@ -15,14 +15,11 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
+from .cancel import Cancelled, check_stop
 from .switches import validate_cache_steps
 from .text import TextConditioning
 
 DiTFn = Callable[..., tuple[Tensor, Tensor | None]]
-
-
-class Cancelled(RuntimeError):
-    """The caller asked the loop to stop; raised at a step boundary."""
 
 
 @dataclass(frozen=True)
@@ -99,8 +96,7 @@ def sample(
     prediction: tuple[Tensor, Tensor | None] | None = None
     batch = latents.shape[0]
     for i, t in enumerate(timesteps):
-        if should_stop is not None and should_stop():
-            raise Cancelled(f"cancelled before step {i} of {num_steps}")
+        check_stop(should_stop, "denoise", f"before step {i + 1} of {num_steps}")
         start = time.perf_counter()
         model_input = latents
         if visual_cond:
@@ -124,24 +120,27 @@ def sample(
                 visual_rope_pos=rope_pos,
                 visual_token_type_ids=token_types,
             )
-            prediction = dit(
-                encoder_hidden_states=cond.embeds,
-                pooled_projections=cond.pooled,
-                encoder_attention_mask=cond.mask,
-                **common,
-            )
-            result.dit_calls += 1
-            if do_cfg:
-                negative = dit(
-                    encoder_hidden_states=uncond.embeds,
-                    pooled_projections=uncond.pooled,
-                    encoder_attention_mask=uncond.mask,
+            try:
+                prediction = dit(
+                    encoder_hidden_states=cond.embeds,
+                    pooled_projections=cond.pooled,
+                    encoder_attention_mask=cond.mask,
                     **common,
                 )
                 result.dit_calls += 1
-                prediction = tuple(
-                    None if c is None else n + guidance * (c - n) for c, n in zip(prediction, negative, strict=True)
-                )
+                if do_cfg:
+                    negative = dit(
+                        encoder_hidden_states=uncond.embeds,
+                        pooled_projections=uncond.pooled,
+                        encoder_attention_mask=uncond.mask,
+                        **common,
+                    )
+                    result.dit_calls += 1
+                    prediction = tuple(
+                        None if c is None else n + guidance * (c - n) for c, n in zip(prediction, negative, strict=True)
+                    )
+            except Cancelled as exc:  # a DiT that checks between its blocks (K6DiT.should_stop): add the step
+                raise Cancelled("denoise", f"step {i + 1} of {num_steps}, {exc.where}") from None
         # A cached step reuses `prediction` from the last called step (both CFG branches, combined).
         latents = scheduler.step(prediction[0], t, latents, return_dict=False)[0]
         if audio_latents is not None:

@@ -33,6 +33,10 @@ def test_generate_writes_a_playable_clip_with_provenance(tiny_distill, tmp_path,
     err = capsys.readouterr().err
     for phase in ("text_encode", "denoise", "video_decode", "audio_decode", "mux"):
         assert phase in err
+    # On the CPU there is no GPU memory budget to plan against: no residency plan, no decode peak estimate.
+    gib_lines = [line for line in err.splitlines() if "GiB" in line]
+    assert "budget" not in err and "estimated peak" not in err and gib_lines == [gib_lines[-1]], gib_lines
+    assert gib_lines[-1].startswith("peak host RSS: ")
 
 
 def test_reference_arm_equals_every_switch_explicitly_off(tiny_distill, tmp_path, monkeypatch) -> None:
@@ -88,3 +92,64 @@ def test_switches_command_lists_every_switch(capsys) -> None:
     assert main(["switches"]) == 0
     out = capsys.readouterr().out
     assert all(s.name in out for s in SWITCHES)
+
+
+@pytest.fixture
+def no_model_load(monkeypatch):
+    """Fail the test if a model starts loading: these checks must all come first."""
+    import k6fast.pipeline
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("the model was loaded before the arguments were checked")
+
+    monkeypatch.setattr(k6fast.pipeline.Pipeline, "__init__", refuse)
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--seed", "99999999999999999999999"], "--seed: expected an integer in [0, 9223372036854775807], found 9999"),
+        (["--seed", "-1"], "--seed: expected an integer in [0, 9223372036854775807], found -1"),
+        (["--steps", "0"], "--steps: expected an integer >= 1, found 0"),
+        (["--guidance", "nan"], "--guidance: expected a finite number >= 1.0 (1.0 = no CFG), found nan"),
+        (["--guidance", "0.5"], "--guidance: expected a finite number >= 1.0"),
+        (["--device", "tpu"], "--device tpu: not a device name; expected cpu, cuda or cuda:N"),
+        (["--prompt", "  "], "--prompt is empty"),
+        (["--image", "/nonexistent/ref.png"], "--image /nonexistent/ref.png: No such file or directory"),
+    ],
+)
+def test_arguments_are_checked_before_the_model_loads(no_model_load, tmp_path, capsys, args, message) -> None:
+    argv = [*GEN, "--model", str(tmp_path), "--out", str(tmp_path / "x.mp4"), *args]
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and err.count("\n") == 1 and message in err, err
+
+
+def test_out_must_be_a_writable_file_path(no_model_load, tmp_path, capsys) -> None:
+    folder = tmp_path / "clip.mp4"
+    folder.mkdir()
+    assert main([*GEN, "--model", str(tmp_path), "--out", str(folder)]) == 2
+    assert f"--out {folder}: is a directory; expected a file path ending in .mp4" in capsys.readouterr().err
+    missing = tmp_path / "nowhere" / "clip.mp4"
+    assert main([*GEN, "--model", str(tmp_path), "--out", str(missing)]) == 2
+    assert f"the directory {missing.parent} does not exist" in capsys.readouterr().err
+
+
+def test_out_in_a_read_only_directory_is_refused(no_model_load, tmp_path, capsys) -> None:
+    import os
+
+    if os.geteuid() == 0:
+        pytest.skip("root may write anywhere: a read-only directory cannot be made for this user")
+    locked = tmp_path / "locked"
+    locked.mkdir(mode=0o500)
+    assert main([*GEN, "--model", str(tmp_path), "--out", str(locked / "clip.mp4")]) == 2
+    assert f"the directory {locked} is not writable by this user" in capsys.readouterr().err
+
+
+def test_cuda_without_a_gpu_is_refused_before_loading(no_model_load, tmp_path, capsys) -> None:
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("this machine has a GPU: --device cuda is valid here")
+    assert main([*GEN, "--model", str(tmp_path), "--out", str(tmp_path / "x.mp4"), "--device", "cuda"]) == 2
+    assert "--device cuda: no CUDA GPU is available on this machine" in capsys.readouterr().err

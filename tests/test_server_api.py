@@ -20,10 +20,10 @@ import PIL.Image
 import pytest
 import torch
 from fastapi.testclient import TestClient
+from server_testing import DEADLINE_S, GatedPipeline, internals_in
 
 from k6fast.media import probe_mp4
 from k6fast.pipeline import Pipeline
-from k6fast.sampler import Cancelled
 from k6fast.server.app import create_app
 from k6fast.server.config import ServerConfig
 from k6fast.server.jobs import JobStore
@@ -32,35 +32,6 @@ from k6fast.switches import Options
 KEY = "sk-test-key"
 AUTH = {"Authorization": f"Bearer {KEY}"}
 FAST = {"prompt": "a red ball bouncing", "size": "64x64", "num_frames": "5", "num_inference_steps": "2", "seed": "1"}
-DEADLINE_S = 60.0
-
-
-class GatedPipeline:
-    """The real pipeline, entered only when `gate` is open; while it waits it honours should_stop as the sampler
-    does at a step boundary. A prompt in `fail_with` raises that exception instead of generating."""
-
-    def __init__(self, real: Pipeline):
-        self.real = real
-        self.ckpt, self.device, self.options = real.ckpt, real.device, real.options
-        self.gate = threading.Event()
-        self.gate.set()
-        self.waiting = threading.Event()
-        self.fail_with: dict[str, BaseException] = {}
-
-    def resolve(self, request):
-        return self.real.resolve(request)
-
-    def generate(self, request, on_step=None, should_stop=None):
-        self.waiting.set()
-        deadline = time.monotonic() + DEADLINE_S
-        while not self.gate.wait(0.01):
-            if should_stop is not None and should_stop():
-                raise Cancelled("cancelled while held at the gate")
-            assert time.monotonic() < deadline, "the test never opened the gate"
-        self.waiting.clear()
-        if request.prompt in self.fail_with:
-            raise self.fail_with[request.prompt]
-        return self.real.generate(request, on_step=on_step, should_stop=should_stop)
 
 
 class Clock:
@@ -162,16 +133,20 @@ def test_health_is_503_until_loaded_and_jobs_are_refused_meanwhile(tmp_path: Pat
         assert client.get("/health").json()["variant"] == "custom-distill"
 
 
-def test_load_failure_is_reported_by_health(tmp_path: Path) -> None:
+def test_load_failure_is_reported_by_health_and_logged(tmp_path: Path, caplog) -> None:
     seen: list[BaseException] = []
 
     def broken() -> Pipeline:
-        raise RuntimeError("no such checkpoint")
+        raise RuntimeError("no such checkpoint at /secret/path")
 
     app = create_app(_config(tmp_path), Options(), load=broken, on_load_error=seen.append)
     with TestClient(app) as client:
         body = _until(lambda: (r := client.get("/health")).json().get("status") == "failed" and r.json(), "failure")
-        assert "no such checkpoint" in body["error"] and len(seen) == 1
+        assert body == {"status": "failed", "error": "the model failed to load; the server log says why"}
+        assert len(seen) == 1
+        refused = client.post("/v1/videos", data=FAST).json()["error"]
+        assert refused["code"] == "not_ready" and "/secret" not in refused["message"]
+    assert "no such checkpoint at /secret/path" in caplog.text, "the details go to the server log"
 
 
 def test_create_with_image_runs_and_serves_video_and_thumbnail(server: Server) -> None:
@@ -234,7 +209,7 @@ BAD_INPUTS = [
     ({"sample_audio": "maybe"}, None, 400, "sample_audio", "a boolean"),
     ({"model": "sora-2"}, None, 400, "model", "'sora-2' is not served here; expected 'k6-tiny'"),
     ({"colour": "red"}, None, 400, "colour", "unknown parameter 'colour'"),
-    ({}, {"input_reference": ("x.png", b"not an image", "image/png")}, 400, "input_reference", "not a readable image"),
+    ({}, {"input_reference": ("x.png", b"not an image", "image/png")}, 400, "input_reference", "a PNG, JPEG or WebP"),
     ({"input_reference": "http://example.com/a.png"}, None, 400, "input_reference", "image file upload"),
     ({"input_reference[image_url]": "http://x/a.png"}, None, 400, "input_reference", "base64 data: URL"),
     ({"input_reference[file_id]": "file_1"}, None, 400, "input_reference", "no Files API"),
@@ -283,7 +258,7 @@ def test_malformed_bodies_and_unknown_ids(server: Server) -> None:
     ):
         response = server.client.request(method, path, headers=AUTH)
         assert response.status_code == 404 and response.json()["error"]["code"] == "video_not_found", path
-    assert server.client.get("/v1/nowhere", headers=AUTH).json()["error"]["message"].startswith("no route GET")
+    assert server.client.get("/v1/nowhere", headers=AUTH).json()["error"]["message"].startswith("no such route")
     bad_list = server.client.get("/v1/videos", params={"limit": "101"}, headers=AUTH)
     assert bad_list.status_code == 400 and bad_list.json()["error"]["param"] == "limit"
     bad_after = server.client.get("/v1/videos", params={"after": "video_x"}, headers=AUTH)
@@ -346,9 +321,15 @@ def test_a_failing_job_fails_alone_and_the_server_keeps_serving(server: Server) 
     fine = server.create(**FAST).json()
     failed = server.wait_status(oom["id"], "completed", "failed")
     assert failed["status"] == "failed" and failed["error"]["code"] == "out_of_memory"
-    assert "CUDA out of memory" in failed["error"]["message"]
+    assert failed["error"]["message"].startswith("the server ran out of memory before its first denoising step")
     crashed = server.wait_status(crash["id"], "completed", "failed")
-    assert crashed["error"] == {"code": "generation_failed", "message": "ValueError: something broke"}
+    assert crashed["error"] == {
+        "code": "generation_failed",
+        "message": "generation failed before its first denoising step completed because of an error in the server; "
+        "its log has the details",
+    }
+    for video in (failed, crashed):  # words, not the exception: no type names, no exception text
+        assert not internals_in(video["error"]["message"]) and "broke" not in video["error"]["message"]
     assert server.wait_status(fine["id"], "completed", "failed")["status"] == "completed"
     not_ready = server.client.get(f"/v1/videos/{oom['id']}/content", headers=AUTH)
     assert not_ready.status_code == 409 and not_ready.json()["error"]["code"] == "video_failed"
@@ -399,3 +380,20 @@ def test_shutdown_puts_the_running_job_back_and_the_next_start_runs_it(tmp_path:
     with TestClient(create_app(config, Options(), load=lambda: gated)) as client:
         done = _until(lambda: (v := client.get(f"/v1/videos/{video_id}").json())["status"] == "completed" and v, "run")
         assert done["progress"] == 100
+
+
+@pytest.mark.parametrize("stage", ["prepare", "denoise", "decode", "write"])
+def test_failure_messages_are_words_without_the_exception(stage: str) -> None:
+    from k6fast.pipeline import RequestError
+    from k6fast.server.worker import STAGES, classify_failure
+
+    hostile = "at /srv/k6/model.py line 3: <Tensor object at 0x7f12abcd>"
+    for exc, code in (
+        (ValueError(hostile), "generation_failed"),
+        (MemoryError(hostile), "out_of_memory"),
+        (torch.cuda.OutOfMemoryError(hostile), "out_of_memory"),
+        (RequestError(hostile), "invalid_request"),
+    ):
+        got_code, message = classify_failure(exc, stage)
+        assert got_code == code and STAGES[stage] in message
+        assert not internals_in(message) and "line 3" not in message, message

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import os
 import sqlite3
+import stat
 from pathlib import Path
 
 import pytest
@@ -17,7 +19,9 @@ from k6fast.server.jobs import (
     JobStore,
     QueueFull,
     UnknownJob,
+    make_private_dir,
     new_job_id,
+    write_image,
 )
 from k6fast.server.metrics import Metrics
 from k6fast.server.validation import frames_for_seconds
@@ -188,6 +192,50 @@ def test_files_sweep_removes_orphans_and_temporaries(tmp_path: Path) -> None:
     assert files.video(kept).read_bytes() == b"mp4" and not files.folder(orphan).exists() and not tmp.exists()
     with pytest.raises(ValueError, match="expected a job id"):
         files.folder("../etc")
+
+
+def _mode(path: Path) -> int:
+    return stat.S_IMODE(path.stat().st_mode)
+
+
+def test_data_is_private_whatever_the_umask(tmp_path: Path) -> None:
+    import PIL.Image
+
+    old = os.umask(0o022)  # the usual umask, under which new files are world-readable
+    try:
+        data = tmp_path / "data"
+        make_private_dir(data)
+        store = JobStore(data / "jobs.sqlite3")
+        _add(store)  # a write creates the WAL and its shared-memory index
+        lock = DataDirLock(data)
+        lock.acquire()
+        files = JobFiles(data)
+        job_id = new_job_id()
+        files.folder(job_id, create=True)
+        write_image(PIL.Image.new("RGB", (4, 4)), files.input_image(job_id), "PNG")
+        files.video(job_id).write_bytes(b"mp4")  # as the MP4 writer leaves it: the umask's 0644
+        files.make_private(job_id)
+        assert (_mode(data), _mode(files.root), _mode(files.folder(job_id))) == (0o700, 0o700, 0o700)
+        written = ["jobs.sqlite3", "jobs.sqlite3-wal", "jobs.sqlite3-shm", "server.lock"]
+        assert {name: _mode(data / name) for name in written} == dict.fromkeys(written, 0o600)
+        assert _mode(files.input_image(job_id)) == 0o600 and _mode(files.video(job_id)) == 0o600
+        lock.release()
+        store.close()
+        os.chmod(data, 0o755)  # a data directory left readable by an older version is made private again
+        os.chmod(data / "jobs.sqlite3", 0o644)
+        make_private_dir(data)
+        JobStore(data / "jobs.sqlite3").close()
+        assert (_mode(data), _mode(data / "jobs.sqlite3")) == (0o700, 0o600)
+    finally:
+        os.umask(old)
+
+
+def test_queue_depth_counts_waiting_jobs(store: JobStore) -> None:
+    assert store.queue_depth() == 0
+    _add(store)
+    _add(store)
+    store.claim_next()
+    assert store.queue_depth() == 1
 
 
 def test_data_dir_lock_is_exclusive(tmp_path: Path) -> None:

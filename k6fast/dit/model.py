@@ -14,6 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from ..cancel import StopCheck, check_stop
 from .backend import Backend, ExactBackend
 from .blocks import FusedBlockInputs, fused_block, text_block
 from .config import DiTConfig
@@ -91,6 +92,7 @@ class K6DiT:
         self.blocks = blocks or ResidentBlocks(weights)
         self.dtype = weights["visual_embeddings.in_layer.weight"].dtype
         self._fused_block = fused_block
+        self.should_stop: StopCheck | None = None  # set per request by the pipeline: checked between fused blocks
 
     def compile_blocks(self) -> None:
         """torch.compile the fused block (one graph for all blocks: weights are inputs, not constants)."""
@@ -99,6 +101,9 @@ class K6DiT:
     def begin_step(self, step: int) -> None:
         """The sampler announces each denoising step (the attention policy keeps the first steps exact)."""
         self.backend.begin_step(step)
+
+    def _check_stop(self, block: int) -> None:
+        check_stop(self.should_stop, "denoise", f"before fused block {block + 1} of {self.cfg.num_visual_blocks}")
 
     def _text_branch(
         self, prefix: str, text: Tensor, pooled: Tensor, timestep: Tensor, dims: tuple[int, int], mask: Tensor | None
@@ -184,12 +189,13 @@ class K6DiT:
         self.blocks.begin_forward()
         try:
             for i in range(cfg.num_visual_blocks):
+                self._check_stop(i)
                 be.begin_block(i, cfg.num_visual_blocks)
                 vis, aud = self._fused_block(be, cfg, self.blocks.get(i), vis, aud, inputs)
                 self.blocks.release(i)
         except BaseException:
-            # The runtime outlives a failed request (a server's next job): its block source must not keep this
-            # forward's half-done bookkeeping.
+            # The runtime outlives a failed or cancelled request (a server's next job): its block source must not
+            # keep this forward's half-done bookkeeping.
             self.blocks.abort_forward()
             raise
 

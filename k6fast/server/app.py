@@ -4,6 +4,11 @@ The official `openai` SDK works unchanged against it (`client.videos.create / re
 delete`, `base_url=http://HOST:PORT/v1`). The model loads in a background thread after the app starts, so `/health`
 answers 503 until the checkpoint is loaded and warmed up; jobs already in the store can be listed, fetched and
 deleted meanwhile, new ones are refused with 503 until then.
+
+What a client sees is the API's own words: every error is in OpenAI's shape with a stable code, and nothing of the
+server's insides (exception text or type names, paths, addresses) reaches a response body; an unexpected error is
+logged with an error id that the 500 names. With an API key set, `/health` without the key says only whether the
+server is alive (ok, loading or failed).
 """
 
 from __future__ import annotations
@@ -11,10 +16,12 @@ from __future__ import annotations
 import hmac
 import logging
 import math
+import secrets
 import threading
 import time
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
+from http import HTTPStatus
 from typing import TYPE_CHECKING, Any
 
 from fastapi import Depends, FastAPI, Request
@@ -25,11 +32,24 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from .. import __version__
 from ..switches import Options, provenance
+from .body import read_fields
 from .config import ServerConfig
 from .errors import ApiError, error_body
-from .jobs import JOB_ID_RE, DataDirLock, Job, JobFiles, JobStore, QueueFull, UnknownJob, new_job_id, write_image
+from .images import decode_image
+from .jobs import (
+    JOB_ID_RE,
+    DataDirLock,
+    Job,
+    JobFiles,
+    JobStore,
+    QueueFull,
+    UnknownJob,
+    make_private_dir,
+    new_job_id,
+    write_image,
+)
 from .metrics import CONTENT_TYPE, Metrics
-from .validation import parse_create, parse_list_query, parse_variant, read_fields, resolve_spec
+from .validation import parse_create, parse_list_query, parse_variant, resolve_spec
 from .worker import Worker, load_pipeline
 
 if TYPE_CHECKING:
@@ -94,9 +114,12 @@ class ServerState:
         self._closing = threading.Event()
         self._reaper: threading.Thread | None = None
         self.arm: dict[str, Any] = {}  # provenance(options), recorded on every job
+        # One upload decoded and stored at a time: concurrent requests hold at most one decoded image beyond their
+        # bytes.
+        self._decode_slot = threading.BoundedSemaphore(1)
 
     def start(self) -> None:
-        self.config.data_dir.mkdir(parents=True, exist_ok=True)
+        make_private_dir(self.config.data_dir)
         self._lock.acquire()
         try:
             self.store = JobStore(self.config.jobs_db, clock=self._clock)
@@ -123,9 +146,7 @@ class ServerState:
     def stop(self) -> None:
         self._closing.set()
         if self.worker is not None and not self.worker.stop(_STOP_TIMEOUT_S):
-            log.warning(
-                "the running job did not reach a step boundary in %.0f s; it re-runs at the next start", _STOP_TIMEOUT_S
-            )
+            log.warning("the running job did not stop within %.0f s; it re-runs at the next start", _STOP_TIMEOUT_S)
         if self._reaper is not None:
             self._reaper.join(_STOP_TIMEOUT_S)
         if self.store is not None:
@@ -144,8 +165,8 @@ class ServerState:
             self.ready.set()
             log.info("ready: %s loaded and warmed up in %.1f s", self.config.model, time.perf_counter() - started)
         except Exception as exc:
-            self.load_error = f"{type(exc).__name__}: {exc}"
-            log.error("could not load %s: %s", self.config.model, self.load_error)
+            self.load_error = "the model failed to load; the server log says why"
+            log.error("could not load %s", self.config.model, exc_info=exc)
             if self._on_load_error is not None:
                 self._on_load_error(exc)
 
@@ -169,27 +190,42 @@ class ServerState:
         mean = self.metrics.mean_job_seconds()
         return max(1, math.ceil(mean)) if mean is not None else _UNKNOWN_JOB_RETRY_S
 
+    def queue_full(self, depth: int) -> ApiError:
+        retry = self.retry_after_s()
+        return ApiError(
+            429,
+            f"the queue is full ({depth} jobs waiting, at most {self.config.max_queue}); retry in about {retry} s",
+            code="queue_full",
+            headers={"Retry-After": str(retry)},
+        )
+
     def accept(self, fields: dict[str, Any]) -> Job:
-        """Validate a create request and queue it (runs in a thread pool: image decoding and fsync block)."""
+        """Validate a create request and queue it (runs in a thread pool: image decoding and fsync block). The
+        cheap checks come first: fields, the image's format and size from its header, the queue's room; the image is
+        decoded only for a request that will be queued."""
         draft = parse_create(fields, self.config, self.served_names)
         spec = resolve_spec(draft, self.pipeline, self.config.max_steps)
+        depth = self.store.queue_depth()
+        if depth >= self.config.max_queue:
+            raise self.queue_full(depth)
         job_id = new_job_id()
         if draft.image is not None:
             # Stored before the record exists: the worker may claim the job the moment it is inserted.
-            self.files.folder(job_id, create=True)
-            write_image(draft.image, self.files.input_image(job_id), "PNG")
+            with self._decode_slot:
+                image = decode_image(draft.image)
+                try:
+                    self.files.folder(job_id, create=True)
+                    write_image(image, self.files.input_image(job_id), "PNG")
+                except BaseException:
+                    self.files.remove(job_id)
+                    raise
+                finally:
+                    del image
         try:
             job = self.store.create(job_id, spec, self.config.served_model_name, self.arm, self.config.max_queue)
-        except QueueFull as exc:
+        except QueueFull as exc:  # filled up while this upload was decoded
             self.files.remove(job_id)
-            retry = self.retry_after_s()
-            raise ApiError(
-                429,
-                f"the queue is full ({exc.depth} jobs waiting, at most {self.config.max_queue}); retry in about "
-                f"{retry} s",
-                code="queue_full",
-                headers={"Retry-After": str(retry)},
-            ) from None
+            raise self.queue_full(exc.depth) from None
         self.worker.notify()
         return job
 
@@ -201,12 +237,11 @@ class ServerState:
 
 
 def not_found(video_id: str) -> ApiError:
-    return ApiError(
-        404,
-        f"no video with id {video_id!r} (it never existed, was deleted or expired)",
-        param="video_id",
-        code="video_not_found",
-    )
+    if not JOB_ID_RE.fullmatch(video_id):
+        message = "no such video: expected an id like video_<32 hex digits> as this server gives out"
+    else:
+        message = f"no video with id {video_id} (it never existed, was deleted or expired)"
+    return ApiError(404, message, param="video_id", code="video_not_found")
 
 
 def create_app(
@@ -251,7 +286,7 @@ def create_app(
 
     def require_ready() -> None:
         if not state.ready.is_set():
-            why = f"the model failed to load ({state.load_error})" if state.load_error else "the model is loading"
+            why = state.load_error or "the model is loading"
             raise ApiError(
                 503,
                 f"{why}; expected GET /health to return 200 before jobs are submitted",
@@ -265,29 +300,48 @@ def create_app(
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
-        if exc.status_code == 404:
-            message = f"no route {request.method} {request.url.path}; the Videos API is under /v1/videos"
-        elif exc.status_code == 405:
-            message = f"method {request.method} is not allowed on {request.url.path}"
+        status = exc.status_code
+        if status == 404:
+            message, code = "no such route; the Videos API is under /v1/videos", "not_found"
+        elif status == 405:
+            message, code = "this method is not allowed on this route; the Videos API is under /v1/videos", None
         else:
-            message = str(exc.detail)
-        body = error_body(message, "invalid_request_error" if exc.status_code < 500 else "server_error")
-        return JSONResponse(body, status_code=exc.status_code, headers=getattr(exc, "headers", None))
+            message, code = _phrase(status), None
+        body = error_body(message, "invalid_request_error" if status < 500 else "server_error", code=code)
+        return JSONResponse(body, status_code=status, headers=getattr(exc, "headers", None))
 
     @app.exception_handler(RequestValidationError)
     async def validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
-        return JSONResponse(error_body(f"invalid request: {exc.errors()}", "invalid_request_error"), status_code=400)
+        where = "; ".join(
+            f"{'.'.join(str(part)[:40] for part in error.get('loc', ()))}: {error.get('msg', 'invalid')}"
+            for error in exc.errors()[:5]
+        )
+        return JSONResponse(error_body(f"invalid request: {where}", "invalid_request_error"), status_code=400)
 
     @app.exception_handler(Exception)
     async def server_error(request: Request, exc: Exception) -> JSONResponse:
-        log.exception("unhandled error on %s %s", request.method, request.url.path)
-        return JSONResponse(error_body(f"internal error: {type(exc).__name__}: {exc}", "server_error"), status_code=500)
+        error_id = "err_" + secrets.token_hex(8)
+        log.error("unhandled error %s on %s %s", error_id, request.method, request.url.path, exc_info=exc)
+        message = f"internal error: the server could not handle this request; its log has the details ({error_id})"
+        return JSONResponse(error_body(message, "server_error", code="internal_error"), status_code=500)
+
+    def has_key(request: Request) -> bool:
+        try:
+            authenticate(request)
+        except ApiError:
+            return False
+        return True
 
     @app.get("/health")
-    def health() -> JSONResponse:
+    def health(request: Request) -> JSONResponse:
+        detailed = has_key(request)
         if not state.ready.is_set():
-            status = {"status": "failed", "error": state.load_error} if state.load_error else {"status": "loading"}
+            status = {"status": "failed" if state.load_error else "loading"}
+            if detailed and state.load_error:
+                status["error"] = state.load_error
             return JSONResponse(status, status_code=503, headers={"Retry-After": str(_LOADING_RETRY_S)})
+        if not detailed:  # alive and ready, and nothing about what it serves
+            return JSONResponse({"status": "ok"})
         pipeline = state.pipeline
         return JSONResponse(
             {
@@ -310,7 +364,7 @@ def create_app(
     @app.post("/v1/videos", dependencies=[Depends(authenticate)])
     async def create_video(request: Request) -> JSONResponse:
         require_ready()
-        fields = await read_fields(request, config.max_upload_bytes)
+        fields = await read_fields(request, config.max_upload_bytes, config.body_timeout_s)
         job = await run_in_threadpool(state.accept, fields)
         return JSONResponse(video_object(job), headers=poll_headers)
 
@@ -322,7 +376,7 @@ def create_app(
         except UnknownJob:
             raise ApiError(
                 400,
-                f"after {after!r} is not the id of a video in this server's list",
+                f"after {after[:40]!r} is not the id of a video in this server's list",
                 param="after",
                 code="invalid_value",
             ) from None
@@ -347,7 +401,7 @@ def create_app(
         variant = parse_variant(request.query_params)
         job = state.job_or_404(video_id)
         if job.status != "completed":
-            detail = f"it failed: {job.error_message}" if job.status == "failed" else "it is not finished"
+            detail = f"it failed ({job.error_code}; see its error)" if job.status == "failed" else "it is not finished"
             raise ApiError(
                 409,
                 f"video {video_id} is {job.status}, so it has no content ({detail})",
@@ -367,9 +421,17 @@ def create_app(
         if job is None:
             raise not_found(video_id)
         if job.status == "in_progress" and state.worker is not None:
-            # The worker stops at its next step boundary and frees the GPU; the record is already gone.
+            # The worker stops within one DiT block, decode op or frame of the mux and frees the GPU; the record is
+            # already gone.
             state.worker.cancel(video_id)
         state.files.remove(video_id)
         return JSONResponse({"id": video_id, "object": "video.deleted", "deleted": True})
 
     return app
+
+
+def _phrase(status: int) -> str:
+    try:
+        return HTTPStatus(status).phrase.lower()
+    except ValueError:
+        return f"HTTP status {status}"

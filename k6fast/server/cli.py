@@ -1,19 +1,21 @@
 """`k6fast serve`: the OpenAI-compatible video server on uvicorn (also `python -m k6fast.server`).
 
-The socket is bound and the data directory checked before anything loads, so a taken port or a busy data directory
-fails at once with exit status 2; the model then loads in the background while `/health` answers 503. If loading
-fails, the server stops with exit status 1.
+Every option is checked, the device looked for, the data directory made private (0700) and locked and the socket
+bound before anything loads, so a bad setting, a missing GPU, a taken port or a busy data directory fails at once with
+one line `error: ...` and exit status 2; the model then loads in the background while `/health` answers 503. If
+loading fails, the server stops with exit status 1.
 """
 
 from __future__ import annotations
 
 import argparse
 import logging
+import math
 import socket
 import sys
 from pathlib import Path
 
-from ..cli_args import size_arg
+from ..cli_args import device_problem, size_arg
 from .config import DEFAULT_DATA_DIR, ServerConfig, fmt_size
 
 log = logging.getLogger("k6fast.server")
@@ -42,6 +44,12 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-upload-mb", type=float, default=20.0, help="largest input_reference image (default 20)")
     p.add_argument("--poll-after-ms", type=int, default=1000, help="the openai-poll-after-ms hint (default 1000)")
     p.add_argument("--max-attempts", type=int, default=3, help="starts of a job across crashes before it fails")
+    p.add_argument(
+        "--body-timeout-s",
+        type=float,
+        default=60.0,
+        help="a create request's body must arrive within this (default 60)",
+    )
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -62,9 +70,13 @@ def _is_hub_id(model: str) -> bool:
 
 
 def config_from_args(args: argparse.Namespace, data_dir_default: Path | None) -> ServerConfig:
-    from .errors import ApiError
-    from .validation import frames_for_seconds
-
+    upload_mb = args.max_upload_mb
+    if not math.isfinite(upload_mb) or not 0 < upload_mb <= 1024:
+        raise ServeError(f"--max-upload-mb must be a number in (0, 1024], found {upload_mb}")
+    if not math.isfinite(args.ttl_hours) or args.ttl_hours <= 0:
+        raise ServeError(f"--ttl-hours must be a positive number, found {args.ttl_hours}")
+    if args.served_model_name is not None and not args.served_model_name.strip():
+        raise ServeError("--served-model-name must not be empty")
     try:
         config = ServerConfig(
             model=args.model,
@@ -81,15 +93,13 @@ def config_from_args(args: argparse.Namespace, data_dir_default: Path | None) ->
             default_size=args.default_size,
             default_seconds=args.default_seconds,
             ttl_seconds=args.ttl_hours * 3600.0,
-            max_upload_bytes=int(args.max_upload_mb * 2**20),
+            max_upload_bytes=int(upload_mb * 2**20),
             poll_after_ms=args.poll_after_ms,
             max_attempts=args.max_attempts,
+            body_timeout_s=args.body_timeout_s,
         )
-        frames = frames_for_seconds(config.default_seconds)
-    except (ValueError, ApiError) as exc:
+    except ValueError as exc:
         raise ServeError(str(exc)) from None
-    if frames > config.max_frames:
-        raise ServeError(f"--default-seconds {config.default_seconds} gives {frames} frames, over --max-frames")
     return config
 
 
@@ -108,18 +118,26 @@ def _listen(host: str, port: int) -> socket.socket:
 def cmd_serve(args: argparse.Namespace) -> int:
     from ..checkpoint import open_checkpoint
     from ..switches import load_options
-    from .jobs import DataDirBusy, DataDirLock
+    from .jobs import DataDirBusy, DataDirLock, make_private_dir
 
     options = load_options(arm=args.arm)
     config = config_from_args(args, options.data_dir)
+    problem = device_problem(config.device)
+    if problem:
+        raise ServeError(f"--device {config.device}: {problem}")
     if not _is_hub_id(config.model):
         open_checkpoint(config.model)  # configs and safetensors headers only: a broken checkpoint fails now
-    config.data_dir.mkdir(parents=True, exist_ok=True)
     probe = DataDirLock(config.data_dir)
     try:
+        make_private_dir(config.data_dir)
         probe.acquire()
     except DataDirBusy as exc:
         raise ServeError(str(exc)) from None
+    except OSError as exc:
+        raise ServeError(
+            f"cannot use the data directory {config.data_dir} ({exc.strerror or 'not usable'}); expected a directory "
+            "this user can create and write"
+        ) from None
     probe.release()
     sock = _listen(config.host, config.port)
 

@@ -50,3 +50,31 @@ def error_body(message: str, type: str, param: str | None = None, code: str | No
 
 def bad_param(param: str, message: str, code: str = "invalid_value") -> ApiError:
     return ApiError(400, message, param=param, code=code)
+
+
+def kind_of(value: Any) -> str:
+    """What a client sent, in JSON's words ("a string", "an array"), not Python's type names."""
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return "a boolean"
+    if isinstance(value, (int, float)):
+        return "a number"
+    if isinstance(value, str):
+        return "a string"
+    if isinstance(value, (list, tuple)):
+        return "an array"
+    if isinstance(value, dict):
+        return "an object"
+    return "a file" if hasattr(value, "data") else "a value of another kind"
+
+
+def shown(value: Any, limit: int = 40) -> str:
+    """A client's value for an error message: its kind, and its text cut to `limit` characters where short."""
+    if isinstance(value, (str, int, float)) and not isinstance(value, bool):
+        try:
+            text = repr(value)
+        except ValueError:  # an integer too long to print
+            return kind_of(value)
+        return f"{kind_of(value)} {text if len(text) <= limit else text[: limit - 3] + '...'}"
+    return kind_of(value)

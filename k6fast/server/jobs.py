@@ -5,6 +5,9 @@ Layout of a data directory:
     jobs/<id>/          input.png (the uploaded reference, re-encoded), video.mp4 + video.mp4.json, thumbnail.jpg
     server.lock         held (flock) by the one server using the directory
 
+Everything in it is private to the server's user (prompts and videos are the clients' data): the directory and its
+folders 0700, the database, the lock and job files 0600, whatever the umask.
+
 Ordering rules that keep records and files consistent across a crash at any instant:
 - a job's files are written (atomically) before its record says `completed`; a crash in between re-runs the job;
 - a job's record is deleted before its files; a crash in between leaves files without a record, which `sweep`
@@ -35,6 +38,8 @@ from ..atomic import atomic_path
 if TYPE_CHECKING:
     import PIL.Image
 
+PRIVATE_DIR = 0o700
+PRIVATE_FILE = 0o600
 STATUSES = ("queued", "in_progress", "completed", "failed")
 JOB_ID_RE = re.compile(r"video_[0-9a-f]{32}")
 SCHEMA_VERSION = 1
@@ -75,6 +80,21 @@ class UnknownJob(KeyError):
 
 class DataDirBusy(RuntimeError):
     """Another server holds the data directory's lock."""
+
+
+def make_private_dir(path: Path) -> None:
+    """Create `path` (and missing parents) if needed and make it 0700; an existing data directory is tightened."""
+    path = Path(path)
+    path.mkdir(mode=PRIVATE_DIR, parents=True, exist_ok=True)
+    if path.stat().st_mode & 0o777 != PRIVATE_DIR:
+        os.chmod(path, PRIVATE_DIR)
+
+
+def make_private_file(path: Path) -> None:
+    """Create `path` if missing, 0600 (SQLite gives its -wal and -shm files the database file's mode)."""
+    os.close(os.open(path, os.O_RDWR | os.O_CREAT, PRIVATE_FILE))
+    if path.stat().st_mode & 0o777 != PRIVATE_FILE:
+        os.chmod(path, PRIVATE_FILE)
 
 
 @dataclass(frozen=True)
@@ -155,6 +175,10 @@ class JobStore:
         self.path = Path(path)
         self._clock = clock
         self._lock = threading.Lock()
+        make_private_file(self.path)
+        for companion in (self.path.with_name(self.path.name + "-wal"), self.path.with_name(self.path.name + "-shm")):
+            if companion.exists():
+                os.chmod(companion, PRIVATE_FILE)
         self._db = sqlite3.connect(self.path, check_same_thread=False, isolation_level=None, timeout=30.0)
         self._db.row_factory = sqlite3.Row
         self._db.execute("PRAGMA journal_mode=WAL")
@@ -203,6 +227,11 @@ class JobStore:
                 (job_id, self.now(), model, spec.to_json(), json.dumps(arm, sort_keys=True)),
             )
             return self._one("SELECT * FROM jobs WHERE id = ?", (job_id,))
+
+    def queue_depth(self) -> int:
+        """Jobs waiting (not counting the one running)."""
+        with self._lock:
+            return self._db.execute("SELECT COUNT(*) FROM jobs WHERE status = 'queued'").fetchone()[0]
 
     def get(self, job_id: str) -> Job | None:
         with self._lock:
@@ -339,15 +368,22 @@ class JobFiles:
 
     def __init__(self, data_dir: Path):
         self.root = Path(data_dir) / "jobs"
-        self.root.mkdir(parents=True, exist_ok=True)
+        make_private_dir(self.root)
 
     def folder(self, job_id: str, create: bool = False) -> Path:
         if not JOB_ID_RE.fullmatch(job_id):
             raise ValueError(f"expected a job id like video_<32 hex digits>, found {job_id!r}")
         path = self.root / job_id
         if create:
-            path.mkdir(exist_ok=True)
+            path.mkdir(mode=PRIVATE_DIR, exist_ok=True)
         return path
+
+    def make_private(self, job_id: str) -> None:
+        """0600 on every file of a job (written through atomic_path, which follows the umask): the folder is 0700
+        already, this keeps the files private wherever they are copied with their modes."""
+        for entry in self.folder(job_id).iterdir():
+            if entry.is_file():
+                os.chmod(entry, PRIVATE_FILE)
 
     def video(self, job_id: str) -> Path:
         return self.folder(job_id) / "video.mp4"
@@ -382,6 +418,7 @@ class JobFiles:
 def write_image(image: PIL.Image.Image, path: Path, format: str, **params: Any) -> None:
     """Save `image` at `path` atomically: a hidden temporary file beside it, fsync, rename."""
     with atomic_path(path) as tmp:
+        os.chmod(tmp, PRIVATE_FILE)
         image.save(tmp, format=format, **params)
 
 
@@ -394,7 +431,7 @@ class DataDirLock:
         self._fd: int | None = None
 
     def acquire(self) -> None:
-        fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+        fd = os.open(self.path, os.O_RDWR | os.O_CREAT, PRIVATE_FILE)
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:

@@ -1,14 +1,18 @@
-"""The one GPU worker: a thread that runs jobs oldest first, reports progress every step, and stops at a step
-boundary when its job is deleted or the server shuts down.
+"""The one GPU worker: a thread that runs jobs oldest first, reports progress every step, and stops part-way when its
+job is deleted or the server shuts down: within one DiT block, one video decode op or one encoded frame, whichever
+phase the job is in (k6fast.cancel). The stop is logged with the phase it happened in, the job's memory is released
+and the next job starts.
 
 A job's outcome is decided here, and each outcome touches only that job: an exception (out of memory included)
-fails the job and the worker takes the next one. Files are written before the record says `completed`; a record
-that vanished while the job ran (DELETE) means the files just written are removed again.
+fails the job and the worker takes the next one. A failed job's error says what happened in fixed words; the
+exception and its traceback go to the server log under the job's id. Files are written before the record says
+`completed`; a record that vanished while the job ran (DELETE) means the files just written are removed again.
 """
 
 from __future__ import annotations
 
 import contextlib
+import gc
 import logging
 import threading
 import time
@@ -52,18 +56,45 @@ def load_pipeline(config: ServerConfig, options: Options) -> Pipeline:
     return pipeline
 
 
-def classify_failure(exc: BaseException) -> tuple[str, str]:
-    """(error code, message) recorded on a failed job."""
+class InputUnreadable(Exception):
+    """The job's stored input image could not be opened again."""
+
+
+# Error code → the message a client sees, {stage} being where the job was (STAGES); the exception and its traceback
+# are in the server log, under the job's id.
+FAILURES = {
+    "out_of_memory": "the server ran out of memory {stage}; a smaller size or fewer frames may fit",
+    "invalid_request": (
+        "this video cannot be generated within the server's memory budget and settings (it stopped {stage}); a "
+        "smaller size or fewer frames may fit"
+    ),
+    "invalid_input": "the stored input_reference image of this job could not be read back; submit the job again",
+    "generation_failed": "generation failed {stage} because of an error in the server; its log has the details",
+}
+STAGES = {
+    "prepare": "before its first denoising step completed",
+    "denoise": "while denoising",
+    "decode": "after denoising, while decoding the video and audio",
+    "write": "while writing the MP4",
+}
+
+
+def classify_failure(exc: BaseException, stage: str = "prepare") -> tuple[str, str]:
+    """(error code, message) recorded on a failed job: fixed words per code and stage (a key of STAGES), never the
+    exception's text."""
     import torch
 
     from ..pipeline import RequestError
 
-    message = f"{type(exc).__name__}: {exc}"[:2000]
     if isinstance(exc, (torch.cuda.OutOfMemoryError, MemoryError)):
-        return "out_of_memory", message
-    if isinstance(exc, RequestError):
-        return "invalid_request", message
-    return "generation_failed", message
+        code = "out_of_memory"
+    elif isinstance(exc, RequestError):
+        code = "invalid_request"
+    elif isinstance(exc, InputUnreadable):
+        code = "invalid_input"
+    else:
+        code = "generation_failed"
+    return code, FAILURES[code].format(stage=STAGES[stage])
 
 
 def progress_after_step(index: int, total: int) -> int:
@@ -95,6 +126,8 @@ class Worker:
         self._lock = threading.Lock()
         self._current: str | None = None
         self._cancel_current = False
+        # Deleted while the worker was claiming them (in progress in the store, not yet the current job).
+        self._doomed: set[str] = set()
         self._thread = threading.Thread(target=self._run, name="k6fast-gpu-worker", daemon=True)
 
     def start(self) -> None:
@@ -108,15 +141,17 @@ class Worker:
         return self._current
 
     def cancel(self, job_id: str) -> bool:
-        """Ask the running job to stop at its next step boundary; False when `job_id` is not the running job."""
+        """Ask the running job to stop at its next check (a DiT block, a decode op, a frame of the mux); False when
+        `job_id` is not running yet (it is stopped as soon as it starts, should the worker be claiming it now)."""
         with self._lock:
             if self._current != job_id:
+                self._doomed.add(job_id)
                 return False
             self._cancel_current = True
             return True
 
     def stop(self, timeout: float) -> bool:
-        """Stop after the running job's next step boundary (the job goes back to the queue); True if stopped."""
+        """Stop the running job at its next check (the job goes back to the queue); True if stopped."""
         self._stopping.set()
         self._wake.set()
         if self._thread.is_alive():
@@ -139,7 +174,8 @@ class Worker:
                 self._wake.wait(_IDLE_POLL_S)
                 continue
             with self._lock:
-                self._current, self._cancel_current = job.id, False
+                self._current, self._cancel_current = job.id, job.id in self._doomed
+                self._doomed.clear()
             try:
                 self._execute(job)
             except Exception:
@@ -159,8 +195,11 @@ class Worker:
         if spec.image:
             import PIL.Image
 
-            with PIL.Image.open(self.files.input_image(job.id)) as stored:
-                image = stored.convert("RGB")
+            try:
+                with PIL.Image.open(self.files.input_image(job.id), formats=["PNG"]) as stored:
+                    image = stored.convert("RGB")
+            except Exception as exc:  # missing or damaged on disk since it was accepted
+                raise InputUnreadable() from exc
         return Request(
             prompt=spec.prompt,
             width=spec.width,
@@ -175,7 +214,7 @@ class Worker:
         )
 
     def _execute(self, job: Job) -> None:
-        from ..sampler import Cancelled
+        from ..cancel import Cancelled
 
         log.info(
             "job %s: started (attempt %d, %s, %d frames, %d steps)",
@@ -186,32 +225,38 @@ class Worker:
             job.spec.steps,
         )
         started = time.perf_counter()
+        stage = ["prepare"]  # where the job is, for a failure's message (the pipeline reports only its steps)
 
         def on_step(event: StepEvent) -> None:
+            stage[0] = "decode" if event.index + 1 == event.total else "denoise"
             self.metrics.observe_step(event.seconds)
             self.store.set_progress(job.id, progress_after_step(event.index, event.total))
 
         try:
             request = self._request(job)
             result = self.pipeline.generate(request, on_step=on_step, should_stop=self._should_stop)
+            stage[0] = "write"
             telemetry = self._write(job, request, result)
-        except Cancelled:
+        except Cancelled as exc:
+            seconds = time.perf_counter() - started
             if self._cancel_current:
                 self.files.remove(job.id)
                 self.metrics.observe_job("cancelled")
-                log.info("job %s: cancelled (deleted) after %.1f s", job.id, time.perf_counter() - started)
+                log.info(
+                    "job %s: cancelled (deleted) during %s (%s) after %.1f s", job.id, exc.phase, exc.where, seconds
+                )
             else:
                 self.store.requeue(job.id)
                 self.metrics.observe_job("requeued")
-                log.info("job %s: interrupted by shutdown, back in the queue", job.id)
+                log.info("job %s: stopped by shutdown during %s (%s), back in the queue", job.id, exc.phase, exc.where)
             return
         except Exception as exc:
-            code, message = classify_failure(exc)
+            code, message = classify_failure(exc, stage[0])
             # Record first, files second: a crash in between must not leave a re-runnable job without its input.
             recorded = self.store.fail(job.id, code, message, self.config.ttl_seconds)
             self.files.remove(job.id)
             if recorded:
-                log.error("job %s: failed (%s) %s", job.id, code, message, exc_info=code == "generation_failed")
+                log.error("job %s: failed (%s) %s", job.id, code, STAGES[stage[0]], exc_info=exc)
                 self.metrics.observe_job("failed")
             else:
                 self.metrics.observe_job("cancelled")
@@ -232,15 +277,26 @@ class Worker:
 
         self.files.folder(job.id, create=True)
         write_result(
-            result, self.files.video(job.id), self.options, request, self.config.model, self.pipeline.ckpt.variant
+            result,
+            self.files.video(job.id),
+            self.options,
+            request,
+            self.config.model,
+            self.pipeline.ckpt.variant,
+            should_stop=self._should_stop,
         )
         import PIL.Image
 
         first = PIL.Image.fromarray(frames_to_uint8(result.frames[:1])[0])
         write_image(first, self.files.thumbnail(job.id), "JPEG", quality=90)
+        self.files.make_private(job.id)
         return result.telemetry.as_dict()
 
     def _free_memory(self) -> None:
+        # An exception that unwound a job may leave its tensors in reference cycles (an exception held by a frame on
+        # its own traceback); collect them before the allocator's cache is emptied, so the next job starts with the
+        # memory free.
+        gc.collect()
         device = getattr(self.pipeline, "device", None)
         if getattr(device, "type", None) == "cuda":
             import torch

@@ -10,6 +10,7 @@ from collections.abc import Mapping
 import torch
 from torch import Tensor, nn
 
+from ..cancel import StopCheck
 from .decoder import _geometry, decoder_ops
 from .norm_stats import _Moments, _Stream
 from .plan import VideoDecodePlan, plan_video_decode
@@ -139,11 +140,12 @@ def _decode(
     frozen: Mapping[str, _Moments] | None = None,
     max_chunk_frames: int | None = None,
     raw: bool = False,
+    should_stop: StopCheck | None = None,
 ) -> tuple[Tensor, dict[str, _Moments]]:
     """`decode_video_fast` with an explicit plan; also returns the GroupNorm statistics of the last sample.
     For tests: `frozen` replaces running statistics with given ones (the whole-clip ones make any plan exact);
     `max_chunk_frames` caps the frames of every chunk; `raw` returns the decoder's output as is (in [-1, 1] but
-    neither shifted nor clamped)."""
+    neither shifted nor clamped). `should_stop`: see `decode_video_fast`."""
     if layout not in LAYOUTS:
         raise ValueError(f"layout must be one of {', '.join(LAYOUTS)}, found {layout!r}")
     if latents.ndim != 5 or latents.shape[-1] != vae.config.latent_channels:
@@ -157,7 +159,9 @@ def _decode(
 
     norm_act = groupnorm_silu if triton_norm else groupnorm_silu_ref
     fmt = _MEMORY_FORMATS[layout]
-    ctx = _Ctx(dtype, device, fmt, plan.workspace_bytes, norm_act, max_chunk_frames=max_chunk_frames)
+    ctx = _Ctx(
+        dtype, device, fmt, plan.workspace_bytes, norm_act, max_chunk_frames=max_chunk_frames, should_stop=should_stop
+    )
     frames = 1 + vae.config.temporal_compression_ratio * (t - 1)
     s = vae.config.spatial_compression_ratio
     out = torch.zeros((b, frames, h * s, w * s, 3), dtype=torch.float32, device=device)
@@ -180,6 +184,7 @@ def decode_video_fast(
     triton_norm: bool = False,
     upsample_fusion: str = "auto",
     plan: VideoDecodePlan | None = None,
+    should_stop: StopCheck | None = None,
 ) -> Tensor:
     """latents [B, T, H, W, C] (scaled) → frames fp32 [B, F, 8H, 8W, 3] in [0, 1], F = 4(T-1)+1: the output of
     `k6fast.vae.decode_video`, without diffusers' overlapping tiles.
@@ -193,7 +198,8 @@ def decode_video_fast(
     `layout` "ndhwc" keeps activations channels-last (cuDNN's native 3D layout); `cudnn_benchmark` lets cuDNN time
     its convolution algorithms during this decode only; `triton_norm` runs GroupNorm+SiLU as one Triton kernel
     (kernels/groupnorm_silu.py) instead of PyTorch's three passes through fp32. Samples of a batch are decoded one
-    after another.
+    after another. `should_stop` (k6fast.cancel) is checked before every op of every slab and tile: when it says
+    stop, `Cancelled` is raised and the decode's buffers are dropped with it.
     """
     if latents.ndim != 5:
         raise ValueError(f"expected latents [B, T, H, W, C], found {tuple(latents.shape)}")
@@ -210,5 +216,13 @@ def decode_video_fast(
     elif plan.latent_shape != tuple(latents.shape[1:4]):
         raise ValueError(f"the plan is for latents {plan.latent_shape}, found {tuple(latents.shape[1:4])}")
     logger.info("video decode: %s", plan.describe())
-    frames, _ = _decode(vae, latents, plan, layout=layout, cudnn_benchmark=cudnn_benchmark, triton_norm=triton_norm)
+    frames, _ = _decode(
+        vae,
+        latents,
+        plan,
+        layout=layout,
+        cudnn_benchmark=cudnn_benchmark,
+        triton_norm=triton_norm,
+        should_stop=should_stop,
+    )
     return frames

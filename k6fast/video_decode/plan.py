@@ -72,16 +72,18 @@ class VideoDecodePlan:
             return "streamed"
         return "whole-clip lean" if self.fusions else "whole-clip"
 
-    def describe(self) -> str:
-        peak = f"estimated peak {self.estimated_peak_bytes / 2**30:.2f} GiB"
+    def describe(self, peak: bool = True) -> str:
+        """One line for people; `peak=False` leaves out the estimated peak (a GPU figure: on the CPU it means
+        nothing)."""
+        estimate = f"; estimated peak {self.estimated_peak_bytes / 2**30:.2f} GiB" if peak else ""
         if self.split == self.num_ops:
             fused = f": {'; '.join(f.describe() for f in self.fusions)}" if self.fusions else ""
-            return f"{self.mode} decode of all {self.num_ops} ops (exact){fused}; {peak}"
+            return f"{self.mode} decode of all {self.num_ops} ops (exact){fused}{estimate}"
         streamed = self.num_ops - self.split
         kind = "exact" if self.exact else "running GroupNorm statistics"
         return (
             f"streamed: {self.split} ops whole-clip, {streamed} streamed in slabs of {self.slab_latent_frames} latent "
-            f"frames over {len(self.tiles)} tile(s) ({kind}); {peak}"
+            f"frames over {len(self.tiles)} tile(s) ({kind}){estimate}"
         )
 
 

@@ -12,6 +12,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from ..cancel import StopCheck, check_stop
 from .decoder import _fusable, _Op
 from .norm_stats import _NORM_BLOCK_BYTES, _channel_moments, _group_moments, _Moments, _moments, _norm_coeffs, _Stream
 from .plan import UpsampleFusion, VideoDecodePlan, _conv_chunk_bytes, _fusion_bytes
@@ -27,6 +28,7 @@ class _Ctx:
     norm_act: Callable[..., Tensor]
     emit: Callable[[_Stream, int, int, Tensor], None] | None = None
     max_chunk_frames: int | None = None  # tests: at most this many frames per chunk, to cross chunk boundaries
+    should_stop: StopCheck | None = None  # checked before every op (k6fast.cancel)
 
     def empty(self, *shape: int) -> Tensor:
         return torch.empty(shape, dtype=self.dtype, device=self.device, memory_format=self.memory_format)
@@ -309,6 +311,7 @@ def _run(
     named in `fusions` runs together with the resnet after it."""
     i = 0
     while i < len(ops):
+        check_stop(ctx.should_stop, "video_decode", f"before decoder op {ops[i].name}")
         fusion = (fusions or {}).get(ops[i].name)
         if fusion is None:
             x = _APPLY[ops[i].kind](ops[i], x, stream, ctx)

@@ -1,0 +1,81 @@
+"""Helpers shared by the server tests: the real tiny pipeline behind a gate, deadlines, and the checks every error
+response must pass (OpenAI's error shape, nothing of the server's insides)."""
+
+from __future__ import annotations
+
+import re
+import threading
+import time
+from collections.abc import Callable
+
+from k6fast.cancel import Cancelled
+from k6fast.pipeline import Pipeline
+
+DEADLINE_S = 60.0
+
+
+class GatedPipeline:
+    """The real pipeline, entered only when `gate` is open; while it waits it honours should_stop as the sampler
+    does at a step boundary. A prompt in `fail_with` raises that exception instead of generating."""
+
+    def __init__(self, real: Pipeline):
+        self.real = real
+        self.ckpt, self.device, self.options = real.ckpt, real.device, real.options
+        self.gate = threading.Event()
+        self.gate.set()
+        self.waiting = threading.Event()
+        self.fail_with: dict[str, BaseException] = {}
+
+    def resolve(self, request):
+        return self.real.resolve(request)
+
+    def generate(self, request, on_step=None, should_stop=None):
+        self.waiting.set()
+        deadline = time.monotonic() + DEADLINE_S
+        while not self.gate.wait(0.01):
+            if should_stop is not None and should_stop():
+                raise Cancelled("denoise", "held at the gate")
+            assert time.monotonic() < deadline, "the test never opened the gate"
+        self.waiting.clear()
+        if request.prompt in self.fail_with:
+            raise self.fail_with[request.prompt]
+        return self.real.generate(request, on_step=on_step, should_stop=should_stop)
+
+
+def until(check: Callable[[], object], what: str, timeout: float = DEADLINE_S) -> object:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = check()
+        if value:
+            return value
+        time.sleep(0.02)
+    raise AssertionError(f"timed out after {timeout} s waiting for {what}")
+
+
+# What must never reach a client: Python's insides (tracebacks, exception or warning type names, object reprs with
+# heap addresses), the server's paths (absolute paths under the usual roots, source files, installed packages).
+INTERNALS = (
+    re.compile(r"Traceback|File \""),
+    re.compile(r"[A-Za-z]+(Error|Exception|Warning)\b"),
+    re.compile(r"(?<![0-9A-Za-z])0x[0-9a-fA-F]{4,}"),
+    re.compile(r"<[\w.]+ object"),
+    re.compile(r"(?<![\w.])/(home|usr|tmp|work|etc|root|opt|var|proc|dev|lib|srv|mnt)(/|\b)"),
+    re.compile(r"\.py\b|site-packages|dist-packages|k6fast/"),
+)
+
+
+def internals_in(text: str) -> list[str]:
+    """The pieces of `text` that name something internal (empty when it is clean)."""
+    return [match.group(0) for pattern in INTERNALS for match in pattern.finditer(text)]
+
+
+def check_error_body(body: object) -> dict:
+    """`body` is OpenAI's error shape; returns its `error` object."""
+    assert isinstance(body, dict) and set(body) == {"error"}, body
+    error = body["error"]
+    assert set(error) == {"message", "type", "param", "code"}, error
+    assert isinstance(error["message"], str) and error["message"], error
+    assert error["type"] in ("invalid_request_error", "authentication_error", "rate_limit_error"), error
+    assert error["param"] is None or isinstance(error["param"], str), error
+    assert error["code"] is None or isinstance(error["code"], str), error
+    return error
