@@ -132,7 +132,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
         extra["gpu_name"] = torch.cuda.get_device_name(pipe.device)
     try:
-        write_result(result, out, options, request, args.model, pipe.ckpt.variant, extra)
+        write_result(result, out, options, request, args.model, pipe.ckpt.variant, extra=extra)
     except OSError as exc:  # the disk filled up or the directory changed while the clip was generated
         raise CliError(f"--out {out}: could not write the clip ({exc.strerror or 'write failed'})") from None
     print(result.telemetry.summary(), file=sys.stderr)

@@ -43,8 +43,9 @@ def write_result(
     request: Request,
     model: str,
     variant: str,
-    extra: dict[str, Any] | None = None,
     should_stop: StopCheck | None = None,
+    *,
+    extra: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """Write `out` (MP4) and `out.json` (provenance, request, telemetry, and `extra`: what the caller knows of the
     run, such as the load time and the residency plan). Returns the sidecar's content.
