@@ -171,7 +171,7 @@ class LinearDispatch:
             cols, xq = _fp8_input(x, self.outlier_channels, shared)
             wq, w_scale = quantize_weight_fp8(weight, residual_cols=cols)
             return _fp8(x, wq, w_scale, bias, xq)
-        from ..kernels.fp8_linear import fp16acc_linear
+        from ..kernels.fp16acc_linear import fp16acc_linear
 
         flat = x.reshape(-1, x.shape[-1]).contiguous()
         return fp16acc_linear(flat, weight, bias, out_dtype=x.dtype).reshape(*x.shape[:-1], weight.shape[0])
