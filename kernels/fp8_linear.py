@@ -103,26 +103,29 @@ def _use_fp8_kernels(op: str, device: torch.device) -> bool:
 # ---------------------------------------------------------------------------------------------------------------
 
 
-def quantize_rows_fp8_ref(x: Tensor, extra_cols: Tensor | None = None, residual: bool = False) -> tuple[Tensor, Tensor]:
+def quantize_rows_fp8_ref(
+    x: Tensor, extra_cols: Tensor | None = None, residual: bool = False, qmax: float = E4M3_MAX
+) -> tuple[Tensor, Tensor]:
     """x: [..., K] bf16/fp16/fp32 → (xq: [..., K + C] float8_e4m3fn, scale: [..., 1] fp32) with x ≈ xq[..., :K] * scale.
 
-    scale = max(absmax(row), 1e-12) / 448. The multiplier 448 / absmax is computed once per row and applied by
-    multiplication, so the Triton kernel (IEEE division via div_rn) reproduces these bits. Both divisions here are
-    tensor / tensor on purpose: PyTorch turns `448.0 / t` into reciprocal(t) · 448 and, on CUDA, `t / 448.0` into
-    t · (1 / 448), each one rounding more than an IEEE division.
+    scale = max(absmax(row), 1e-12) / qmax; qmax = 448 (e4m3's largest value) unless a GEMM needs a smaller range
+    (`fp8_fp16acc.FP16_CHUNK_QMAX`: FP16 accumulation must not overflow); it must be an e4m3 value. The multiplier
+    qmax / absmax is computed once per row and applied by multiplication, so the Triton kernel (IEEE division via
+    div_rn) reproduces these bits. Both divisions here are tensor / tensor on purpose: PyTorch turns `448.0 / t` into
+    reciprocal(t) · 448 and, on CUDA, `t / 448.0` into t · (1 / 448), each one rounding more than an IEEE division.
 
     extra_cols (int [C], or None for C = 0) appends the columns x[..., extra_cols] on the same scale (index -1: a
-    zero column): their e4m3 values again, or with `residual` what e4m3 rounding left of them (x·448/absmax − its
+    zero column): their e4m3 values again, or with `residual` what e4m3 rounding left of them (x·qmax/absmax − its
     e4m3 value, itself in e4m3). See `outlier_columns` for what the two are for.
     """
     xf = x.float()
     amax = xf.abs().amax(dim=-1, keepdim=True).clamp_min(AMAX_FLOOR)
-    e4m3_max = torch.full_like(amax, E4M3_MAX)
-    xq = (xf * (e4m3_max / amax)).clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn)
+    e4m3_max = torch.full_like(amax, qmax)
+    xq = (xf * (e4m3_max / amax)).clamp(-qmax, qmax).to(torch.float8_e4m3fn)
     if extra_cols is not None:
         picked = xf[..., extra_cols.clamp_min(0).long()]
         picked = torch.where(extra_cols >= 0, picked, 0.0)  # -1: a +0 column (x · False would be -0 for x < 0)
-        scaled = (picked * (e4m3_max / amax)).clamp(-E4M3_MAX, E4M3_MAX)
+        scaled = (picked * (e4m3_max / amax)).clamp(-qmax, qmax)
         extra = scaled.to(torch.float8_e4m3fn)
         if residual:
             extra = (scaled - extra.float()).to(torch.float8_e4m3fn)
@@ -131,28 +134,40 @@ def quantize_rows_fp8_ref(x: Tensor, extra_cols: Tensor | None = None, residual:
 
 
 @triton.jit
-def e4m3_scales(amax):
-    """Device helper shared with kernels that fuse quantization (adaln): per-row absmax (fp32) → (448 / absmax,
-    absmax / 448). div_rn is IEEE division, so the scales match PyTorch bit for bit (plain `/` is approximate)."""
+def e4m3_scales_to(amax, qmax):
+    """Per-row absmax (fp32) → (qmax / absmax, absmax / qmax). div_rn is IEEE division, so the scales match PyTorch
+    bit for bit (plain `/` is approximate)."""
     amax = tl.maximum(amax, 1e-12)
-    return tl.math.div_rn(448.0, amax), tl.math.div_rn(amax, 448.0)
+    return tl.math.div_rn(qmax, amax), tl.math.div_rn(amax, qmax)
+
+
+@triton.jit
+def e4m3_quantize_to(x, inv_scale, qmax):
+    """x fp32 [ROWS, BLOCK] * inv_scale [ROWS] → e4m3, saturated at ±qmax (the product can round just above it)."""
+    return tl.clamp(x * inv_scale[:, None], -qmax, qmax).to(tl.float8e4nv)
+
+
+@triton.jit
+def e4m3_scales(amax):
+    """Device helper shared with kernels that fuse quantization (adaln): `e4m3_scales_to` with qmax = 448."""
+    return e4m3_scales_to(amax, 448.0)
 
 
 @triton.jit
 def e4m3_quantize(x, inv_scale):
-    """x fp32 [ROWS, BLOCK] * inv_scale [ROWS] → e4m3, saturated at ±448 (the product can round just above 448)."""
-    return tl.clamp(x * inv_scale[:, None], -448.0, 448.0).to(tl.float8e4nv)
+    """`e4m3_quantize_to` with qmax = 448 (shared with adaln)."""
+    return e4m3_quantize_to(x, inv_scale, 448.0)
 
 
 @triton.jit
-def _extra_columns(x_rows, q_rows, cols_ptr, inv, row_ok, K, C: tl.constexpr, RESIDUAL: tl.constexpr):
+def _extra_columns(x_rows, q_rows, cols_ptr, inv, row_ok, K, C: tl.constexpr, RESIDUAL: tl.constexpr, QMAX):
     # The C appended columns (quantize_rows_fp8_ref's extra_cols): x at cols_ptr's channels on the row's scale, as
     # e4m3 again or, with RESIDUAL, what e4m3 rounding left of them.
     j = tl.arange(0, C)
     idx = tl.load(cols_ptr + j)
     v = tl.load(x_rows + tl.maximum(idx, 0)[None, :], mask=row_ok[:, None] & (idx >= 0)[None, :], other=0.0)
     v = v.to(tl.float32)  # padding columns (index -1) are zeros and load nothing
-    scaled = tl.clamp(v * inv[:, None], -448.0, 448.0)
+    scaled = tl.clamp(v * inv[:, None], -QMAX, QMAX)
     extra = scaled.to(tl.float8e4nv)
     if RESIDUAL:
         extra = (scaled - extra.to(tl.float32)).to(tl.float8e4nv)
@@ -173,6 +188,7 @@ def _quantize_rows_fp8_kernel(
     SINGLE_PASS: tl.constexpr,
     C: tl.constexpr,
     RESIDUAL: tl.constexpr,
+    QMAX: tl.constexpr,  # largest quantized magnitude (an e4m3 value; 448 unless a GEMM needs a smaller range)
 ):
     rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
     row_ok = rows < n_rows
@@ -184,8 +200,8 @@ def _quantize_rows_fp8_kernel(
         # The whole row sits in registers: HBM is read once and written once.
         mask = row_ok[:, None] & (cols < K)[None, :]
         x = tl.load(x_rows + cols[None, :], mask=mask, other=0.0).to(tl.float32)
-        inv, scale = e4m3_scales(tl.max(tl.abs(x), axis=1))
-        tl.store(q_rows + cols[None, :], e4m3_quantize(x, inv), mask=mask)
+        inv, scale = e4m3_scales_to(tl.max(tl.abs(x), axis=1), QMAX)
+        tl.store(q_rows + cols[None, :], e4m3_quantize_to(x, inv, QMAX), mask=mask)
     else:
         # Rows longer than one block: the second sweep re-reads the row, which the first sweep just left in L2.
         amax = tl.zeros([ROWS], dtype=tl.float32)
@@ -193,13 +209,13 @@ def _quantize_rows_fp8_kernel(
             mask = row_ok[:, None] & (k0 + cols < K)[None, :]
             x = tl.load(x_rows + k0 + cols[None, :], mask=mask, other=0.0).to(tl.float32)
             amax = tl.maximum(amax, tl.max(tl.abs(x), axis=1))
-        inv, scale = e4m3_scales(amax)
+        inv, scale = e4m3_scales_to(amax, QMAX)
         for k0 in range(0, K, BLOCK_K):
             mask = row_ok[:, None] & (k0 + cols < K)[None, :]
             x = tl.load(x_rows + k0 + cols[None, :], mask=mask, other=0.0).to(tl.float32)
-            tl.store(q_rows + k0 + cols[None, :], e4m3_quantize(x, inv), mask=mask)
+            tl.store(q_rows + k0 + cols[None, :], e4m3_quantize_to(x, inv, QMAX), mask=mask)
     if C > 0:
-        _extra_columns(x_rows, q_rows, cols_ptr, inv, row_ok, K, C, RESIDUAL)
+        _extra_columns(x_rows, q_rows, cols_ptr, inv, row_ok, K, C, RESIDUAL, QMAX)
     tl.store(scale_ptr + rows64, scale, mask=row_ok)
 
 
@@ -208,11 +224,11 @@ _MAX_SINGLE_PASS = 16384
 
 
 def quantize_rows_fp8_triton(
-    x: Tensor, extra_cols: Tensor | None = None, residual: bool = False
+    x: Tensor, extra_cols: Tensor | None = None, residual: bool = False, qmax: float = E4M3_MAX
 ) -> tuple[Tensor, Tensor]:
     """The Triton kernel alone, on whatever device x is on (CUDA, or CPU under TRITON_INTERPRET=1).
     x: [..., K] bf16/fp16/fp32 with rows contiguous → (xq [..., K + C] e4m3, scale [..., 1] fp32); extra_cols as in
-    `quantize_rows_fp8_ref` (int32 [C], C a power of two)."""
+    `quantize_rows_fp8_ref` (int32 [C], C a power of two), and qmax."""
     k = x.shape[-1]
     c = 0 if extra_cols is None else extra_cols.numel()
     x2 = x.reshape(-1, k)
@@ -220,27 +236,29 @@ def quantize_rows_fp8_triton(
     xq = torch.empty((*x.shape[:-1], k + c), dtype=torch.float8_e4m3fn, device=x.device)
     scale = torch.empty((*x.shape[:-1], 1), dtype=torch.float32, device=x.device)
     if n_rows == 0 or k == 0:
-        scale.fill_(AMAX_FLOOR / E4M3_MAX)
+        scale.fill_(AMAX_FLOOR / qmax)
         return xq, scale
     block_k = min(triton.next_power_of_2(k), _MAX_SINGLE_PASS)
     rows = max(1, min(4096 // block_k, triton.next_power_of_2(n_rows)))
     num_warps = min(16, max(4, rows * block_k // 1024))
     _quantize_rows_fp8_kernel[(triton.cdiv(n_rows, rows),)](
         x2, xq, scale, scale if extra_cols is None else extra_cols, n_rows, k, x2.stride(0),
-        ROWS=rows, BLOCK_K=block_k, SINGLE_PASS=block_k >= k, C=c, RESIDUAL=residual, num_warps=num_warps,
+        ROWS=rows, BLOCK_K=block_k, SINGLE_PASS=block_k >= k, C=c, RESIDUAL=residual, QMAX=qmax, num_warps=num_warps,
     )  # fmt: skip
     return xq, scale
 
 
 @torch.library.custom_op("k6fast::quantize_rows_fp8", mutates_args=())
-def _quantize_rows_fp8_op(x: Tensor, extra_cols: Tensor | None, residual: bool) -> tuple[Tensor, Tensor]:
+def _quantize_rows_fp8_op(
+    x: Tensor, extra_cols: Tensor | None, residual: bool, qmax: float = E4M3_MAX
+) -> tuple[Tensor, Tensor]:
     if _use_fp8_kernels("quantize_rows_fp8", x.device):
-        return quantize_rows_fp8_triton(x, extra_cols, residual)
-    return quantize_rows_fp8_ref(x, extra_cols, residual)
+        return quantize_rows_fp8_triton(x, extra_cols, residual, qmax)
+    return quantize_rows_fp8_ref(x, extra_cols, residual, qmax)
 
 
 @_quantize_rows_fp8_op.register_fake
-def _(x: Tensor, extra_cols: Tensor | None, residual: bool) -> tuple[Tensor, Tensor]:
+def _(x: Tensor, extra_cols: Tensor | None, residual: bool, qmax: float = E4M3_MAX) -> tuple[Tensor, Tensor]:
     c = 0 if extra_cols is None else extra_cols.shape[0]
     return (
         x.new_empty((*x.shape[:-1], x.shape[-1] + c), dtype=torch.float8_e4m3fn),
@@ -269,26 +287,37 @@ def _check_extra_cols(extra_cols: Tensor | None, device: torch.device) -> None:
         )
 
 
-def quantize_rows_fp8(x: Tensor, extra_cols: Tensor | None = None, residual: bool = False) -> tuple[Tensor, Tensor]:
+def _check_qmax(qmax: float) -> None:
+    exact = torch.tensor(qmax).to(torch.float8_e4m3fn).float().item() == qmax
+    if not (exact and 0.0 < qmax <= E4M3_MAX):
+        raise ValueError(f"qmax: expected a positive e4m3 value <= 448, found {qmax}")
+
+
+def quantize_rows_fp8(
+    x: Tensor, extra_cols: Tensor | None = None, residual: bool = False, qmax: float = E4M3_MAX
+) -> tuple[Tensor, Tensor]:
     """x: [..., K] bf16/fp16/fp32, contiguous → (xq: [..., K + C] float8_e4m3fn, scale: [..., 1] fp32).
 
-    Per-row absmax scaling (x ≈ xq[..., :K] * scale); one read of x and one write of xq; extra_cols (int32 [C]) and
-    residual as in `quantize_rows_fp8_ref`. Triton on FP8-capable CUDA devices, the reference elsewhere (logged
-    once)."""
+    Per-row absmax scaling (x ≈ xq[..., :K] * scale); one read of x and one write of xq; extra_cols (int32 [C]),
+    residual and qmax as in `quantize_rows_fp8_ref`. Triton on FP8-capable CUDA devices, the reference elsewhere
+    (logged once)."""
     _check_rows(x, "quantize_rows_fp8")
     _check_extra_cols(extra_cols, x.device)
-    return _quantize_rows_fp8_op(x, extra_cols, residual)
+    _check_qmax(qmax)
+    return _quantize_rows_fp8_op(x, extra_cols, residual, float(qmax))
 
 
-def quantize_weight_fp8(w: Tensor, residual_cols: Tensor | None = None) -> tuple[Tensor, Tensor]:
+def quantize_weight_fp8(
+    w: Tensor, residual_cols: Tensor | None = None, qmax: float = E4M3_MAX
+) -> tuple[Tensor, Tensor]:
     """w: [N, K] (nn.Linear layout) → (wq: [N, K + C] float8_e4m3fn, scale: [1, N] fp32), one scale per output channel.
 
     wq stays row-major, so `wq.t()` is the column-major [K, N] operand `_scaled_mm` wants, and [1, N] is the scale
     layout it wants for that operand. residual_cols (int32 [C]) appends what e4m3 rounding left of those input
-    channels (`outlier_columns`)."""
+    channels (`outlier_columns`); qmax as in `quantize_rows_fp8_ref`."""
     if w.ndim != 2:
         raise ValueError(f"quantize_weight_fp8: expected a weight [N, K], found shape {tuple(w.shape)}")
-    wq, scale = quantize_rows_fp8(w.contiguous(), residual_cols, residual=True)
+    wq, scale = quantize_rows_fp8(w.contiguous(), residual_cols, residual=True, qmax=qmax)
     return wq, scale.reshape(1, -1)
 
 
