@@ -125,9 +125,11 @@ GEMM = Switch(
     name="K6_GEMM",
     kind="enum",
     default="bf16",
-    choices=("bf16", "fp16acc", "fp8", "auto"),
-    doc="linear layers: cuBLAS bf16, Triton fp16-accumulate (GeForce gain only), fp8 e4m3 row-wise, or auto "
-    "(fp16acc on GeForce, bf16 elsewhere)",
+    choices=("bf16", "fp16acc", "fp8", "fp8-fp16acc", "mxfp8", "nvfp4", "auto", "auto-lossy"),
+    doc="linear layers: cuBLAS bf16; Triton fp16-accumulate (GeForce gain only); fp8 e4m3 row-wise (fp8-fp16acc on "
+    "GeForce sm_89/sm_120: FP16-chunk accumulation); block-scaled mxfp8 / nvfp4 on sm_100/sm_120 (needs torchao; "
+    "bf16 elsewhere; not run on such a GPU here); auto = fp16acc on GeForce, bf16 elsewhere; auto-lossy = mxfp8 on "
+    "Blackwell, fp8 elsewhere from sm_89",
     lossy=True,
 )
 GEMM_MIN_ROWS = Switch(

@@ -20,14 +20,15 @@ from k6fast.dit.backend import SwitchedBackend
 from k6fast.dit.config import QUANT_CONFIG_KEY, quantized_layer
 from k6fast.dit.linear import LinearDispatch, QuantizedWeight
 from k6fast.dit.runtime import build_dit
+from k6fast.kernels.blockscaled import dequantize_mxfp8, quantize_mxfp8
 from k6fast.kernels.nvfp4 import dequantize_nvfp4, quantize_nvfp4
 from k6fast.quantize import quantize_checkpoint, register
 from k6fast.switches import Options
 
-FORMATS = ("fp8", "nvfp4")
+FORMATS = ("fp8", "mxfp8", "nvfp4")
 # Relative L2 of the whole tiny DiT's outputs vs the unquantized fp32 forward (measured 1.6% / 7.3% on the video
-# head): e4m3 keeps 3 mantissa bits, E2M1 one, and the error of every quantized layer reaches the heads.
-FORWARD_BOUND = {"fp8": 0.04, "nvfp4": 0.15}
+# head for fp8 / nvfp4): e4m3 keeps 3 mantissa bits, E2M1 one, and the error of every quantized layer reaches the heads.
+FORWARD_BOUND = {"fp8": 0.04, "mxfp8": 0.04, "nvfp4": 0.15}
 BLOCK_LINEAR = "visual_transformer_blocks.1.video_dec_block.feed_forward.net.2.weight"
 
 
@@ -95,6 +96,11 @@ def test_quantized_checkpoint_layout(tiny_distill, quantized, fmt):
             assert after[name].dtype == torch.float8_e4m3fn and after[name].shape == (n, k)
             assert after[f"{name}_scale"].dtype == torch.float32 and after[f"{name}_scale"].shape == (n,)
             back = after[name].float() * after[f"{name}_scale"][:, None]
+        elif fmt == "mxfp8":
+            assert after[name].dtype == torch.float8_e4m3fn and after[name].shape == (n, k)
+            assert after[f"{name}_scale"].dtype == torch.uint8 and after[f"{name}_scale"].shape == (n, k // 32)
+            back = dequantize_mxfp8(after[name], after[f"{name}_scale"])
+            assert torch.equal(back, dequantize_mxfp8(*quantize_mxfp8(t)))  # torchao's bits, stored as they are
         else:
             assert after[name].dtype == torch.uint8 and after[name].shape == (n, k // 2)
             assert after[f"{name}_scale"].dtype == torch.float8_e4m3fn and after[f"{name}_scale"].shape == (n, k // 16)
@@ -260,7 +266,7 @@ def test_command_refuses_bad_arguments(tiny_distill, quantized, tmp_path, capsys
     with pytest.raises(SystemExit) as exit_info:
         _parse(["quantize", "--format", "int4", str(tiny_distill), str(tmp_path / "out")])
     assert exit_info.value.code == 2 and "invalid choice: 'int4'" in capsys.readouterr().err
-    with pytest.raises(ValueError, match="expected --format one of fp8, nvfp4, found 'int4'"):
+    with pytest.raises(ValueError, match="expected --format one of fp8, mxfp8, nvfp4, found 'int4'"):
         quantize_checkpoint(tiny_distill, tmp_path / "out", "int4")
     args = _parse(["quantize", "--format", "fp8", str(tmp_path / "missing"), str(tmp_path / "out")])
     with pytest.raises(CheckpointError, match="missing is not a checkpoint directory"):
@@ -307,14 +313,15 @@ def test_stored_gemm_runs_on_gpu(quantized, fmt):
     try:
         inputs = {k: v.cuda() for k, v in _inputs(ckpt.dit, 0, torch.bfloat16).items()}
         dequantized, stored = (rt.dit(**inputs) for rt in runs)
-        if fmt == "fp8":
-            assert fast.gemm.counts["fp8"] == 56 and "fp8-dequantized" not in fast.gemm.counts
+        blockscaled = torch.cuda.get_device_capability()[0] in (10, 12)
+        if fmt == "fp8" or (fmt == "mxfp8" and blockscaled):
+            assert fast.gemm.counts[fmt] == 56 and f"{fmt}-dequantized" not in fast.gemm.counts
             for a, b in zip(stored, dequantized, strict=True):
-                assert _rel(a, b) <= 0.06  # fp8 also quantizes the activations (≈2.5% per layer)
+                assert _rel(a, b) <= 0.06  # the activations are quantized too (≈2.5% per layer)
         else:
-            # nvfp4 layers are dequantized on the GPU and multiplied by cuBLAS (8x faster than the Triton kernel
-            # there): the same computation as the reference backend's, so the same bits.
-            assert fast.gemm.counts["nvfp4-dequantized"] == 56 and "nvfp4" not in fast.gemm.counts
+            # nvfp4 layers (without K6_GEMM=nvfp4), and mxfp8 layers without block-scaled MMA, are dequantized on the
+            # GPU and multiplied by cuBLAS: the same computation as the reference backend's, so the same bits.
+            assert fast.gemm.counts[f"{fmt}-dequantized"] == 56 and fmt not in fast.gemm.counts
             for a, b in zip(stored, dequantized, strict=True):
                 assert torch.equal(a, b)
     finally:
