@@ -250,8 +250,8 @@ def quantize_checkpoint(
     device: str | torch.device = "cpu",
     log: Callable[[str], None] = print,
 ) -> QuantizeReport:
-    """Write DST = SRC with its fused-block linear weights quantized to `fmt` ("fp8", "mxfp8" or "nvfp4"); see the module
-    docstring for the stored names. `device` runs the quantization (cuda is faster; the bits are the same).
+    """Write DST = SRC with its fused-block linear weights quantized to `fmt` ("fp8", "mxfp8" or "nvfp4"); see the
+    module docstring for the stored names. `device` runs the quantization (cuda is faster; the bits are the same).
 
     Raises ValueError for an unknown format, CheckpointError for a missing, invalid or already quantized SRC, and
     FileExistsError for a DST that is a file or a non-empty directory."""

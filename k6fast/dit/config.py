@@ -214,15 +214,16 @@ EXACT_LAYERS = ("modulation", "time_embeddings", "pooled_text_embeddings")
 # Scales are stored row-major (one row per output channel), not in cuBLAS's swizzled layout: the block-scaled GEMM
 # (kernels/blockscaled.py) swizzles them per call (1/32 or 1/16 of the weight's bytes), and every other device
 # dequantizes from the plain layout. The nvfp4 format is the one k6fast wrote before the block-scaled GEMM existed.
-QUANT_CONFIG_KEY = "k6fast_quantization"  # in transformer/config.json: {"format": one of QUANT_FORMATS, "version": 1}
+# in transformer/config.json: {"format": one of QUANT_FORMATS, "version": 1}
+QUANT_CONFIG_KEY = "k6fast_quantization"
 QUANT_FORMATS = ("fp8", "mxfp8", "nvfp4")
 QUANT_VERSION = 1
 SCALE_SUFFIXES = (".weight_scale", ".weight_scale_2")
 
 
 def fast_gemm_layer(name: str, weight_shape: tuple[int, ...]) -> bool:
-    """The layers a fast GEMM (fp16acc, fp8, mxfp8, nvfp4) or a quantized checkpoint (QUANT_FORMATS) may take, whatever the row
-    count: not an exact layer, and N and K multiples of 16 (FP8 tensor cores need both)."""
+    """The layers a fast GEMM (fp16acc, fp8, mxfp8, nvfp4) or a quantized checkpoint (QUANT_FORMATS) may take, whatever
+    the row count: not an exact layer, and N and K multiples of 16 (FP8 tensor cores need both)."""
     if any(part in name for part in EXACT_LAYERS) or len(weight_shape) != 2:
         return False
     return weight_shape[0] % 16 == 0 and weight_shape[1] % 16 == 0
