@@ -18,10 +18,10 @@ K6_GEMM_MIN_ROWS, CPU, fp32 activations, a GPU without FP8 or block-scaled MMA) 
 multiplied by F.linear: correct everywhere.
 
 K6_GEMM=mxfp8 / nvfp4 on bf16 weights quantize weight and activations per call (kernels/blockscaled.py, torchao's
-quantization; the GEMM call has not run on a Blackwell GPU here). `arch.resolve_auto` turns them into bf16, with a
-warning, on GPUs without block-scaled tensor cores; K6_GEMM=fp8 on GeForce sm_89/sm_12x runs the FP16-chunk FP8 GEMM
-(kernels/fp8_fp16acc.py; `resolve_auto` turns it into fp8-fp16acc) instead of `torch._scaled_mm`, whose FP32
-accumulation runs at half rate there.
+quantization, with outlier columns as for fp8; the GEMM call has not run on a Blackwell GPU here).
+`arch.resolve_auto` turns them into bf16, with a warning, on GPUs without block-scaled tensor cores; K6_GEMM=fp8 on
+GeForce sm_89/sm_12x runs the FP16-chunk FP8 GEMM (kernels/fp8_fp16acc.py; `resolve_auto` turns it into
+fp8-fp16acc) instead of `torch._scaled_mm`, whose FP32 accumulation runs at half rate there.
 """
 
 from __future__ import annotations
@@ -216,10 +216,14 @@ class LinearDispatch:
         if counting:
             self.counts[kind] += 1
         if kind in ("mxfp8", "nvfp4"):
-            from ..kernels.blockscaled import quantize_weight
+            from ..kernels.blockscaled import quantize_weight, weight_with_outliers
 
-            # Quantized at use, as the fp8 weights are; `k6fast quantize --format mxfp8|nvfp4` removes the pass.
-            return _blockscaled(x, kind, quantize_weight(weight, kind), bias, shared)
+            # Quantized at use, as the fp8 weights are; `k6fast quantize --format mxfp8|nvfp4` removes the pass. With
+            # K6_FP8_OUTLIER_CHANNELS > 0, 2C extra columns put back both operands' rounding at this call's largest
+            # input channels (kernels/blockscaled.py: 3.7 → 2.2 % for MXFP8, 12.9 → 10.0 % for NVFP4 on DiT-like data).
+            cols, xq = _blockscaled_input(x, kind, self.outlier_channels, shared)
+            wq = quantize_weight(weight, kind) if cols is None else weight_with_outliers(weight, kind, cols)
+            return _blockscaled(x, kind, wq, bias, xq)
         from ..kernels.fp16acc_linear import fp16acc_linear
 
         flat = x.reshape(-1, x.shape[-1]).contiguous()
@@ -234,7 +238,9 @@ class LinearDispatch:
         if not fast:
             return F.linear(x, weight.dequantized(x.dtype), bias)
         if weight.fmt in ("mxfp8", "nvfp4"):
-            return _blockscaled(x, weight.fmt, (weight.qdata, weight.scale, weight.scale_2), bias, shared)
+            # No unquantized weight to take residual columns from: plain block quantization of x.
+            xq = _blockscaled_input(x, weight.fmt, 0, shared)[1]
+            return _blockscaled(x, weight.fmt, (weight.qdata, weight.scale, weight.scale_2), bias, xq)
         # A stored e4m3 weight (quantized to ±448) has no bf16 columns to correct: plain row quantization, and
         # torch._scaled_mm even on GeForce (the FP16-chunk GEMM needs operands in its smaller range).
         return _fp8(x, weight.qdata, weight.scale, bias, _fp8_input(x, 0, shared)[1])
@@ -246,18 +252,32 @@ def _fp16_chunk_qmax() -> float:
     return FP16_CHUNK_QMAX[DEFAULT_CHUNK]
 
 
-def _blockscaled(x: Tensor, fmt: str, w: tuple, bias: Tensor | None, shared: dict | None) -> Tensor:
-    """x [..., K] through the block-scaled GEMM with a quantized weight (qdata, scale, scale_2); x's quantization is
+def _blockscaled_input(x: Tensor, fmt: str, outlier_channels: int, shared: dict | None) -> tuple[Tensor | None, tuple]:
+    """(outlier columns or None, x [rows, K] block-quantized in `fmt`, with the outlier columns' 2C extra columns):
     computed once per `shared` dict."""
-    from ..kernels.blockscaled import blockscaled_linear, quantize_activations
+    from ..kernels.blockscaled import activations_with_outliers, quantize_activations
+    from ..kernels.fp8_outliers import outlier_columns
 
-    key = (fmt,)
+    key = (fmt, outlier_channels)
+    if shared is not None and key in shared:
+        return shared[key]
     flat = x.reshape(-1, x.shape[-1]).contiguous()
-    xq = shared.get(key) if shared is not None else None
-    if xq is None:
-        xq = quantize_activations(flat, fmt)
-        if shared is not None:
-            shared[key] = xq
+    cols = outlier_columns(flat, outlier_channels)
+    if cols is None:
+        prepared = None, quantize_activations(flat, fmt)
+    else:
+        cols = cols[:outlier_channels]
+        prepared = cols, activations_with_outliers(flat, fmt, cols)
+    if shared is not None:
+        shared[key] = prepared
+    return prepared
+
+
+def _blockscaled(x: Tensor, fmt: str, w: tuple, bias: Tensor | None, xq: tuple) -> Tensor:
+    """x [..., K] through the block-scaled GEMM: xq its quantization (`_blockscaled_input`), w the weight's
+    (qdata, scale, scale_2) with the same K (outlier columns included)."""
+    from ..kernels.blockscaled import blockscaled_linear
+
     y = blockscaled_linear(fmt, xq, w, None if bias is None else bias.to(x.dtype), out_dtype=x.dtype)
     return y.reshape(*x.shape[:-1], y.shape[-1])
 
