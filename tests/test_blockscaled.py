@@ -13,8 +13,13 @@ import math
 import pytest
 import torch
 
-bs = pytest.importorskip("k6fast.kernels.blockscaled")
-pytest.importorskip("torchao")
+from k6fast.kernels import blockscaled as bs
+
+
+@pytest.fixture(autouse=True)
+def _torchao():
+    pytest.importorskip("torchao")  # the quantization is torchao's (the dev extra installs it)
+
 
 E2M1 = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0])
 # Layer-output error bounds on DiT-like inputs (rel. L2 vs the exact fp32 product, K = 4096 / 16384). Plain: measured

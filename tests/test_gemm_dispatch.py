@@ -41,7 +41,8 @@ SM86 = arch.Target("sm_86 (RTX 30, GeForce)", (8, 6), geforce=True)
         ("fp8-fp16acc", "exact", SM90, ("fp8-fp16acc", "exact")),  # explicit: runs anywhere with FP8 MMA
     ],
 )
-def test_choices_per_target(gemm, attn, target, expected):
+def test_choices_per_target(gemm, attn, target, expected, monkeypatch):
+    monkeypatch.setattr(arch, "torchao_available", lambda: True)
     resolved = arch.resolve_for(Options().replace(gemm=gemm, attn=attn), target)
     assert (resolved.gemm, resolved.attn) == expected
 
@@ -63,7 +64,8 @@ def test_a_choice_the_device_cannot_run_is_said_once(monkeypatch, caplog):
         LinearDispatch(Options().replace(gemm="auto-lossy"))
 
 
-def test_switches_prints_the_resolution_per_target(capsys):
+def test_switches_prints_the_resolution_per_target(capsys, monkeypatch):
+    monkeypatch.setattr(arch, "torchao_available", lambda: True)
     assert main(["switches", "--arm", "final"]) == 0
     out = capsys.readouterr().out
     assert "K6_GEMM=auto and K6_ATTN=auto resolve to" in out
