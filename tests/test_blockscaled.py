@@ -265,3 +265,15 @@ def test_scaled_mm_matches_the_reference_gpu(fmt, m, k, n):
     ref = bs.blockscaled_linear_ref(fmt, xq, wq, bias.bfloat16(), out_dtype=torch.float32)
     assert rel_l2(y, ref) <= 5e-3  # fp32 accumulation in another order, bf16 output
     assert rel_l2(y.float(), x @ w.t() + bias) <= LAYER_BOUND[fmt]
+
+
+@pytest.mark.parametrize("fmt", bs.FORMATS)
+def test_custom_op_schema_and_fake(fmt):
+    x, w, bias = dit_like(8, 64, 16)
+    xq, wq = bs.quantize_activations(x, fmt), bs.quantize_weight(w, fmt)
+    # opcheck's schema test compares float8 inputs with an op PyTorch's CPU backend lacks for float8 (as for fp8_linear)
+    torch.library.opcheck(
+        torch.ops.k6fast.blockscaled_mm.default,
+        (fmt, *xq, *wq, bias.bfloat16(), torch.bfloat16),
+        test_utils=("test_faketensor", "test_autograd_registration", "test_aot_dispatch_dynamic"),
+    )

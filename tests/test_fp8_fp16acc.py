@@ -145,3 +145,14 @@ def test_fp8_fp16acc_gpu(k, n):
     fp32_acc = fp8_linear_ref((xq, xs), wq, ws, bias, out_dtype=torch.float32)
     assert torch.isfinite(y).all()
     assert rel_l2(y, fp32_acc) <= 2e-3 and rel_l2(y, emulated) <= 2e-3
+
+
+def test_custom_op_schema_and_fake():
+    x, w, bias = dit_like(8, 64, 16)
+    (xq, xs), wq, ws = quantized(x, w)
+    # opcheck's schema test compares float8 inputs with an op PyTorch's CPU backend lacks for float8 (as for fp8_linear)
+    torch.library.opcheck(
+        torch.ops.k6fast.fp8_fp16acc_mm.default,
+        (xq, xs, wq, ws, bias, torch.bfloat16, 32),
+        test_utils=("test_faketensor", "test_autograd_registration", "test_aot_dispatch_dynamic"),
+    )
