@@ -306,11 +306,14 @@ def quantize_checkpoint(
     return report
 
 
-def cmd_quantize(args: argparse.Namespace) -> int:
-    if args.device.startswith("cuda") and not torch.cuda.is_available():
-        from .cli import CliError
+def _device_arg(text: str) -> str:
+    """--device: cpu, cuda or cuda:N, refused at parse time where CUDA is missing (the command line's own error)."""
+    if text.startswith("cuda") and not torch.cuda.is_available():
+        raise argparse.ArgumentTypeError(f"{text}: CUDA is not available here; use --device cpu")
+    return text
 
-        raise CliError(f"--device {args.device}: CUDA is not available here; use --device cpu")
+
+def cmd_quantize(args: argparse.Namespace) -> int:
     quantize_checkpoint(args.src, args.dst, args.format, device=args.device)
     return 0
 
@@ -337,6 +340,8 @@ def register(subparsers) -> argparse.ArgumentParser:
     )
     p.add_argument("src", help="source checkpoint directory (bf16, Diffusers layout)")
     p.add_argument("dst", help="output directory (must be missing or empty)")
-    p.add_argument("--device", default="cpu", help="where to quantize: cpu (default) or cuda (faster, same bits)")
+    p.add_argument(
+        "--device", default="cpu", type=_device_arg, help="where to quantize: cpu (default) or cuda (faster, same bits)"
+    )
     p.set_defaults(func=cmd_quantize)
     return p

@@ -293,6 +293,10 @@ def test_command_refuses_bad_arguments(tiny_distill, quantized, tmp_path, capsys
     with pytest.raises(CheckpointError, match="lies inside SRC"):
         quantize_checkpoint(tiny_distill, tiny_distill / "quantized", "fp8")
     assert not (tmp_path / "out").exists() and not (tmp_path / "twice").exists()
+    if not torch.cuda.is_available():
+        with pytest.raises(SystemExit):
+            _parse(["quantize", "--format", "fp8", str(tiny_distill), str(tmp_path / "out"), "--device", "cuda"])
+        assert "--device: cuda: CUDA is not available here; use --device cpu" in capsys.readouterr().err
 
 
 def test_an_interrupted_run_leaves_nothing(tiny_distill, tmp_path, monkeypatch):
