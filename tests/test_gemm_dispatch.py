@@ -39,6 +39,7 @@ SM86 = arch.Target("sm_86 (RTX 30, GeForce)", (8, 6), geforce=True)
         ("nvfp4", "exact", SM89, ("bf16", "exact")),
         ("nvfp4", "exact", SM120, ("nvfp4", "exact")),
         ("fp8-fp16acc", "exact", SM90, ("fp8-fp16acc", "exact")),  # explicit: runs anywhere with FP8 MMA
+        ("fp8-fp16acc", "exact", SM86, ("bf16", "exact")),
     ],
 )
 def test_choices_per_target(gemm, attn, target, expected, monkeypatch):

@@ -97,6 +97,8 @@ def gemm_for(choice: str, t: Target) -> tuple[str, str | None]:
         return "fp8-fp16acc", "FP32-accumulate FP8 runs at half rate on GeForce; FP16 chunks instead"
     if choice in ("mxfp8", "nvfp4") and not _blockscaled(t):
         return "bf16", "no block-scaled tensor cores (needs sm_100 or sm_120)"
+    if choice == "fp8-fp16acc" and t.capability is not None and not _fp8(t):
+        return "bf16", "no FP8 tensor cores (needs sm_89 or newer)"
     return choice, None
 
 
