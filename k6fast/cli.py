@@ -162,8 +162,33 @@ def cmd_make_synthetic(args: argparse.Namespace) -> int:
 def cmd_switches(args: argparse.Namespace) -> int:
     from .switches import readme_table, render_table
 
-    print(readme_table() if args.markdown else render_table(_load_options(args.arm)))
+    if args.markdown:
+        print(readme_table())
+        return 0
+    options = _load_options(args.arm)
+    print(render_table(options))
+    print()
+    print(_resolution_table(options))
     return 0
+
+
+def _resolution_table(options) -> str:
+    """What K6_GEMM and K6_ATTN run as on this machine's GPU and on each architecture k6fast targets."""
+    import torch
+
+    from .dit.arch import TARGETS, resolve_for, target_of
+
+    if torch.cuda.is_available():
+        here = target_of(torch.device("cuda"))
+        targets = [(f"this GPU: {here.name}", here)]
+    else:
+        targets = [("this machine: no CUDA GPU", target_of(torch.device("cpu")))]
+    targets += [(t.name, t) for t in TARGETS]
+    rows = [(name, resolve_for(options, t)) for name, t in targets]
+    width = max(len(name) for name, _ in rows)
+    lines = [f"K6_GEMM={options.gemm} and K6_ATTN={options.attn} resolve to (k6fast/dit/arch.py):"]
+    lines += [f"  {name:<{width}}  K6_GEMM={r.gemm:<12} K6_ATTN={r.attn}" for name, r in rows]
+    return "\n".join(lines)
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -1,11 +1,15 @@
-"""`k6fast quantize --format fp8|nvfp4 SRC DST`: a copy of a checkpoint whose fused-block linear weights are stored
-quantized, so that streaming a block moves 0.5x (fp8) or 0.28x (nvfp4) of its bf16 bytes over PCIe. Lossy.
+"""`k6fast quantize --format fp8|mxfp8|nvfp4 SRC DST`: a copy of a checkpoint whose fused-block linear weights are
+stored quantized, so that streaming a block moves 0.5x (fp8), 0.52x (mxfp8) or 0.28x (nvfp4) of its bf16 bytes over
+PCIe. Lossy.
 
 What DST holds: every file of SRC outside the transformer's weights and config, hard-linked (copied where SRC and DST
 are on different filesystems; hard links share the source's inode, so nothing in DST is modified after linking), and
 a transformer whose shards (one per source shard, same names) store, for every quantized layer:
   fp8    <layer>.weight        F8_E4M3 [N, K]      e4m3 of w / weight_scale, per output channel (`quantize_weight_fp8`)
          <layer>.weight_scale  F32 [N]             absmax(w[n]) / 448
+  mxfp8  <layer>.weight        F8_E4M3 [N, K]      e4m3 of w / 2^(scale - 127), per 32 elements along K
+         <layer>.weight_scale  U8 [N, K/32]        e8m0 biased exponents, 127 + ceil(log2(block amax / 448))
+                                                   (torchao's MX quantization, `kernels/blockscaled.py`)
   nvfp4  <layer>.weight        U8 [N, K/2]         two E2M1 codes a byte, element 2i in the low nibble
          <layer>.weight_scale  F8_E4M3 [N, K/16]   per 16 elements along K (`kernels/nvfp4.py` has the recipe)
          <layer>.weight_scale_2 F32 []             amax(|w|) / (448 · 6)
@@ -14,7 +18,8 @@ key with a warning (it cannot load the quantized tensors anyway); k6fast's `open
 dtypes against it and the runtime streams the stored bytes as they are.
 
 Quantized layers: the fused blocks' linear weights that `LinearDispatch` would hand a fast GEMM (not modulation,
-time or pooled-text layers; N and K multiples of 16, and K of 32 for nvfp4). Biases, norms, modulation, the text
+time or pooled-text layers; N and K multiples of 16, and K of 32 for mxfp8 and nvfp4). Scales are stored row-major;
+the block-scaled GEMM swizzles them per call (see `k6fast/dit/config.py`). Biases, norms, modulation, the text
 blocks, embeddings and heads stay as stored: a fraction of a percent of the streamed bytes.
 
 How: tensor by tensor (one weight in memory at a time, read with pread), each shard's header planned first and every
@@ -135,6 +140,11 @@ def quantize_weight(w: Tensor, fmt: str) -> dict[str, Tensor]:
 
         wq, scale = quantize_weight_fp8(w.contiguous())
         return {"": wq, "_scale": scale.reshape(-1)}
+    if fmt == "mxfp8":
+        from .kernels.blockscaled import quantize_weight as quantize_blockscaled
+
+        wq, scale, _ = quantize_blockscaled(w.contiguous(), "mxfp8")
+        return {"": wq, "_scale": scale}
     from .kernels.nvfp4 import quantize_nvfp4
 
     packed, block_scales, global_scale = quantize_nvfp4(w)
@@ -240,8 +250,8 @@ def quantize_checkpoint(
     device: str | torch.device = "cpu",
     log: Callable[[str], None] = print,
 ) -> QuantizeReport:
-    """Write DST = SRC with its fused-block linear weights quantized to `fmt` ("fp8" or "nvfp4"); see the module
-    docstring for the stored names. `device` runs the quantization (cuda is faster; the bits are the same).
+    """Write DST = SRC with its fused-block linear weights quantized to `fmt` ("fp8", "mxfp8" or "nvfp4"); see the
+    module docstring for the stored names. `device` runs the quantization (cuda is faster; the bits are the same).
 
     Raises ValueError for an unknown format, CheckpointError for a missing, invalid or already quantized SRC, and
     FileExistsError for a DST that is a file or a non-empty directory."""
@@ -296,11 +306,14 @@ def quantize_checkpoint(
     return report
 
 
-def cmd_quantize(args: argparse.Namespace) -> int:
-    if args.device.startswith("cuda") and not torch.cuda.is_available():
-        from .cli import CliError
+def _device_arg(text: str) -> str:
+    """--device: cpu, cuda or cuda:N, refused at parse time where CUDA is missing (the command line's own error)."""
+    if text.startswith("cuda") and not torch.cuda.is_available():
+        raise argparse.ArgumentTypeError(f"{text}: CUDA is not available here; use --device cpu")
+    return text
 
-        raise CliError(f"--device {args.device}: CUDA is not available here; use --device cpu")
+
+def cmd_quantize(args: argparse.Namespace) -> int:
     quantize_checkpoint(args.src, args.dst, args.format, device=args.device)
     return 0
 
@@ -309,20 +322,26 @@ def register(subparsers) -> argparse.ArgumentParser:
     """Add `quantize` to the k6fast command line."""
     p = subparsers.add_parser(
         "quantize",
-        help="copy a checkpoint with its fused-block linear weights stored fp8 or nvfp4 (lossy; fewer streamed bytes)",
+        help="copy a checkpoint with its fused-block linear weights stored fp8, mxfp8 or nvfp4 (lossy; fewer "
+        "streamed bytes)",
         description="Write DST, a copy of the Diffusers-layout checkpoint SRC whose fused-block linear weights are "
-        "stored quantized (fp8: e4m3 + per-channel scale, 0.5x the bytes; nvfp4: E2M1 + e4m3 per-16 scales + a "
-        "global scale, 0.28x). Other files are hard-linked. The runtime runs those layers from the stored format "
-        "whatever K6_GEMM says (fp8: an FP8 GEMM on sm_89+; nvfp4: dequantized on the GPU, then bf16).",
+        "stored quantized (fp8: e4m3 + per-channel scale, 0.5x the bytes; mxfp8: e4m3 + an e8m0 scale per 32, "
+        "0.52x; nvfp4: E2M1 + e4m3 per-16 scales + a global scale, 0.28x). Other files are hard-linked. The runtime "
+        "runs those layers from the stored format whatever K6_GEMM says (fp8: an FP8 GEMM on sm_89+; mxfp8: the "
+        "block-scaled MXFP8 GEMM on sm_100/sm_120; nvfp4: the block-scaled NVFP4 GEMM there with K6_GEMM=nvfp4); "
+        "elsewhere they are dequantized on the GPU, then bf16.",
     )
     p.add_argument(
         "--format",
         required=True,
         choices=QUANT_FORMATS,
-        help="fp8 (FP8 GEMM on sm_89+, dequantized elsewhere) or nvfp4 (dequantized on any device)",
+        help="fp8 (FP8 GEMM on sm_89+), mxfp8 (block-scaled GEMM on sm_100/sm_120; needs torchao) or nvfp4; each "
+        "dequantized where its GEMM does not run",
     )
     p.add_argument("src", help="source checkpoint directory (bf16, Diffusers layout)")
     p.add_argument("dst", help="output directory (must be missing or empty)")
-    p.add_argument("--device", default="cpu", help="where to quantize: cpu (default) or cuda (faster, same bits)")
+    p.add_argument(
+        "--device", default="cpu", type=_device_arg, help="where to quantize: cpu (default) or cuda (faster, same bits)"
+    )
     p.set_defaults(func=cmd_quantize)
     return p

@@ -15,6 +15,10 @@ Variants per shape, each checked for correctness before it is timed:
   fp8_quantize        quantize_rows_fp8(x) alone (reported in GB/s too)
   fp16acc_k32/k64     fp16acc_linear(x bf16, w fp16, k_chunk=32/64): A converted to fp16 inside the kernel
   fp16acc_k32_fp16x   the same on an fp16 x: the GEMM alone
+  fp8_fp16acc         kernels/fp8_fp16acc.py on operands quantized to its range (±44), the GeForce fp8 path
+                      (K6_GEMM=fp8 on sm_89/sm_120); runs on any sm_89+ GPU, so an H200 checks its numerics
+  mxfp8, nvfp4        blockscaled_linear with the activation quantization (torchao), weights pre-quantized:
+                      torch._scaled_mm's block-scaled path, sm_100/sm_120 only (skipped elsewhere)
 Targets: fp8 (with quantization) ≥ 1.6× cublas_bf16; fp16acc within 10% of cublas_bf16 on H200 (FP16-accumulate MMA
 is not faster than FP32-accumulate on datacenter cards; the kernel exists for GeForce sm_89/sm_120).
 
@@ -30,6 +34,7 @@ import torch
 import torch.nn.functional as F
 from bench_common import gemm_shapes_main, quantiles_ms, rel_l2
 
+from k6fast.kernels.fp8_fp16acc import DEFAULT_CHUNK, FP16_CHUNK_QMAX, fp8_fp16acc_linear
 from k6fast.kernels.fp8_linear import (
     fp8_linear,
     fp8_linear_ref,
@@ -78,6 +83,9 @@ def bench_shape(m: int, k: int, n: int, rep_ms: int) -> list[dict]:
             xq, wq.t(), scale_a=xs, scale_b=ws, out_dtype=torch.bfloat16, use_fast_accum=fast_accum
         )
 
+    qmax = FP16_CHUNK_QMAX[DEFAULT_CHUNK]
+    wq16, ws16 = quantize_weight_fp8(w, qmax=qmax)
+    exact_fp16_chunks = fp8_linear_ref(quantize_rows_fp8(x[rows], qmax=qmax), wq16, ws16, out_dtype=torch.float32)
     variants = {
         "cublas_bf16": (lambda: F.linear(x, w), lambda y: (rel_l2(y[rows], exact), 2 * err_cublas + 1e-6)),
         "cublas_fp16": (lambda: F.linear(x16, w16), lambda y: (rel_l2(y[rows], exact), 2 * err_cublas + 1e-6)),
@@ -99,7 +107,12 @@ def bench_shape(m: int, k: int, n: int, rep_ms: int) -> list[dict]:
             lambda: fp16acc_linear(x16, w16, k_chunk=32),
             lambda y: (rel_l2(y[rows], exact_fp16), 2 * err_cublas + 1e-3),
         ),
+        "fp8_fp16acc": (
+            lambda: fp8_fp16acc_linear(quantize_rows_fp8(x, qmax=qmax), wq16, ws16),
+            lambda y: (rel_l2(y[rows], exact_fp16_chunks), 1e-2),
+        ),
     }
+    variants |= _blockscaled_variants(x, w, rows, exact)
     flop = 2.0 * m * n * k
     results = []
     for name, (fn, check) in variants.items():
@@ -112,7 +125,7 @@ def bench_shape(m: int, k: int, n: int, rep_ms: int) -> list[dict]:
             q_ref, s_ref = quantize_rows_fp8_ref(x[rows])
             ok = torch.equal(q[rows].view(torch.uint8), q_ref.view(torch.uint8)) and torch.equal(s[rows], s_ref)
             row |= {"ok": ok}
-        if name in ("fp8", "fp8_outlier32"):
+        if name in ("fp8", "fp8_outlier32", "fp8_fp16acc"):
             row["rel_l2_vs_bf16"] = rel_l2(fn()[rows], exact)
             row["ok"] = row["ok"] and row["rel_l2_vs_bf16"] <= FP8_REL_L2_LIMIT
         if not row["ok"]:
@@ -137,6 +150,22 @@ def bench_shape(m: int, k: int, n: int, rep_ms: int) -> list[dict]:
     return results
 
 
+def _blockscaled_variants(x, w, rows, exact) -> dict:
+    """mxfp8 / nvfp4 on sm_100 / sm_12x (torch._scaled_mm block-scaled), checked against the exact product within the
+    formats' layer-error bounds (tests/test_blockscaled.py)."""
+    if torch.cuda.get_device_capability()[0] not in (10, 12):
+        print("  mxfp8, nvfp4: skipped (no block-scaled tensor cores on this GPU)", flush=True)
+        return {}
+    from k6fast.kernels.blockscaled import blockscaled_linear, quantize_weight
+
+    out = {}
+    for fmt, limit in (("mxfp8", 0.039), ("nvfp4", 0.135)):
+        wq = quantize_weight(w, fmt)
+        out[fmt] = (lambda wq=wq, fmt=fmt: blockscaled_linear(fmt, x, wq),
+                    lambda y, limit=limit: (rel_l2(y[rows], exact), limit))  # fmt: skip
+    return out
+
+
 def print_table(env: dict, results: list[dict]) -> None:
     print(f"\n{env['gpu']} ({env['capability']}), torch {env['torch']}, triton {env['triton']}, CUDA {env['cuda']}")
     header = f"{'shape':<24} {'variant':<20} {'p20 ms':>8} {'p50 ms':>8} {'p80 ms':>8} {'TFLOP/s':>8} {'vs bf16':>8}"
@@ -153,7 +182,8 @@ def print_table(env: dict, results: list[dict]) -> None:
             f"{r['shape']:<24} {r['variant']:<20} {r['p20_ms']:8.3f} {r['p50_ms']:8.3f} {r['p80_ms']:8.3f} "
             f"{rate} {r.get('speedup_vs_cublas_bf16', float('nan')):7.2f}x  {check}"
         )
-    print("targets: fp8 ≥ 1.60x cublas_bf16 (quantization included); fp16acc ≥ 0.90x cublas_bf16 on H200")
+    print("targets: fp8 ≥ 1.60x cublas_bf16 (quantization included); fp16acc ≥ 0.90x cublas_bf16 on H200; on an")
+    print("RTX 5090 (modelled, measurements/model_5090.md): fp8_fp16acc, mxfp8 ≈ 4x and fp16acc ≈ 1.5-2x cublas_bf16")
 
 
 if __name__ == "__main__":

@@ -70,6 +70,7 @@ K6_KERNELS = {
     "_sampled_column_absmax_kernel": GEMM,  # the fp8 layer's outlier-channel choice
     "_select_top_channels_kernel": GEMM,
     "_fp16acc_linear_kernel": GEMM,
+    "_fp8_fp16acc_kernel": GEMM,  # the GeForce fp8 GEMM (FP16 chunks)
     "_nvfp4_linear_kernel": GEMM,
 }
 # Substrings of lower-cased names. Attention is tested before GEMM: cuDNN's and FlashAttention-3's kernels carry

@@ -146,9 +146,11 @@ GEMM = Switch(
     name="K6_GEMM",
     kind="enum",
     default="bf16",
-    choices=("bf16", "fp16acc", "fp8", "auto"),
-    doc="linear layers: cuBLAS bf16, Triton fp16-accumulate (GeForce gain only), fp8 e4m3 row-wise, or auto "
-    "(fp16acc on GeForce, bf16 elsewhere)",
+    choices=("bf16", "fp16acc", "fp8", "fp8-fp16acc", "mxfp8", "nvfp4", "auto", "auto-lossy"),
+    doc="linear layers: cuBLAS bf16; Triton fp16-accumulate (GeForce gain only); fp8 e4m3 row-wise (fp8-fp16acc on "
+    "GeForce sm_89/sm_120: FP16-chunk accumulation); block-scaled mxfp8 / nvfp4 on sm_100/sm_120 (needs torchao; "
+    "bf16 elsewhere; not run on such a GPU here); auto = fp16acc on GeForce, bf16 elsewhere; auto-lossy = mxfp8 on "
+    "Blackwell, fp8 elsewhere from sm_89",
     lossy=True,
 )
 GEMM_MIN_ROWS = Switch(
@@ -163,9 +165,10 @@ FP8_OUTLIER_CHANNELS = Switch(
     kind="enum",
     default="32",
     choices=("0", "16", "32", "64"),
-    doc="with K6_GEMM=fp8 on bf16 weights: the input channels (largest activations, chosen per call) whose weight "
-    "rounding 128 extra GEMM columns correct (H200, DiT-like inputs: 2.8-3.0 % vs 3.5-3.7 % rel. L2, 1.69-1.82x "
-    "cuBLAS BF16 vs 1.71-1.76x); 0 = off",
+    doc="with K6_GEMM=fp8 (or mxfp8, nvfp4) on bf16 weights: the input channels (largest activations, chosen per "
+    "call) whose weight rounding 128 extra GEMM columns correct (H200, DiT-like inputs: 2.8-3.0 % vs 3.5-3.7 % rel. "
+    "L2, 1.69-1.82x cuBLAS BF16 vs 1.71-1.76x); mxfp8/nvfp4: 2x this many columns correct both operands' rounding "
+    "(CPU, DiT-like: 3.7 -> 2.2 %, 12.9 -> 10.0 %); 0 = off",
     lossy=True,
 )
 FUSED_ELEMENTWISE = Switch(

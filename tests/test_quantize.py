@@ -6,6 +6,7 @@ and 32, so every one of them is quantized); one `gpu` test runs the stored GEMMs
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import shutil
 from pathlib import Path
@@ -20,21 +21,30 @@ from k6fast.dit.backend import SwitchedBackend
 from k6fast.dit.config import QUANT_CONFIG_KEY, quantized_layer
 from k6fast.dit.linear import LinearDispatch, QuantizedWeight
 from k6fast.dit.runtime import build_dit
+from k6fast.kernels.blockscaled import dequantize_mxfp8, quantize_mxfp8
 from k6fast.kernels.nvfp4 import dequantize_nvfp4, quantize_nvfp4
 from k6fast.quantize import quantize_checkpoint, register
 from k6fast.switches import Options
 
-FORMATS = ("fp8", "nvfp4")
+FORMATS = ("fp8", "mxfp8", "nvfp4")
 # Relative L2 of the whole tiny DiT's outputs vs the unquantized fp32 forward (measured 1.6% / 7.3% on the video
-# head): e4m3 keeps 3 mantissa bits, E2M1 one, and the error of every quantized layer reaches the heads.
-FORWARD_BOUND = {"fp8": 0.04, "nvfp4": 0.15}
+# head for fp8 / nvfp4): e4m3 keeps 3 mantissa bits, E2M1 one, and the error of every quantized layer reaches the heads.
+FORWARD_BOUND = {"fp8": 0.04, "mxfp8": 0.04, "nvfp4": 0.15}
 BLOCK_LINEAR = "visual_transformer_blocks.1.video_dec_block.feed_forward.net.2.weight"
 
 
 @pytest.fixture(scope="module")
 def quantized(tiny_distill, tmp_path_factory) -> dict[str, Path]:
+    # mxfp8 needs torchao (the dev extra has it; a GPU machine without it still runs the other formats)
     root = tmp_path_factory.mktemp("quantized")
-    return {fmt: _quantize(tiny_distill, root / fmt, fmt) for fmt in FORMATS}
+    formats = [f for f in FORMATS if f != "mxfp8" or importlib.util.find_spec("torchao") is not None]
+    return {fmt: _quantize(tiny_distill, root / fmt, fmt) for fmt in formats}
+
+
+def _written(quantized: dict[str, Path], fmt: str) -> Path:
+    if fmt not in quantized:
+        pytest.skip(f"{fmt} needs torchao")
+    return quantized[fmt]
 
 
 def _quantize(src: Path, dst: Path, fmt: str) -> Path:
@@ -70,9 +80,9 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
 
 @pytest.mark.parametrize("fmt", FORMATS)
 def test_quantized_checkpoint_layout(tiny_distill, quantized, fmt):
-    src, dst = open_checkpoint(tiny_distill), open_checkpoint(quantized[fmt])
+    src, dst = open_checkpoint(tiny_distill), open_checkpoint(_written(quantized, fmt))
     assert dst.quantization == fmt and src.quantization is None
-    config = json.loads((quantized[fmt] / "transformer" / "config.json").read_text())
+    config = json.loads((_written(quantized, fmt) / "transformer" / "config.json").read_text())
     assert config[QUANT_CONFIG_KEY] == {"format": fmt, "version": 1}
     assert [f.name for f in dst.transformer_files] == [f.name for f in src.transformer_files]
 
@@ -95,6 +105,11 @@ def test_quantized_checkpoint_layout(tiny_distill, quantized, fmt):
             assert after[name].dtype == torch.float8_e4m3fn and after[name].shape == (n, k)
             assert after[f"{name}_scale"].dtype == torch.float32 and after[f"{name}_scale"].shape == (n,)
             back = after[name].float() * after[f"{name}_scale"][:, None]
+        elif fmt == "mxfp8":
+            assert after[name].dtype == torch.float8_e4m3fn and after[name].shape == (n, k)
+            assert after[f"{name}_scale"].dtype == torch.uint8 and after[f"{name}_scale"].shape == (n, k // 32)
+            back = dequantize_mxfp8(after[name], after[f"{name}_scale"])
+            assert torch.equal(back, dequantize_mxfp8(*quantize_mxfp8(t)))  # torchao's bits, stored as they are
         else:
             assert after[name].dtype == torch.uint8 and after[name].shape == (n, k // 2)
             assert after[f"{name}_scale"].dtype == torch.float8_e4m3fn and after[f"{name}_scale"].shape == (n, k // 16)
@@ -104,8 +119,9 @@ def test_quantized_checkpoint_layout(tiny_distill, quantized, fmt):
     assert not any("modulation" in n and n.endswith("_scale") for n in after)
     # Every other file is a hard link to the source's (no second copy of the text encoders).
     for file in (tiny_distill / "text_encoder").iterdir():
-        assert (quantized[fmt] / "text_encoder" / file.name).stat().st_ino == file.stat().st_ino
-    index = json.loads((quantized[fmt] / "transformer" / "diffusion_pytorch_model.safetensors.index.json").read_text())
+        assert (_written(quantized, fmt) / "text_encoder" / file.name).stat().st_ino == file.stat().st_ino
+    index_file = _written(quantized, fmt) / "transformer" / "diffusion_pytorch_model.safetensors.index.json"
+    index = json.loads(index_file.read_text())
     assert set(index["weight_map"]) == set(after)
 
 
@@ -125,7 +141,7 @@ def test_diffusers_ignores_the_quantization_key(quantized):
 
 @pytest.mark.parametrize("fmt", FORMATS)
 def test_forward_streamed_equals_resident_and_tracks_the_unquantized_model(tiny_distill, quantized, fmt):
-    base, ckpt = open_checkpoint(tiny_distill), open_checkpoint(quantized[fmt])
+    base, ckpt = open_checkpoint(tiny_distill), open_checkpoint(_written(quantized, fmt))
     reference = _runtime(base)
     resident, streamed = _runtime(ckpt), _runtime(ckpt, max_resident=0)
     switched = _runtime(ckpt, max_resident=1, backend=SwitchedBackend(Options(), torch.device("cpu")))
@@ -260,7 +276,7 @@ def test_command_refuses_bad_arguments(tiny_distill, quantized, tmp_path, capsys
     with pytest.raises(SystemExit) as exit_info:
         _parse(["quantize", "--format", "int4", str(tiny_distill), str(tmp_path / "out")])
     assert exit_info.value.code == 2 and "invalid choice: 'int4'" in capsys.readouterr().err
-    with pytest.raises(ValueError, match="expected --format one of fp8, nvfp4, found 'int4'"):
+    with pytest.raises(ValueError, match="expected --format one of fp8, mxfp8, nvfp4, found 'int4'"):
         quantize_checkpoint(tiny_distill, tmp_path / "out", "int4")
     args = _parse(["quantize", "--format", "fp8", str(tmp_path / "missing"), str(tmp_path / "out")])
     with pytest.raises(CheckpointError, match="missing is not a checkpoint directory"):
@@ -277,6 +293,10 @@ def test_command_refuses_bad_arguments(tiny_distill, quantized, tmp_path, capsys
     with pytest.raises(CheckpointError, match="lies inside SRC"):
         quantize_checkpoint(tiny_distill, tiny_distill / "quantized", "fp8")
     assert not (tmp_path / "out").exists() and not (tmp_path / "twice").exists()
+    if not torch.cuda.is_available():
+        with pytest.raises(SystemExit):
+            _parse(["quantize", "--format", "fp8", str(tiny_distill), str(tmp_path / "out"), "--device", "cuda"])
+        assert "--device: cuda: CUDA is not available here; use --device cpu" in capsys.readouterr().err
 
 
 def test_an_interrupted_run_leaves_nothing(tiny_distill, tmp_path, monkeypatch):
@@ -300,21 +320,22 @@ def test_an_interrupted_run_leaves_nothing(tiny_distill, tmp_path, monkeypatch):
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("fmt", FORMATS)
 def test_stored_gemm_runs_on_gpu(quantized, fmt):
-    ckpt = open_checkpoint(quantized[fmt])
+    ckpt = open_checkpoint(_written(quantized, fmt))
     kw = dict(budget_bytes=1 << 40, tokens=(100, 10))
     fast = SwitchedBackend(Options().replace(gemm_min_rows=1), torch.device("cuda"))
     runs = [build_dit(ckpt, torch.device("cuda"), torch.bfloat16, backend=b, **kw) for b in (None, fast)]
     try:
         inputs = {k: v.cuda() for k, v in _inputs(ckpt.dit, 0, torch.bfloat16).items()}
         dequantized, stored = (rt.dit(**inputs) for rt in runs)
-        if fmt == "fp8":
-            assert fast.gemm.counts["fp8"] == 56 and "fp8-dequantized" not in fast.gemm.counts
+        blockscaled = torch.cuda.get_device_capability()[0] in (10, 12)
+        if fmt == "fp8" or (fmt == "mxfp8" and blockscaled):
+            assert fast.gemm.counts[fmt] == 56 and f"{fmt}-dequantized" not in fast.gemm.counts
             for a, b in zip(stored, dequantized, strict=True):
-                assert _rel(a, b) <= 0.06  # fp8 also quantizes the activations (≈2.5% per layer)
+                assert _rel(a, b) <= 0.06  # the activations are quantized too (≈2.5% per layer)
         else:
-            # nvfp4 layers are dequantized on the GPU and multiplied by cuBLAS (8x faster than the Triton kernel
-            # there): the same computation as the reference backend's, so the same bits.
-            assert fast.gemm.counts["nvfp4-dequantized"] == 56 and "nvfp4" not in fast.gemm.counts
+            # nvfp4 layers (without K6_GEMM=nvfp4), and mxfp8 layers without block-scaled MMA, are dequantized on the
+            # GPU and multiplied by cuBLAS: the same computation as the reference backend's, so the same bits.
+            assert fast.gemm.counts[f"{fmt}-dequantized"] == 56 and fmt not in fast.gemm.counts
             for a, b in zip(stored, dequantized, strict=True):
                 assert torch.equal(a, b)
     finally:

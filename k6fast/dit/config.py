@@ -207,17 +207,23 @@ EXACT_LAYERS = ("modulation", "time_embeddings", "pooled_text_embeddings")
 # Quantized checkpoints written by `k6fast quantize` (see k6fast/quantize.py for the format). Per quantized layer the
 # checkpoint stores, instead of a bf16 `<layer>.weight` [N, K]:
 #   fp8:   <layer>.weight F8_E4M3 [N, K], <layer>.weight_scale F32 [N]            w = weight · weight_scale[:, None]
+#   mxfp8: <layer>.weight F8_E4M3 [N, K], <layer>.weight_scale U8 [N, K/32] (e8m0 biased exponents, MX block 32)
+#                                                               w = weight · 2^(weight_scale[:, k // 32] - 127)
 #   nvfp4: <layer>.weight U8 [N, K/2] (two E2M1 codes a byte, element 2i low), <layer>.weight_scale F8_E4M3 [N, K/16],
 #          <layer>.weight_scale_2 F32 []                        w = e2m1(weight) · weight_scale[:, k // 16] · scale_2
-QUANT_CONFIG_KEY = "k6fast_quantization"  # in transformer/config.json: {"format": "fp8" | "nvfp4", "version": 1}
-QUANT_FORMATS = ("fp8", "nvfp4")
+# Scales are stored row-major (one row per output channel), not in cuBLAS's swizzled layout: the block-scaled GEMM
+# (kernels/blockscaled.py) swizzles them per call (1/32 or 1/16 of the weight's bytes), and every other device
+# dequantizes from the plain layout. The nvfp4 format is the one k6fast wrote before the block-scaled GEMM existed.
+# in transformer/config.json: {"format": one of QUANT_FORMATS, "version": 1}
+QUANT_CONFIG_KEY = "k6fast_quantization"
+QUANT_FORMATS = ("fp8", "mxfp8", "nvfp4")
 QUANT_VERSION = 1
 SCALE_SUFFIXES = (".weight_scale", ".weight_scale_2")
 
 
 def fast_gemm_layer(name: str, weight_shape: tuple[int, ...]) -> bool:
-    """The layers a fast GEMM (fp16acc, fp8) or a quantized checkpoint (fp8, nvfp4) may take, whatever the row
-    count: not an exact layer, and N and K multiples of 16 (FP8 tensor cores need both)."""
+    """The layers a fast GEMM (fp16acc, fp8, mxfp8, nvfp4) or a quantized checkpoint (QUANT_FORMATS) may take, whatever
+    the row count: not an exact layer, and N and K multiples of 16 (FP8 tensor cores need both)."""
     if any(part in name for part in EXACT_LAYERS) or len(weight_shape) != 2:
         return False
     return weight_shape[0] % 16 == 0 and weight_shape[1] % 16 == 0
@@ -225,7 +231,7 @@ def fast_gemm_layer(name: str, weight_shape: tuple[int, ...]) -> bool:
 
 def quantized_layer(name: str, weight_shape: tuple[int, ...], fmt: str) -> bool:
     """Whether `k6fast quantize --format fmt` stores this tensor quantized: a fused-block linear weight that the fast
-    GEMM takes (NVFP4 also needs K a multiple of 32). `name` is the full checkpoint name."""
+    GEMM takes (MXFP8 and NVFP4 also need K a multiple of 32). `name` is the full checkpoint name."""
     if fmt not in QUANT_FORMATS:
         raise ValueError(f"quantization format: expected one of {QUANT_FORMATS}, found {fmt!r}")
     if not (name.startswith("visual_transformer_blocks.") and name.endswith(".weight")):
@@ -240,6 +246,8 @@ def quantized_tensors(name: str, weight_shape: tuple[int, ...], fmt: str) -> dic
     n, k = weight_shape
     if fmt == "fp8":
         return {name: ((n, k), "F8_E4M3"), f"{name}_scale": ((n,), "F32")}
+    if fmt == "mxfp8":
+        return {name: ((n, k), "F8_E4M3"), f"{name}_scale": ((n, k // 32), "U8")}
     return {name: ((n, k // 2), "U8"), f"{name}_scale": ((n, k // 16), "F8_E4M3"), f"{name}_scale_2": ((), "F32")}
 
 
