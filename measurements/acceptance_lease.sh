@@ -43,29 +43,29 @@ run)
   (cd /tmp && timeout 1500 python3 -m k6fast.cli make-synthetic $W/syn --preset "$PRESET" ${BLOCKS:+--blocks $BLOCKS} \
     > $W/synthetic.log 2>&1) &
   writer=$!
-  (cd "$repo" && timeout 420 python3 -P -m pytest -m "${PYTEST_MARK:-gpu}" -q -p no:cacheprovider -rs \
+  for _ in $(seq "${FA4_WAIT_POLLS:-60}"); do [ -f $W/fa4.ready ] && break; sleep 5; done
+  ls $W/fa4.ready 2>/dev/null || echo "flash-attn-4 never arrived"
+  (cd "$repo" && timeout 330 python3 -P -m pytest -m "${PYTEST_MARK:-gpu}" -q -p no:cacheprovider -rs \
     > $W/pytest_gpu.log 2>&1)
   echo "pytest exit $?"; tail -3 $W/pytest_gpu.log
   wait $writer; echo "checkpoint exit $?"; tail -2 $W/synthetic.log
-  step attention benchmarks
-  for _ in $(seq "${FA4_WAIT_POLLS:-120}"); do [ -f $W/fa4.ready ] && break; sleep 5; done
-  ls $W/fa4.ready 2>/dev/null || echo "flash-attn-4 never arrived"
-  (cd "$repo" && timeout 600 python3 -P -m pytest -m gpu -q -p no:cacheprovider -rs -k "fa4 or sparse" \
-    > $W/pytest_gpu_fa4.log 2>&1); tail -3 $W/pytest_gpu_fa4.log
-  if [ -f "$repo/measurements/bench_exact_attention.py" ]; then
-    (cd "$repo" && timeout 300 python3 measurements/bench_exact_attention.py --out $W/exact_attention.json) 2>&1 | tail -15
-  fi
-  if [ -f "$repo/measurements/bench_sparse_attention.py" ]; then
-    (cd "$repo" && timeout 300 python3 measurements/bench_sparse_attention.py --out $W/sparse_attention.json) 2>&1 | tail -15
-  fi
   step acceptance 1: the shipped arms under 32 and 31 GiB, cold and warm
   acceptance reference-32-cold,final-32-cold,fast-32-cold,final-32-warm,fast-32-warm,reference-31-warm,final-31-warm,fast-31-warm
+  step attention: exact kernels at W1 and the Lite shape, sparse attention per density
+  (cd "$repo" && timeout 300 python3 measurements/bench_flash_attention.py --rep-ms 300 --out $W/exact_attention.json \
+    > $W/exact_attention.log 2>&1); tail -12 $W/exact_attention.log
+  (cd "$repo" && timeout 300 python3 measurements/bench_sparse_attention.py --out $W/sparse_attention.json \
+    > $W/sparse_attention.log 2>&1); tail -12 $W/sparse_attention.log
   step acceptance 2: the diffusers peer
   acceptance diffusers-offload-32-cold
   step acceptance 3: beside a ballast that leaves 60 GB of host memory
   acceptance reference-32-warm-host60,final-32-warm-host60
   step acceptance 4: the step-cache arm
   acceptance step-cache-32-cold,step-cache-31-warm
+  step one Pro block: exact attention kernels under fused+compile
+  (cd "$repo" && timeout 300 python3 measurements/bench_block_arms.py --no-diffusers --repeats 4 \
+    --variants fused+compile,fused+compile+k6exact,fused+compile+fa4exact --out $W/block_arms.json \
+    > $W/block_arms.log 2>&1); tail -8 $W/block_arms.log
   step compile diagnostic of the fast block
   sed 's/^K6_COMPILE=0$/K6_COMPILE=1/' "$repo/switches/arms/fast.env" > $W/fast-compiled.env
   (cd /tmp && TORCH_LOGS=recompiles,graph_breaks K6_INDUCTOR_CACHE_DIR=$W/diag-cache K6_VRAM_BUDGET_GB=32 \
@@ -78,10 +78,12 @@ run)
 status)
   out=${2:?output folder}
   tail -25 $W/run.log
-  for f in $REC/runs.jsonl $REC/README.md $REC/acceptance.json $W/exact_attention.json $W/sparse_attention.json; do
+  for f in $REC/runs.jsonl $REC/README.md $REC/acceptance.json $W/exact_attention.json $W/sparse_attention.json \
+    $W/block_arms.json; do
     [ -f "$f" ] && cp "$f" "$out/"
   done
-  (cd $W && tar czf "$out/logs.tgz" $(ls run.log pytest_gpu*.log synthetic.log diag_compile.log \
+  (cd $W && tar czf "$out/logs.tgz" $(ls run.log pytest_gpu*.log synthetic.log diag_compile.log *_attention.log \
+    block_arms.log \
     work/runs/*/stderr.log work/runs/*/*.json 2>/dev/null))
   ls $W/done 2>/dev/null && echo "session finished"
   ;;

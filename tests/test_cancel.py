@@ -18,14 +18,11 @@ from pathlib import Path
 
 import pytest
 import torch
-from fastapi.testclient import TestClient
 
 from k6fast import media
 from k6fast.cancel import Cancelled
 from k6fast.output import write_result
 from k6fast.pipeline import Pipeline, Request
-from k6fast.server.app import create_app
-from k6fast.server.config import ServerConfig
 from k6fast.switches import Options
 from k6fast.video_decode import run_ops
 
@@ -182,6 +179,12 @@ def _until(check: Callable[[], object], what: str) -> object:
 def test_delete_stops_the_running_job_in_every_phase(
     phase: str, pipe: Pipeline, tmp_path: Path, monkeypatch, caplog
 ) -> None:
+    pytest.importorskip("fastapi")  # the server's extra; the rest of this file needs none of it
+    from fastapi.testclient import TestClient
+
+    from k6fast.server.app import create_app
+    from k6fast.server.config import ServerConfig
+
     pause = Pause()
     if phase == "denoise":
         monkeypatch.setattr(pipe.dit, "_fused_block", pause.wrap(pipe.dit._fused_block))

@@ -23,7 +23,9 @@ from types import SimpleNamespace
 
 import PIL.Image
 import pytest
-from fastapi.testclient import TestClient
+
+pytest.importorskip("fastapi")  # the server's extra (k6fast[serve]); a GPU machine without it skips this file
+from fastapi.testclient import TestClient  # noqa: E402
 from hostile_cases import AUTH, CASES, KEY, MAX_UPLOAD, form, image_bytes, upload
 from server_testing import DEADLINE_S, GatedPipeline, check_error_body, internals_in, until
 
