@@ -37,6 +37,7 @@ from torch.autograd import DeviceType
 
 from k6fast.bench.visit import DEFAULT_PROMPT
 from k6fast.bench.workload import Geometry, parse_geometry
+from k6fast.dit.model import K6DiT
 from k6fast.pipeline import Pipeline, Request, Result
 from k6fast.sampler import Cancelled, StepEvent
 from k6fast.switches import Options, load_options, provenance
@@ -72,6 +73,7 @@ K6_KERNELS = {
     "_fp16acc_linear_kernel": GEMM,
     "_fp8_fp16acc_kernel": GEMM,  # the GeForce fp8 GEMM (FP16 chunks)
     "_nvfp4_linear_kernel": GEMM,
+    "_sparse_attention_kernel": ATTENTION,  # the block-sparse video self-attention (Triton, where fa4's does not run)
 }
 # Substrings of lower-cased names. Attention is tested before GEMM: cuDNN's and FlashAttention-3's kernels carry
 # GEMM-ish words (wgmma, cutlass). "quant_per_block" is SageAttention's Q/K quantization.
@@ -230,9 +232,10 @@ def cpu_op_activities(events) -> list[Activity]:
 
 
 class OneStepProfiler:
-    """Profiles exactly one denoising step through the sampler's hooks: `should_stop` runs at the top of every step
-    (it moves the profiler along and cancels the request after the target step) and `on_step` after the step's
-    device sync (it stops the profiler and keeps the sampler's own wall time of the step).
+    """Profiles exactly one denoising step: the profiler moves along at the start of each step's first DiT call
+    (`before_dit_call`, hooked into K6DiT by `hooked`), stops in `on_step` after the step's device sync (keeping
+    the sampler's own wall time of the step), and `should_stop` then cancels the request. `should_stop` is checked
+    at many points of a request (phases, steps, blocks, decode ops), so it cannot itself mark step starts.
 
     The step before the target is the profiler's warm-up (its start-up cost lands there, not in the step measured);
     step 0 has none."""
@@ -248,20 +251,42 @@ class OneStepProfiler:
         self.step, self.first = step, step - warmup
         self.profiler = torch.profiler.profile(activities=activities, schedule=schedule)
         self.wall_s: float | None = None
-        self._next = 0
+        self._steps_done = 0
+        self._marked = -1  # the last step whose first DiT call moved the profiler
 
-    def should_stop(self) -> bool:
-        index, self._next = self._next, self._next + 1
+    def before_dit_call(self) -> None:
+        index = self._steps_done
+        if index == self._marked:  # a second call in the same step (CFG)
+            return
+        self._marked = index
         if index == self.first:
             self.profiler.start()
         elif self.first < index <= self.step:
             self.profiler.step()
-        return index > self.step
 
     def on_step(self, event: StepEvent) -> None:
+        self._steps_done = event.index + 1
         if event.index == self.step:
             self.profiler.stop()
             self.wall_s = event.seconds
+
+    def should_stop(self) -> bool:
+        return self.wall_s is not None
+
+    @contextlib.contextmanager
+    def hooked(self):
+        """K6DiT's forward announces itself to this profiler while the block runs (restored after)."""
+        original = K6DiT.__call__
+
+        def call(dit, *args, **kwargs):
+            self.before_dit_call()
+            return original(dit, *args, **kwargs)
+
+        K6DiT.__call__ = call
+        try:
+            yield
+        finally:
+            K6DiT.__call__ = original
 
 
 def default_step(options: Options, steps: int) -> int:
@@ -343,7 +368,7 @@ def profile(args: argparse.Namespace, model: Path, geometry: Geometry, device: t
                                     "step": None, "note": "partial: the profiled step did not finish"})  # fmt: skip
 
         profiler = OneStepProfiler(step, cuda=device.type == "cuda")
-        with contextlib.suppress(Cancelled):  # the profiler cancels the request after its step
+        with contextlib.suppress(Cancelled), profiler.hooked():  # cancelled after the profiled step
             pipe.generate(request, on_step=profiler.on_step, should_stop=profiler.should_stop)
         if profiler.wall_s is None:
             raise RuntimeError(f"step {step} never ran under the profiler")
