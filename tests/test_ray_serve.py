@@ -34,7 +34,11 @@ from k6fast.server.jobs import JobStore
 from k6fast.server.ray_settings import RaySettings
 from k6fast.switches import Options
 
-pytestmark = [pytest.mark.ray, pytest.mark.filterwarnings("ignore:The Sora API:DeprecationWarning")]
+pytestmark = [
+    pytest.mark.ray,
+    pytest.mark.filterwarnings("ignore:The Sora API:DeprecationWarning"),
+    pytest.mark.filterwarnings("ignore:Using extra keyword arguments on `Field`"),  # Ray Serve's own pydantic models
+]
 
 KEY = "sk-ray-test-key"
 OOM_PROMPT = "a scene too large for any card"
@@ -243,9 +247,9 @@ def test_eight_jobs_spread_over_both_replicas(app: App) -> None:
     for video in videos:
         done = _finished(client, video.id)
         assert done.status == "completed", done.error
-        record = app.record(video.id)
-        ran_on[video.id] = record.telemetry["ray"]["replica"]["replica"]
-        assert record.telemetry["ray"]["attempts"] == 1 and record.telemetry["ray"]["lost"] == []
+        ray_record = app.record(video.id).telemetry["ray"]
+        ran_on[video.id] = ray_record["replica"]["replica"]
+        assert (ray_record["attempts"], ray_record["lost"], ray_record["files"]) == (1, [], "object store")
     print("replica of each job:", json.dumps(ran_on, indent=1))
     assert len(set(ran_on.values())) == 2, f"expected both replicas to run jobs, found {ran_on}"
 
@@ -375,7 +379,7 @@ def test_cli_serves_on_an_existing_cluster(cluster: Cluster, tiny_distill: Path,
     env.update(HF_HUB_OFFLINE="1", CUDA_VISIBLE_DEVICES="", OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
     args = [sys.executable, "-m", "k6fast.server", "--model", str(tiny_distill), "--device", "cpu", "--ray"]
     args += ["--address", cluster.address, "--replicas", "1", "--gpus-per-replica", "0", "--port", str(cluster.port)]
-    args += ["--data-dir", str(tmp_path / "data"), "--poll-after-ms", "50"]
+    args += ["--data-dir", str(tmp_path / "data"), "--poll-after-ms", "50", "--shared-data-dir"]
     log_path = tmp_path / "cli.log"
     with open(log_path, "wb") as log:
         proc = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, env=env)
@@ -385,6 +389,12 @@ def test_cli_serves_on_an_existing_cluster(cluster: Cluster, tiny_distill: Path,
         client = cluster.client(api_key="unused")  # no K6_API_KEY in the CLI's environment
         video = client.videos.create(prompt="a bell rings once", **SMALL)
         assert _finished(client, video.id).status == "completed"
+        _check_clip(client, video.id, tmp_path / "cli.mp4", frames=5)
+        store = JobStore(tmp_path / "data" / "jobs.sqlite3")
+        try:
+            assert store.get(video.id).telemetry["ray"]["files"] == "shared data dir"
+        finally:
+            store.close()
         proc.send_signal(signal.SIGINT)
         assert proc.wait(timeout=60) == 0, log_path.read_text()[-4000:]
         assert "k6fast" not in cluster.serve.status().applications, "the CLI deletes its application on exit"
@@ -392,3 +402,26 @@ def test_cli_serves_on_an_existing_cluster(cluster: Cluster, tiny_distill: Path,
         if proc.poll() is None:
             proc.kill()
             proc.wait(timeout=30)
+
+
+def test_bench_script_smoke(cluster: Cluster, tiny_distill: Path, tmp_path: Path) -> None:
+    """measurements/bench_ray_serve.py end to end on the CPU (its numbers mean nothing here)."""
+    import importlib.util
+
+    cluster.serve.delete("k6fast")
+    script = Path(__file__).resolve().parents[1] / "measurements" / "bench_ray_serve.py"
+    spec = importlib.util.spec_from_file_location("bench_ray_serve", script)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    out = tmp_path / "bench.json"
+    argv = ["--smoke", "--model", str(tiny_distill), "--requests", "2", "--configs", "2x0"]  # one deploy: seconds
+    assert bench.main([*argv, "--port", str(cluster.port), "--out", str(out)]) == 0
+    (config,) = json.loads(out.read_text())["configs"]
+    assert (config["replicas"], config["gpus_per_replica"], config["geometry"]) == (2, 0.0, [64, 64, 5])
+    assert config["requests_per_hour"] > 0 and len(config["jobs"]) == 2
+    assert len(config["per_replica"]) == 2, "two requests at once run on both replicas"
+    assert all(r["jobs"] == 1 and r["peak_host_rss_bytes"] > 0 for r in config["per_replica"].values())
+    assert {job["replica"] for job in config["jobs"]} == set(config["per_replica"])
+    merged = tmp_path / "merged.json"
+    assert bench.main(["--report", str(out), str(out), "--out", str(merged)]) == 0
+    assert len(json.loads(merged.read_text())["configs"]) == 2

@@ -36,7 +36,9 @@ def add_ray_arguments(p: argparse.ArgumentParser) -> None:
         "--gpus-per-replica", type=float, help="GPU share of a replica (default 1; 0.5 = two per GPU; 0 = CPU)"
     )
     g.add_argument(
-        "--address", help="Ray cluster to join, e.g. HEAD_IP:6379 (default: RAY_ADDRESS, else a new local cluster)"
+        "--address",
+        help="Ray cluster to join, e.g. HEAD_IP:6379 (default: RAY_ADDRESS, else one `ray start` made here, "
+        "else a new local one)",
     )
     g.add_argument(
         "--shared-data-dir",

@@ -291,7 +291,12 @@ class RayDispatcher:
         seconds = time.perf_counter() - started
         telemetry = dict(finished.telemetry)
         telemetry["job_s"] = round(seconds, 6)
-        telemetry["ray"] = {"replica": finished.replica.as_dict(), "attempts": job.attempts, "lost": lost}
+        telemetry["ray"] = {
+            "replica": finished.replica.as_dict(),
+            "attempts": job.attempts,
+            "lost": lost,
+            "files": "shared data dir" if finished.files is None else "object store",
+        }
         if self.store.complete(job.id, telemetry, self.config.ttl_seconds):
             self.files.input_image(job.id).unlink(missing_ok=True)
             self.metrics.observe_job("completed", seconds, int(telemetry.get("peak_vram_bytes", 0)))
