@@ -373,13 +373,14 @@ def test_caller_watch_sees_a_dead_ingress(cluster: Cluster) -> None:
 
 
 def test_cli_serves_on_an_existing_cluster(cluster: Cluster, tiny_distill: Path, tmp_path: Path) -> None:
-    """`k6fast serve --ray --address ...` as a user runs it: deploy, serve a job, stop on SIGINT."""
-    cluster.serve.delete("k6fast")  # the module's application, if its tests ran: the CLI deploys its own
+    """`k6fast serve --ray --address ...` as a user runs it: deploy, serve a job, stop on SIGINT with a job running
+    (it goes back to the queue). Runs after the tests of the module's application, which it replaces."""
+    cluster.serve.delete("k6fast")
     env = {k: v for k, v in os.environ.items() if not k.startswith("K6_")}
     env.update(HF_HUB_OFFLINE="1", CUDA_VISIBLE_DEVICES="", OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
     args = [sys.executable, "-m", "k6fast.server", "--model", str(tiny_distill), "--device", "cpu", "--ray"]
     args += ["--address", cluster.address, "--replicas", "1", "--gpus-per-replica", "0", "--port", str(cluster.port)]
-    args += ["--data-dir", str(tmp_path / "data"), "--poll-after-ms", "50", "--shared-data-dir"]
+    args += ["--data-dir", str(tmp_path / "data"), "--poll-after-ms", "50", "--max-steps", "1000", "--shared-data-dir"]
     log_path = tmp_path / "cli.log"
     with open(log_path, "wb") as log:
         proc = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, env=env)
@@ -390,14 +391,18 @@ def test_cli_serves_on_an_existing_cluster(cluster: Cluster, tiny_distill: Path,
         video = client.videos.create(prompt="a bell rings once", **SMALL)
         assert _finished(client, video.id).status == "completed"
         _check_clip(client, video.id, tmp_path / "cli.mp4", frames=5)
-        store = JobStore(tmp_path / "data" / "jobs.sqlite3")
-        try:
-            assert store.get(video.id).telemetry["ray"]["files"] == "shared data dir"
-        finally:
-            store.close()
+        running = client.videos.create(prompt="a long hum", **LONG)
+        _until(lambda: client.videos.retrieve(running.id).progress > 0, "the long job to make progress")
         proc.send_signal(signal.SIGINT)
         assert proc.wait(timeout=60) == 0, log_path.read_text()[-4000:]
         assert "k6fast" not in cluster.serve.status().applications, "the CLI deletes its application on exit"
+        store = JobStore(tmp_path / "data" / "jobs.sqlite3")
+        try:
+            assert store.get(video.id).telemetry["ray"]["files"] == "shared data dir"
+            stopped = store.get(running.id)
+            assert (stopped.status, stopped.progress, stopped.attempts) == ("queued", 0, 0), "back in the queue"
+        finally:
+            store.close()
     finally:
         if proc.poll() is None:
             proc.kill()
