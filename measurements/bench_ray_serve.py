@@ -149,13 +149,18 @@ def run_config(args: argparse.Namespace, options: Any, replicas: int, share: flo
     from k6fast.server.ray_app import build_app
     from k6fast.server.ray_settings import RaySettings
 
+    width, height, frames = args.geometry
     data_dir = Path(tempfile.mkdtemp(prefix=f"k6-ray-bench-{replicas}x{share}-"))
+    # The largest request a server accepts sizes what each replica's residency planner reserves: the measured one.
     config = ServerConfig(
         model=args.model,
         served_model_name="bench",
         data_dir=data_dir,
         device=args.device,
         max_queue=max(16, args.requests),
+        max_size=(width, height),
+        default_size=(width, height),
+        max_frames=frames,
         poll_after_ms=250,
     )
     settings = RaySettings(replicas=replicas, gpus_per_replica=share, ingress_node_ip=ray.util.get_node_ip_address())

@@ -262,3 +262,20 @@ def test_delete_cancels_the_call_and_shutdown_requeues(tmp_path: Path) -> None:
         assert ingress.metrics.outcomes["requeued"] == 1
     finally:
         ingress.store.close()
+
+
+def test_cluster_model_checks_requests_as_the_pipeline_does(tiny_distill: Path) -> None:
+    from k6fast.checkpoint import open_checkpoint
+    from k6fast.pipeline import Request, RequestError
+    from k6fast.server.ray_dispatcher import ClusterModel
+
+    model = ClusterModel(open_checkpoint(tiny_distill), Options(), "ray: 2 replica(s) on cuda")
+    steps, guidance = model.resolve(Request(prompt="a bell", width=64, height=64, frames=5))
+    assert (steps, guidance) == (model.ckpt.default_steps, 1.0)
+    assert model.resolve(Request(prompt="a bell", width=64, height=64, frames=5, steps=3)) == (3, 1.0)
+    with pytest.raises(RequestError, match="distilled"):
+        model.resolve(Request(prompt="a bell", width=64, height=64, frames=5, guidance=2.0))
+    with pytest.raises(RequestError, match="K6_PIFLOW_CACHE_STEPS"):
+        ClusterModel(model.ckpt, Options(piflow_cache_steps=(8,)), "x").resolve(
+            Request(prompt="a bell", width=64, height=64, frames=5, steps=4)
+        )

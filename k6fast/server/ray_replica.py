@@ -113,6 +113,8 @@ class CallerWatch:
         except ValueError:  # no live actor of that name: Ray frees a name when its actor dies
             self.gone = True
             log.warning("the ingress %s is gone; stopping its job at this step", name)
+        except Exception as exc:  # the cluster's control store unreachable for a moment: not a reason to stop
+            log.warning("could not look up the ingress %s (%s); the job goes on", name, exc)
         self._next = time.monotonic() + self.interval
         return self.gone
 
