@@ -164,11 +164,13 @@ class RayDispatcher:
         deadline = time.monotonic() + timeout
         self._stopping.set()
         self._wake.set()
+        if self._thread.is_alive():  # first, so that no job is claimed after the ones cancelled below
+            self._thread.join(max(0.0, deadline - time.monotonic()))
         with self._lock:
             runs = list(self._running.values())
-        for run in runs:
-            if run.response is not None:
-                run.response.cancel()
+            responses = [run.response for run in runs if run.response is not None]
+        for response in responses:
+            response.cancel()
         threads = [self._thread] + [run.thread for run in runs if run.thread is not None]
         for thread in threads:
             if thread.is_alive():
