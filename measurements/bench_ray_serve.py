@@ -144,7 +144,7 @@ def run_config(args: argparse.Namespace, options: Any, replicas: int, share: flo
     from openai import OpenAI
     from ray import serve
 
-    from k6fast.server.config import ServerConfig
+    from k6fast.server.config import ServerConfig, seconds_for_frames
     from k6fast.server.jobs import JobStore
     from k6fast.server.ray_app import build_app
     from k6fast.server.ray_settings import RaySettings
@@ -160,6 +160,7 @@ def run_config(args: argparse.Namespace, options: Any, replicas: int, share: flo
         max_queue=max(16, args.requests),
         max_size=(width, height),
         default_size=(width, height),
+        default_seconds=seconds_for_frames(frames),
         max_frames=frames,
         poll_after_ms=250,
     )

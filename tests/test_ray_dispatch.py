@@ -24,6 +24,7 @@ from k6fast.server.metrics import Metrics
 from k6fast.server.ray_messages import ClipFiles, Finished, JobPayload, Progress, ReplicaIdentity, Started
 from k6fast.server.ray_replica import request_from_spec
 from k6fast.server.ray_settings import RaySettings
+from k6fast.server.worker import InputUnreadable
 from k6fast.switches import Options
 
 pytestmark = pytest.mark.filterwarnings("ignore:Using extra keyword arguments on `Field`")  # Ray Serve's models
@@ -88,8 +89,9 @@ def test_replica_request_carries_the_stored_reference_image() -> None:
     assert request.image.size == (12, 8) and request.image.getpixel((0, 0)) == (10, 200, 30)
     assert (request.prompt, request.steps, request.seed, request.frames) == ("a bell", 4, 3, 5)
     assert request_from_spec(SPEC, None).image is None
-    with pytest.raises(ValueError, match="input reference but none was sent"):
-        request_from_spec(JobSpec(**{**SPEC.__dict__, "image": True}), None)
+    for unreadable in (None, b"not a png"):
+        with pytest.raises(InputUnreadable):
+            request_from_spec(JobSpec(**{**SPEC.__dict__, "image": True}), unreadable)
 
 
 class ScriptedHandle:
@@ -236,7 +238,7 @@ def test_a_job_whose_replicas_keep_dying_fails_at_max_attempts(tmp_path: Path) -
     try:
         failed = ingress.finished("failed")
         assert (failed.error_code, failed.attempts) == ("restart_limit", 3)
-        assert "died 3 time(s) here (attempt 3 of at most 3)" in failed.error_message
+        assert "stopped 3 time(s) here and it was started 3 times in all" in failed.error_message
         assert len(ingress.dispatcher.generator.payloads) == 3
         assert not ingress.files.folder(failed.id).exists()
         assert ingress.metrics.outcomes["failed"] == 1

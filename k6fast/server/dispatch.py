@@ -30,10 +30,10 @@ class Dispatcher(Protocol):
         """A job was queued: look at the queue now rather than at the next poll."""
 
     def cancel(self, job_id: str) -> bool:
-        """The running job `job_id` was deleted: stop it at its next step boundary; False when it is not running."""
+        """The running job `job_id` was deleted: stop it at its next check; False when it is not running."""
 
     def stop(self, timeout: float) -> bool:
-        """Stop claiming; running jobs go back to the queue at their next step boundary. True when all stopped."""
+        """Stop claiming; running jobs go back to the queue at their next check. True when all stopped."""
 
     @property
     def current_job_id(self) -> str | None:

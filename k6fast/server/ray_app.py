@@ -66,7 +66,7 @@ class Ingress:
         return worker.running() if isinstance(worker, RayDispatcher) else {}
 
     def stop_dispatching(self, timeout: float = 30.0) -> bool:
-        """Before the application is deleted: running jobs stop at their next step and go back to the queue, as
+        """Before the application is deleted: running jobs stop at their next check and go back to the queue, as
         `k6fast serve` does on SIGTERM (left alone, Serve would let them run on while it drains the replicas)."""
         worker = self._app.state.k6.worker if self._app is not None else None
         return worker.stop(timeout) if worker is not None else True

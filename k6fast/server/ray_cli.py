@@ -117,7 +117,7 @@ def serve_on_ray(config: ServerConfig, options, settings: RaySettings, address: 
             pass
         log.info("stopping: running jobs go back to the queue")
         if not serve.get_app_handle(settings.app_name).stop_dispatching.remote().result(timeout_s=120):
-            log.warning("a running job did not reach a step boundary in time; it runs again at the next start")
+            log.warning("a running job did not stop in time; it runs again at the next start")
         serve.delete(settings.app_name)
         return 0
     finally:

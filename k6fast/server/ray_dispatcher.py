@@ -2,7 +2,8 @@
 a Serve deployment handle, keeping the job contract of the one-GPU worker (worker.py):
 
 - progress: each `Progress` a replica streams becomes the job's progress in the store, as the worker's steps do;
-- cancel: a DELETE cancels the call; the replica stops at its next step boundary and frees itself;
+- cancel: a DELETE cancels the call; the replica stops the job at its next check (a DiT block, a decode op,
+  a frame of the mux) and frees itself;
 - files: written atomically into the data directory before the record says `completed` (by the ingress from the
   bytes the replica returned, or by the replica itself into a shared data directory);
 - faults: a replica that dies mid-job (killed, node lost, host OOM) costs the job one attempt; it starts again from
@@ -31,7 +32,7 @@ from .metrics import Metrics
 from .ray_messages import Finished, JobPayload, Progress, ReplicaIdentity, Started
 from .ray_replica import CANCELLED_CODE
 from .ray_settings import RaySettings
-from .worker import progress_after_step
+from .worker import FAILURES, InputUnreadable, classify_failure, progress_after_step
 
 if TYPE_CHECKING:
     from ray.serve.handle import DeploymentHandle
@@ -84,6 +85,7 @@ class _Lost:
 
 
 _CANCELLED = object()
+_REPLICA_ERROR = ("generation_failed", FAILURES["generation_failed"].format(stage="on its replica"))
 
 
 def _replica_lost_errors() -> tuple[type[BaseException], ...]:
@@ -126,6 +128,8 @@ class RayDispatcher:
         self.settings = settings
         self.caller = caller
         self._running: dict[str, _Run] = {}
+        # Deleted while being claimed (in progress in the store, not yet running here): stopped as soon as they start.
+        self._doomed: set[str] = set()
         self._lock = threading.Lock()
         self._wake = threading.Event()
         self._stopping = threading.Event()
@@ -153,6 +157,7 @@ class RayDispatcher:
         with self._lock:
             run = self._running.get(job_id)
             if run is None:
+                self._doomed.add(job_id)
                 return False
             run.cancelled = True
             response = run.response
@@ -197,6 +202,8 @@ class RayDispatcher:
             run = _Run(job.id)
             run.thread = threading.Thread(target=self._run_job, args=(run, job), name=f"k6fast-{job.id}", daemon=True)
             with self._lock:
+                run.cancelled = job.id in self._doomed
+                self._doomed.clear()  # one claim at a time: nothing else can be between claimed and running
                 self._running[job.id] = run
             run.thread.start()
 
@@ -218,7 +225,8 @@ class RayDispatcher:
             try:
                 image = self.files.input_image(job.id).read_bytes()
             except OSError as exc:
-                self._fail(job, "generation_failed", f"the stored input reference is unreadable: {exc}")
+                log.error("job %s: the stored input reference is unreadable (%s)", job.id, exc)
+                self._fail(job, *classify_failure(InputUnreadable(), "prepare"))
                 return
         while True:
             outcome = self._attempt(run, job, image)
@@ -235,11 +243,14 @@ class RayDispatcher:
                 return
             lost.append({"replica": outcome.replica.as_dict() if outcome.replica else None, "error": outcome.message})
             if job.attempts >= self.config.max_attempts:
+                log.error(
+                    "job %s: replica lost on attempt %d, the last allowed (%s)", job.id, job.attempts, outcome.message
+                )
                 self._fail(
                     job,
                     RESTART_LIMIT_CODE,
-                    f"the replica running this job died {len(lost)} time(s) here (attempt {job.attempts} of at most "
-                    f"{self.config.max_attempts}); last: {outcome.message}",
+                    f"the replica running this job stopped {len(lost)} time(s) here and it was started "
+                    f"{job.attempts} times in all; it is not retried again",
                 )
                 return
             restarted = self.store.restart(job.id)
@@ -272,14 +283,15 @@ class RayDispatcher:
             return _CANCELLED
         except self._lost_errors as exc:
             return _Lost(run.replica, f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}")
-        except Exception as exc:
+        except Exception:
             # The replica's own code raised (a bug, not the job's input): fail this job only.
             log.exception("job %s: the replica call failed", job.id)
-            return Finished(run.replica, 0.0, error=("generation_failed", f"{type(exc).__name__}: {exc}"[:2000]))
+            return Finished(run.replica, 0.0, error=_REPLICA_ERROR)
         finally:
             with self._lock:
                 run.response = None
-        return Finished(run.replica, 0.0, error=("generation_failed", "the replica ended the job without an outcome"))
+        log.error("job %s: the replica ended the call without an outcome", job.id)
+        return Finished(run.replica, 0.0, error=_REPLICA_ERROR)
 
     def _complete(self, job: Job, finished: Finished, lost: list[dict[str, Any]], started: float) -> None:
         from ..output import sidecar_path
@@ -290,6 +302,7 @@ class RayDispatcher:
             write_bytes_atomic(self.files.thumbnail(job.id), finished.files.thumbnail)
             write_bytes_atomic(sidecar_path(self.files.video(job.id)), finished.files.sidecar)
             write_bytes_atomic(self.files.video(job.id), finished.files.video)
+            self.files.make_private(job.id)
         seconds = time.perf_counter() - started
         telemetry = dict(finished.telemetry)
         telemetry["job_s"] = round(seconds, 6)
@@ -304,7 +317,7 @@ class RayDispatcher:
             self.metrics.observe_job("completed", seconds, int(telemetry.get("peak_vram_bytes", 0)))
             log.info("job %s: completed in %.1f s on replica %s", job.id, seconds, finished.replica.replica)
         else:
-            self.files.remove(job.id)  # deleted after its last step boundary
+            self.files.remove(job.id)  # deleted after its last check
             self.metrics.observe_job("cancelled")
 
     def _fail(self, job: Job, code: str, message: str) -> None:

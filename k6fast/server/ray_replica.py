@@ -3,7 +3,7 @@ runs one job at a time for the ingress (`max_ongoing_requests=1`).
 
 `run(payload)` is an async generator: the pipeline runs in the replica's one worker thread while the event loop
 forwards its step events as `Progress` messages. When Serve cancels the call (the job was deleted, or the ingress is
-stopping) the thread is told to stop and the call returns only once the thread has reached its step boundary, so a
+stopping) the thread is told to stop and the call returns only once the thread has reached its next check, so a
 replica never runs two jobs on its pipeline at once. A job's errors (out of memory included) come back as a
 `Finished` with an error code and fail only that job; the replica stays up and frees its cached GPU memory.
 
@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import gc
 import io
 import logging
 import os
@@ -29,7 +30,7 @@ from .config import ServerConfig
 from .jobs import JobFiles, JobSpec, write_image
 from .ray_messages import ClipFiles, Finished, JobPayload, ModelCard, Progress, ReplicaIdentity, Started
 from .ray_settings import RaySettings
-from .worker import classify_failure, load_pipeline
+from .worker import STAGES, InputUnreadable, classify_failure, load_pipeline
 
 if TYPE_CHECKING:
     from ..pipeline import Pipeline, Request, Result
@@ -44,17 +45,21 @@ PipelineLoader = Callable[[ServerConfig, "Options"], "Pipeline"]
 
 
 def request_from_spec(spec: JobSpec, image_png: bytes | None) -> Request:
-    """The pipeline request of a stored job (the input reference as the PNG the ingress stored)."""
+    """The pipeline request of a stored job (the input reference as the PNG the ingress stored; InputUnreadable
+    when it is missing or cannot be decoded)."""
     from ..pipeline import Request
 
     image = None
     if spec.image:
         if image_png is None:
-            raise ValueError("the job has an input reference but none was sent with it")
+            raise InputUnreadable()
         import PIL.Image
 
-        with PIL.Image.open(io.BytesIO(image_png)) as stored:
-            image = stored.convert("RGB")
+        try:
+            with PIL.Image.open(io.BytesIO(image_png), formats=["PNG"]) as stored:
+                image = stored.convert("RGB")
+        except Exception as exc:
+            raise InputUnreadable() from exc
     return Request(
         prompt=spec.prompt,
         width=spec.width,
@@ -171,7 +176,7 @@ class Generator:
                     yield Progress(steps[-1].index, steps[-1].total, tuple(event.seconds for event in steps))
             yield future.result()
         except BaseException:
-            # Cancelled (DELETE or shutdown) or closed: stop at the next step boundary, and hold this call until
+            # Cancelled (DELETE or shutdown) or closed: stop at the next check, and hold this call until
             # the thread is out of the pipeline, so Serve does not hand this replica a second job meanwhile.
             stop.set()
             while not future.done():
@@ -180,53 +185,73 @@ class Generator:
             raise
 
     def _execute(self, payload: JobPayload, on_step: Callable[[StepEvent], None], stop: threading.Event) -> Finished:
-        from ..sampler import Cancelled
+        from ..cancel import Cancelled
 
         with self._busy:
             started = time.perf_counter()
             watch = CallerWatch(payload.caller)
+            stage = ["prepare"]  # where the job is, for a failure's message (as worker.py keeps it)
+
+            def should_stop() -> bool:
+                return stop.is_set() or watch()
+
+            def step(event: StepEvent) -> None:
+                stage[0] = "decode" if event.index + 1 == event.total else "denoise"
+                on_step(event)
+
             log.info("job %s: attempt %d on replica %s", payload.job_id, payload.attempt, self.identity.replica)
             try:
                 request = request_from_spec(payload.spec, payload.image_png)
-                result = self.pipeline.generate(request, on_step=on_step, should_stop=lambda: stop.is_set() or watch())
-                files = self._write(payload.job_id, request, result)
+                result = self.pipeline.generate(request, on_step=step, should_stop=should_stop)
+                stage[0] = "write"
+                files = self._write(payload.job_id, request, result, should_stop)
                 telemetry = result.telemetry.as_dict()
                 return Finished(self.identity, time.perf_counter() - started, telemetry=telemetry, files=files)
-            except Cancelled:
+            except Cancelled as exc:
                 why = "its ingress is gone" if watch.gone else "cancelled"
-                log.info("job %s: stopped at a step boundary (%s)", payload.job_id, why)
+                log.info("job %s: stopped during %s (%s): %s", payload.job_id, exc.phase, exc.where, why)
                 return Finished(self.identity, time.perf_counter() - started, error=(CANCELLED_CODE, why))
             except Exception as exc:
-                code, message = classify_failure(exc)
-                log.error("job %s: failed (%s) %s", payload.job_id, code, message)
+                code, message = classify_failure(exc, stage[0])
+                log.error("job %s: failed (%s) %s", payload.job_id, code, STAGES[stage[0]], exc_info=exc)
                 return Finished(self.identity, time.perf_counter() - started, error=(code, message))
             finally:
                 self._free_memory()
 
-    def _write(self, job_id: str, request: Request, result: Result) -> ClipFiles | None:
+    def _write(
+        self, job_id: str, request: Request, result: Result, should_stop: Callable[[], bool]
+    ) -> ClipFiles | None:
         """The clip written atomically straight into a shared data directory (None returned), or into a temporary
         folder and returned as bytes for the ingress to write."""
         if self._files is not None:
             self._files.folder(job_id, create=True)
-            self._write_files(self._files.video(job_id), self._files.thumbnail(job_id), request, result)
+            video, thumbnail = self._files.video(job_id), self._files.thumbnail(job_id)
+            self._write_files(video, thumbnail, request, result, should_stop)
+            self._files.make_private(job_id)
             return None
         from ..output import sidecar_path
 
         with tempfile.TemporaryDirectory(prefix="k6fast-clip-") as tmp:
             video, thumbnail = Path(tmp) / "video.mp4", Path(tmp) / "thumbnail.jpg"
-            self._write_files(video, thumbnail, request, result)
+            self._write_files(video, thumbnail, request, result, should_stop)
             return ClipFiles(video.read_bytes(), sidecar_path(video).read_bytes(), thumbnail.read_bytes())
 
-    def _write_files(self, video: Path, thumbnail: Path, request: Request, result: Result) -> None:
+    def _write_files(
+        self, video: Path, thumbnail: Path, request: Request, result: Result, should_stop: Callable[[], bool]
+    ) -> None:
         import PIL.Image
 
         from ..output import frames_to_uint8, write_result
 
-        write_result(result, video, self.options, request, self.config.model, self.pipeline.ckpt.variant)
+        variant = self.pipeline.ckpt.variant
+        write_result(result, video, self.options, request, self.config.model, variant, should_stop)
         first = PIL.Image.fromarray(frames_to_uint8(result.frames[:1])[0])
         write_image(first, thumbnail, "JPEG", quality=90)
 
     def _free_memory(self) -> None:
+        # A failed job's tensors may sit in reference cycles (its exception's traceback): collected before the
+        # allocator's cache is emptied, as worker.py does.
+        gc.collect()
         if getattr(getattr(self.pipeline, "device", None), "type", None) == "cuda":
             import torch
 
