@@ -103,6 +103,32 @@ def audio_length(latent_frames: int, fps: float, sample_rate: int, hop: int) -> 
     return math.ceil(((latent_frames - 1) * TEMPORAL_STRIDE + 1) / fps * sample_rate / hop)
 
 
+def resolve_request(ckpt: Checkpoint, options: Options, request: Request) -> tuple[int, float]:
+    """Validate `request` against a checkpoint and the switches; returns (steps, guidance). Needs only the
+    checkpoint's configs, so a server can check requests where no pipeline is loaded."""
+    validate_geometry(request.width, request.height, request.frames)
+    if not request.prompt or not request.prompt.strip():
+        raise RequestError("the prompt is empty; expected a description of the video and its sound")
+    steps = request.steps if request.steps is not None else ckpt.default_steps
+    guidance = request.guidance if request.guidance is not None else ckpt.default_guidance
+    if steps < 1:
+        raise RequestError(f"steps must be >= 1, found {steps}")
+    if ckpt.distilled and guidance != 1.0:
+        raise RequestError(
+            f"guidance {guidance} is not allowed with a distilled (PiFlow) checkpoint: it was distilled "
+            "without classifier-free guidance, so guidance must be exactly 1.0"
+        )
+    if guidance < 1.0:
+        raise RequestError(f"guidance must be >= 1.0 (1.0 = no CFG), found {guidance}")
+    if request.image is not None and (not ckpt.dit.visual_cond or ckpt.dit.visual_token_type_num_embeddings < 2):
+        raise RequestError("this checkpoint has no image conditioning (visual_cond / token types missing)")
+    try:
+        validate_cache_steps(options.piflow_cache_steps, steps)
+    except ValueError as exc:
+        raise RequestError(str(exc)) from exc
+    return steps, guidance
+
+
 class Pipeline:
     """Loads a checkpoint once and serves requests. DiT and decoders stay loaded; text encoders per request."""
 
@@ -282,29 +308,7 @@ class Pipeline:
 
     def resolve(self, request: Request) -> tuple[int, float]:
         """Validate the request against the checkpoint; returns (steps, guidance)."""
-        validate_geometry(request.width, request.height, request.frames)
-        if not request.prompt or not request.prompt.strip():
-            raise RequestError("the prompt is empty; expected a description of the video and its sound")
-        steps = request.steps if request.steps is not None else self.ckpt.default_steps
-        guidance = request.guidance if request.guidance is not None else self.ckpt.default_guidance
-        if steps < 1:
-            raise RequestError(f"steps must be >= 1, found {steps}")
-        if self.ckpt.distilled and guidance != 1.0:
-            raise RequestError(
-                f"guidance {guidance} is not allowed with a distilled (PiFlow) checkpoint: it was distilled "
-                "without classifier-free guidance, so guidance must be exactly 1.0"
-            )
-        if guidance < 1.0:
-            raise RequestError(f"guidance must be >= 1.0 (1.0 = no CFG), found {guidance}")
-        if request.image is not None and (
-            not self.ckpt.dit.visual_cond or self.ckpt.dit.visual_token_type_num_embeddings < 2
-        ):
-            raise RequestError("this checkpoint has no image conditioning (visual_cond / token types missing)")
-        try:
-            validate_cache_steps(self.options.piflow_cache_steps, steps)
-        except ValueError as exc:
-            raise RequestError(str(exc)) from exc
-        return steps, guidance
+        return resolve_request(self.ckpt, self.options, request)
 
     @torch.no_grad()
     def generate(

@@ -54,6 +54,7 @@ from .worker import Worker, load_pipeline
 
 if TYPE_CHECKING:
     from ..pipeline import Pipeline
+    from .dispatch import Dispatcher, DispatcherFactory
 
 log = logging.getLogger("k6fast.server")
 _LOADING_RETRY_S = 5
@@ -96,6 +97,7 @@ class ServerState:
         load: Callable[[], Pipeline],
         on_load_error: Callable[[BaseException], None] | None = None,
         clock: Callable[[], float] = time.time,
+        dispatcher: DispatcherFactory = Worker,
     ):
         self.config = config
         self.options = options
@@ -104,7 +106,8 @@ class ServerState:
         self.ready = threading.Event()
         self.load_error: str | None = None
         self.pipeline: Pipeline | None = None
-        self.worker: Worker | None = None
+        self.worker: Dispatcher | None = None  # a Worker, or another dispatcher (see dispatch.py)
+        self._dispatcher = dispatcher
         self.store: JobStore | None = None
         self.files: JobFiles | None = None
         self._load = load
@@ -160,7 +163,7 @@ class ServerState:
             if self._closing.is_set():
                 return
             self.pipeline = pipeline
-            self.worker = Worker(self.store, self.files, pipeline, self.options, self.config, self.metrics)
+            self.worker = self._dispatcher(self.store, self.files, pipeline, self.options, self.config, self.metrics)
             self.worker.start()
             self.ready.set()
             log.info("ready: %s loaded and warmed up in %.1f s", self.config.model, time.perf_counter() - started)
@@ -250,10 +253,13 @@ def create_app(
     load: Callable[[], Pipeline] | None = None,
     on_load_error: Callable[[BaseException], None] | None = None,
     clock: Callable[[], float] = time.time,
+    dispatcher: DispatcherFactory = Worker,
 ) -> FastAPI:
     """The ASGI app. `load` builds the (warmed-up) pipeline in a background thread; the default loads
-    `config.model` with `options`. `clock` (seconds) dates jobs and expiries."""
-    state = ServerState(config, options, load or (lambda: load_pipeline(config, options)), on_load_error, clock)
+    `config.model` with `options`. `clock` (seconds) dates jobs and expiries. `dispatcher` runs the queue once the
+    model is loaded (default: one in-process GPU `Worker`; see dispatch.py)."""
+    load = load or (lambda: load_pipeline(config, options))
+    state = ServerState(config, options, load, on_load_error, clock, dispatcher)
     poll_headers = {"openai-poll-after-ms": str(config.poll_after_ms)}
 
     @asynccontextmanager

@@ -17,6 +17,7 @@ from pathlib import Path
 
 from ..cli_args import device_problem, size_arg
 from .config import DEFAULT_DATA_DIR, ServerConfig, fmt_size
+from .ray_cli import RayServeError, add_ray_arguments, ray_settings_from_args
 
 log = logging.getLogger("k6fast.server")
 
@@ -50,6 +51,7 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
         default=60.0,
         help="a create request's body must arrive within this (default 60)",
     )
+    add_ray_arguments(p)
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -125,6 +127,10 @@ def cmd_serve(args: argparse.Namespace) -> int:
     problem = device_problem(config.device)
     if problem:
         raise ServeError(f"--device {config.device}: {problem}")
+    try:
+        ray_settings = ray_settings_from_args(args)
+    except RayServeError as exc:
+        raise ServeError(str(exc)) from None
     if not _is_hub_id(config.model):
         open_checkpoint(config.model)  # configs and safetensors headers only: a broken checkpoint fails now
     probe = DataDirLock(config.data_dir)
@@ -139,6 +145,13 @@ def cmd_serve(args: argparse.Namespace) -> int:
             "this user can create and write"
         ) from None
     probe.release()
+    if ray_settings is not None:  # Serve's proxy listens, the replicas load the model (ray_cli.py)
+        from .ray_cli import serve_on_ray
+
+        try:
+            return serve_on_ray(config, options, ray_settings, args.address)
+        except RayServeError as exc:
+            raise ServeError(str(exc)) from None
     sock = _listen(config.host, config.port)
 
     if not logging.getLogger("k6fast").handlers:

@@ -307,6 +307,17 @@ class JobStore:
             )
             return cur.rowcount == 1
 
+    def restart(self, job_id: str) -> Job | None:
+        """Start a running job again from its first step (what ran it died): attempts + 1, progress 0. None when
+        the job no longer runs (deleted meanwhile)."""
+        with self._lock, self._transaction() as db:
+            cur = db.execute(
+                "UPDATE jobs SET progress = 0, started_at = ?, attempts = attempts + 1 "
+                "WHERE id = ? AND status = 'in_progress'",
+                (self.now(), job_id),
+            )
+            return self._one("SELECT * FROM jobs WHERE id = ?", (job_id,)) if cur.rowcount == 1 else None
+
     def recover(self, max_attempts: int, ttl_seconds: float) -> tuple[list[str], list[str]]:
         """After a crash: jobs left in_progress run again from the start, unless they have been started
         `max_attempts` times already (a job that keeps killing the server), which fail. Returns (re-queued, failed).
