@@ -49,6 +49,22 @@ run)
     > $W/pytest_gpu.log 2>&1)
   echo "pytest exit $?"; tail -3 $W/pytest_gpu.log
   wait $writer; echo "checkpoint exit $?"; tail -2 $W/synthetic.log
+  step smoke: the fast arm, 2 steps at 256x256x9 on the full checkpoint, its kernels falling back if they fail
+  arms=$SITE/k6fast/switches/arms
+  smoke() {
+    (cd /tmp && K6_VRAM_BUDGET_GB=32 K6_PIFLOW_CACHE_STEPS= timeout 300 python3 -m k6fast.cli generate --model $W/syn \
+      --arm fast --size 256x256 --frames 9 --steps 2 --prompt smoke --out $W/smoke.mp4 >> $W/smoke.log 2>&1)
+  }
+  if ! smoke; then
+    echo "PATCHED: fast's K6_SPARSE_ATTN off after a failed smoke run" | tee -a $W/patches.log
+    sed -i 's/^K6_SPARSE_ATTN=.*/K6_SPARSE_ATTN=0.0/' $arms/fast.env
+    if ! smoke; then
+      echo "PATCHED: exact attention back on k6's Gluon kernel in fast and final" | tee -a $W/patches.log
+      sed -i 's/^K6_EXACT_ATTN_KERNEL=fa4/K6_EXACT_ATTN_KERNEL=k6/' $arms/fast.env $arms/final.env
+      smoke || echo "fast still fails its smoke run" | tee -a $W/patches.log
+    fi
+  fi
+  tail -4 $W/smoke.log
   step acceptance 1: the shipped arms under 32 and 31 GiB, cold and warm
   acceptance reference-32-cold,final-32-cold,fast-32-cold,final-32-warm,fast-32-warm,reference-31-warm,final-31-warm,fast-31-warm
   step attention: exact kernels at W1 and the Lite shape, sparse attention per density
@@ -83,6 +99,7 @@ status)
     [ -f "$f" ] && cp "$f" "$out/"
   done
   (cd $W && tar czf "$out/logs.tgz" $(ls run.log pytest_gpu*.log synthetic.log diag_compile.log *_attention.log \
+    smoke.log patches.log \
     block_arms.log \
     work/runs/*/stderr.log work/runs/*/*.json 2>/dev/null))
   ls $W/done 2>/dev/null && echo "session finished"
