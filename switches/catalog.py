@@ -62,7 +62,8 @@ VRAM_BUDGET_GB = Switch(
     name="K6_VRAM_BUDGET_GB",
     kind="float",
     default=0.0,
-    doc="GPU memory k6fast may use, in GiB (enforced on bigger cards); 0 = the whole card",
+    doc="GPU memory k6fast may use, in GiB (enforced on bigger cards); 0 = what the card has free at start, less "
+    "0.5 GiB for what CUDA adds outside PyTorch's allocator (a larger value is lowered to that, with a warning)",
     min=0.0,
     affects_output=False,
 )

@@ -72,3 +72,19 @@ def test_activation_estimate_covers_a_pro_blocks_measured_peak_gpu(arm: str) -> 
     )
     # Not so loose that the planner gives away resident blocks for nothing.
     assert estimate <= 2.5 * measured, f"{arm}: estimate {estimate / 2**20:.0f} MiB vs measured {measured / 2**20:.0f}"
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_the_whole_card_means_what_is_free_less_what_cuda_adds_gpu(caplog) -> None:
+    from k6fast.dit.runtime import OUTSIDE_ALLOCATOR_BYTES, device_budget
+
+    device = torch.device("cuda")
+    free, total = torch.cuda.mem_get_info(device)
+    available = free + torch.cuda.memory_reserved(device) - OUTSIDE_ALLOCATOR_BYTES
+    whole = device_budget(device, 0)
+    assert abs(whole - available) < 64 * 2**20 and whole < total  # within what other work moved meanwhile
+    too_big = device_budget(device, 2 * total / 2**30)  # more than the card: lowered, with a warning
+    assert too_big <= available + 64 * 2**20 and "more than this GPU has free" in caplog.text
+    assert device_budget(device, 4.0) == 4 * 2**30
+    torch.cuda.set_per_process_memory_fraction(1.0, device)  # leave the process as the other tests expect it
