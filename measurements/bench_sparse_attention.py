@@ -47,11 +47,12 @@ from bench_common import attention_arg_parser, environment
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from triton.testing import do_bench
 
-from k6fast.dit.rope import apply_rope, rope_3d
+from k6fast.dit.rope import rope_3d
 from k6fast.kernels import sparse_attention as sa
 from k6fast.kernels import tile_mask as tm
+from k6fast.kernels.exact_attention import attention_fp32
 from k6fast.kernels.fa4_attention import fa4_block_sparse_runs_on, fa4_version
-from k6fast.kernels.quant_attention import attention_fp32
+from k6fast.kernels.qk_norm_rope import apply_rope
 
 DENSITIES = "1.0,0.5,0.25,0.125"
 GRID = (31, 30, 54)  # W1 text-to-video: 50,220 tokens (with the image tail frame: 32 frames)
