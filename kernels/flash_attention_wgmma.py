@@ -27,8 +27,8 @@ import torch
 import triton
 import triton.language
 
+from .attention_constants import on_device
 from .gluon_hopper import GLUON_AVAILABLE
-from .quant_attention import _on_device
 
 if GLUON_AVAILABLE:
     from .gluon_hopper import (
@@ -274,7 +274,7 @@ def flash_attention(
         q2, q_rows_b, rows_h, col_h = _rows_view(q.contiguous())
         k2, kv_rows_b, _, _ = _rows_view(k.contiguous())
         v2, _, _, _ = _rows_view(v.contiguous())
-    with _on_device(q.device):
+    with on_device(q.device):
         _flash_attention_kernel[(triton.cdiv(m, 2 * WG_ROWS), bsz * h)](
             desc(q2, WG_ROWS), desc(k2, block_n), desc(v2, block_n), out, out.stride(0), out.stride(1),
             out.stride(2), h, m, n, q_rows_b, kv_rows_b, rows_h, col_h, scale * _LOG2E,

@@ -1,6 +1,6 @@
 """The quantized attention core for sm_90 in Gluon: two consumer warpgroups and a TMA producer per CTA.
 
-Why not the Triton kernel (`quant_attention._quant_attention_kernel`): Triton 3.6 (the GPU machine's) never keeps
+Why not the Triton kernel (`quant_attention_core._quant_attention_kernel`): Triton 3.6 (the GPU machine's) never keeps
 an INT32-accumulator wgmma in flight, converts P to the FP8 A operand through warp shuffles and byte repacking (a
 third of the softmax's instructions), and leaves no registers at 128-key tiles for more. Here one CTA holds 128
 query rows as two warpgroups of 64 that run free of each other: while one computes its softmax, the other's MMAs
@@ -12,9 +12,10 @@ turn) measured 2-8 % slower on an H200.
                            release K/V slot t;  acc = acc·alpha_t + P_t·V_t.
 
 P never leaves its thread: the A operand's key order within each 32-key block is taken to be the score accumulator's
-own (`_to_a_operand`), and Vᵀ comes in that key order (`quant_attention.v_key_order`, stored so by the prologue).
-Two-level accumulation as the Triton kernel (each tile's P·V from zero, added in FP32); the same quantized inputs
-(`QuantizedQKV`, FP8 P·V) and per-element softmax arithmetic; checked against `attention_quantized_ref`.
+own (`_to_a_operand`), and Vᵀ comes in that key order (`quant_attention_prologue.v_key_order`, stored so by the
+prologue). Two-level accumulation as the Triton kernel (each tile's P·V from zero, added in FP32); the same quantized
+inputs (`QuantizedQKV` of quant_attention_prologue.py, FP8 P·V) and per-element softmax arithmetic; checked against
+`attention_quantized_ref`.
 
 A one-warp producer partition loads Q once and K/Vᵀ tiles into a STAGES-deep ring by TMA (a slot is refilled once
 both warpgroups have released it; 4 deep by default: at W1 on an H200 ring 4 beat ring 2 by ~1 % at head_dim 128 and
@@ -35,10 +36,10 @@ import torch
 import triton
 import triton.language
 
+# The softmax constants are the Triton core's (int32 + MAGIC_I's bits = fp32 1.5·2**23 + x; log2(448)).
+from .attention_constants import LOG2_FP8_MAX, MAGIC_F, MAGIC_I, Q_BLOCK, on_device
 from .gluon_hopper import GLUON_AVAILABLE
-
-# The softmax constants are the Triton kernel's (int32 + _MAGIC_I's bits = fp32 1.5·2**23 + x; log2(448)).
-from .quant_attention import _LOG2_FP8_MAX, _MAGIC_F, _MAGIC_I, Q_BLOCK, QuantizedQKV, _on_device, v_key_order
+from .quant_attention_prologue import QuantizedQKV, v_key_order
 
 if GLUON_AVAILABLE:
     from .gluon_hopper import (
@@ -56,7 +57,7 @@ if GLUON_AVAILABLE:
 
 __all__ = ["BLOCK_M", "DEFAULT_STAGES", "GLUON_AVAILABLE", "attention_quantized_wgmma", "wgmma_attention_supported"]
 
-BLOCK_M = 128  # query rows per CTA: two warpgroups of 64 (one Q scale block, quant_attention.Q_BLOCK)
+BLOCK_M = 128  # query rows per CTA: two warpgroups of 64 (one Q scale block, attention_constants.Q_BLOCK)
 WG_ROWS = 64  # query rows per consumer warpgroup
 DEFAULT_STAGES = 4  # K/Vᵀ ring depth (see the module docstring)
 _WG_ROWS = triton.language.constexpr(WG_ROWS)
@@ -66,10 +67,10 @@ if GLUON_AVAILABLE:
 
     @gluon.jit
     def _probs(s, m_i, l_i, sc, t, N, BLOCK_N: gl.constexpr, MASK: gl.constexpr, s_layout: gl.constexpr):
-        # Online softmax of one tile, as quant_attention._tile_probs (P scaled to e4m3's range). The row max is taken
-        # on the int32 scores (exact, like the float max of the magic-number floats), so the 64 magic adds run beside
-        # it instead of before it.
-        f = (s + _MAGIC_I).to(gl.float32, bitcast=True)
+        # Online softmax of one tile, as quant_attention_core._tile_probs (P scaled to e4m3's range). The row max is
+        # taken on the int32 scores (exact, like the float max of the magic-number floats), so the 64 magic adds run
+        # beside it instead of before it.
+        f = (s + MAGIC_I).to(gl.float32, bitcast=True)
         if MASK:
             cols = t * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
             valid = (cols < N)[None, :]
@@ -80,7 +81,7 @@ if GLUON_AVAILABLE:
         s_max = row_reduce(s, True, m_i)
         m_new = gl.maximum(m_i, s_max.to(gl.float32) * sc)
         alpha = gl.exp2(m_i - m_new)
-        bias = m_new + _MAGIC_F * sc - _LOG2_FP8_MAX
+        bias = m_new + MAGIC_F * sc - LOG2_FP8_MAX
         p = gl.exp2(f * sc - bias[:, None])
         if MASK:
             p = gl.where(valid, p, 0.0)
@@ -93,7 +94,7 @@ if GLUON_AVAILABLE:
         # In each 32-key block a thread's accumulator holds keys {8i + 2q + e} (i < 4, e < 2; q = lane % 4) and its
         # A-operand registers want keys {16·(i // 2) + 4q + 2·(i % 2) + e}: the same count, other positions. Taking
         # the A operand's key order to be this permutation of P's makes the conversion a per-thread byte packing;
-        # Vᵀ's keys come in the same order (quant_attention.v_key_order; the prologue stores it so when asked).
+        # Vᵀ's keys come in the same order (quant_attention_prologue.v_key_order; the prologue stores it so when asked).
         BM: gl.constexpr = p.shape[0]
         BN: gl.constexpr = p.shape[1]
         p = gl.reshape(p, [BM, BN // 32, 2, 2, 4, 2])  # (row, block, i // 2, i % 2, q, e)
@@ -295,7 +296,7 @@ def attention_quantized_wgmma(
     k_desc = desc(qkv.k8.view(b * h * n_pad, d), [bn, d], gl.int8)
     vt = qkv.vt if qkv.v_key_perm else v_key_order(qkv.vt)  # quantize_qkv(v_key_perm=True) saves this copy
     v_desc = desc(vt.view(b * h * d, n_pad), [d, bn], gl.float8e4nv)
-    with _on_device(qkv.q8.device):
+    with on_device(qkv.q8.device):
         _qattn_wgmma_kernel[(m_pad // BLOCK_M, b * h)](
             q_desc, k_desc, v_desc, qkv.q_scale, qkv.k_scale, qkv.v_scale, qkv.v_offset, out,
             *out.stride(), h, qkv.num_q, qkv.num_kv, m_pad, n_pad,
