@@ -35,7 +35,7 @@ import torch
 from bench_common import environment as cuda_environment
 from torch.autograd import DeviceType
 
-from k6fast.bench.visit import DEFAULT_PROMPT
+from k6fast.bench.runner import DEFAULT_PROMPT
 from k6fast.bench.workload import Geometry, parse_geometry
 from k6fast.dit.model import K6DiT
 from k6fast.pipeline import Pipeline, Request, Result
