@@ -19,7 +19,6 @@ Benchmark: `python measurements/bench_elementwise.py --out elementwise.json`.
 
 from __future__ import annotations
 
-import functools
 import logging
 
 import torch
@@ -29,6 +28,7 @@ import triton.language as tl
 from torch import Tensor
 
 from .adaln_layout import _check_activation, _modulation_layout, _per_sample, _row_tile, _rows_per_sample
+from .fallback import cuda_at_least, kernel_runs
 from .fp8_linear import e4m3_quantize, e4m3_scales, fp8_native, quantize_rows_fp8_ref
 
 logger = logging.getLogger(__name__)
@@ -44,25 +44,10 @@ logger = logging.getLogger(__name__)
 # ---------------------------------------------------------------------------------------------------------------
 
 
-@functools.cache
-def _log_reference_once(op: str, device: str, why: str) -> None:
-    # Cached on (op, device, why) so each fallback is announced once per process, not per call.
-    level = logging.INFO if device == "cpu" else logging.WARNING
-    logger.log(level, "%s on %s runs the PyTorch reference: %s", op, device, why)
-
-
 def _use_triton(op: str, device: torch.device, need_fp8: bool) -> bool:
-    if device.type == "cuda":
-        major, minor = torch.cuda.get_device_capability(device)
-        if need_fp8 and not fp8_native(device):
-            _log_reference_once(op, f"cuda sm_{major}{minor}", "e4m3 conversion needs sm_89 or newer")
-            return False
-        if (major, minor) >= (8, 0):
-            return True
-        _log_reference_once(op, f"cuda sm_{major}{minor}", "bf16 kernels need sm_80 or newer")
-        return False
-    _log_reference_once(op, device.type, "CPU tensors" if device.type == "cpu" else "no Triton kernels here")
-    return False
+    if need_fp8 and device.type == "cuda" and not fp8_native(device):
+        return kernel_runs(logger, op, device, False, "e4m3 conversion needs sm_89 or newer")
+    return kernel_runs(logger, op, device, cuda_at_least(device, (8, 0)), "bf16 kernels need sm_80 or newer")
 
 
 # ---------------------------------------------------------------------------------------------------------------

@@ -40,12 +40,12 @@ Benchmark: `python measurements/bench_gemm.py --out gemm.json` (rows `mxfp8`, `n
 
 from __future__ import annotations
 
-import functools
 import logging
 
 import torch
 from torch import Tensor
 
+from .fallback import kernel_runs
 from .nvfp4 import E2M1_VALUES, quantize_nvfp4
 
 logger = logging.getLogger(__name__)
@@ -65,21 +65,11 @@ def blockscaled_native(device: torch.device) -> bool:
     return device.type == "cuda" and torch.cuda.get_device_capability(device)[0] in (10, 12)
 
 
-@functools.cache
-def _log_reference_once(device: str, why: str) -> None:
-    level = logging.INFO if device == "cpu" else logging.WARNING
-    logger.log(level, "blockscaled_linear on %s runs the PyTorch reference: %s", device, why)
-
-
 def _use_scaled_mm(device: torch.device) -> bool:
-    if blockscaled_native(device):
-        return True
-    if device.type == "cuda":
-        major, minor = torch.cuda.get_device_capability(device)
-        _log_reference_once(f"cuda sm_{major}{minor}", "no block-scaled tensor cores (needs sm_100 or sm_120)")
-    else:
-        _log_reference_once(device.type, "CPU tensors" if device.type == "cpu" else "no block-scaled GEMM here")
-    return False
+    return kernel_runs(
+        logger, "blockscaled_linear", device, blockscaled_native(device),
+        "no block-scaled tensor cores (needs sm_100 or sm_120)", elsewhere="no block-scaled GEMM here",
+    )  # fmt: skip
 
 
 def _mx_formats():

@@ -20,7 +20,6 @@ Benchmark: `python measurements/bench_gemm.py --out gemm.json`.
 
 from __future__ import annotations
 
-import functools
 import logging
 
 import torch
@@ -28,6 +27,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
+from .fallback import cuda_at_least, kernel_runs
 from .fp16acc_wgmma import BLOCK_K as WGMMA_CHUNK
 from .fp16acc_wgmma import fp16acc_wgmma, fp16acc_wgmma_supported
 from .tiles import store_tile, wrapped_tile
@@ -37,22 +37,10 @@ logger = logging.getLogger(__name__)
 _FLOAT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
 
-@functools.cache
-def _log_reference_once(device: str, why: str) -> None:
-    # Cached on (device, why) so each fallback is announced once per process, not per call.
-    level = logging.INFO if device == "cpu" else logging.WARNING
-    logger.log(level, "fp16acc_linear on %s runs the PyTorch reference: %s", device, why)
-
-
 def _use_fp16acc_kernel(device: torch.device) -> bool:
-    if device.type == "cuda" and torch.cuda.get_device_capability(device) >= (8, 0):
-        return True
-    if device.type == "cuda":
-        major, minor = torch.cuda.get_device_capability(device)
-        _log_reference_once(f"cuda sm_{major}{minor}", "Triton bf16/fp16 MMA needs sm_80 or newer")
-    else:
-        _log_reference_once(device.type, "CPU tensors" if device.type == "cpu" else "no Triton kernels here")
-    return False
+    return kernel_runs(
+        logger, "fp16acc_linear", device, cuda_at_least(device, (8, 0)), "Triton bf16/fp16 MMA needs sm_80 or newer"
+    )
 
 
 def fp16acc_linear_ref(

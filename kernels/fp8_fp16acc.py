@@ -27,7 +27,6 @@ at 32-wide chunks the emulation's result bit for bit), and the SASS for sm_120 a
 
 from __future__ import annotations
 
-import functools
 import logging
 
 import torch
@@ -35,6 +34,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
+from .fallback import cuda_at_least, kernel_runs
 from .tiles import store_tile, wrapped_tile
 
 logger = logging.getLogger(__name__)
@@ -49,21 +49,11 @@ DEFAULT_CHUNK = 32
 _FLOAT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
 
-@functools.cache
-def _log_reference_once(device: str, why: str) -> None:
-    level = logging.INFO if device == "cpu" else logging.WARNING
-    logger.log(level, "fp8_fp16acc_linear on %s runs the PyTorch emulation: %s", device, why)
-
-
 def _use_kernel(device: torch.device) -> bool:
-    if device.type == "cuda" and torch.cuda.get_device_capability(device) >= (8, 9):
-        return True
-    if device.type == "cuda":
-        major, minor = torch.cuda.get_device_capability(device)
-        _log_reference_once(f"cuda sm_{major}{minor}", "no FP8 tensor cores (needs sm_89 or newer)")
-    else:
-        _log_reference_once(device.type, "CPU tensors" if device.type == "cpu" else "no Triton here")
-    return False
+    return kernel_runs(
+        logger, "fp8_fp16acc_linear", device, cuda_at_least(device, (8, 9)),
+        "no FP8 tensor cores (needs sm_89 or newer)", what="the PyTorch emulation",
+    )  # fmt: skip
 
 
 def fp8_fp16acc_linear_ref(

@@ -20,7 +20,6 @@ Benchmark: `python measurements/bench_gemm.py --out gemm.json`.
 
 from __future__ import annotations
 
-import functools
 import logging
 
 import torch
@@ -28,6 +27,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
+from .fallback import kernel_runs
 from .fp8_outliers import OUTLIER_WIDTH
 from .fp16acc_linear import (  # noqa: F401  (re-exported: the fp16acc GEMM lived here before)
     FP16ACC_CHUNKS,
@@ -73,29 +73,15 @@ def fp8_native(device: torch.device) -> bool:
     return (major, minor) == (8, 9) or major in (9, 10, 11, 12)
 
 
-@functools.cache
-def _log_reference_once(op: str, device: str, why: str) -> None:
-    # Cached on (op, device, why) so each fallback is announced once per process, not per call.
-    level = logging.INFO if device == "cpu" else logging.WARNING
-    logger.log(level, "%s on %s runs the PyTorch reference: %s", op, device, why)
-
-
-def _device_name(device: torch.device) -> str:
-    if device.type != "cuda":
-        return device.type
-    major, minor = _capability(device)
-    return f"cuda sm_{major}{minor}"
-
-
 def _use_fp8_kernels(op: str, device: torch.device) -> bool:
-    if fp8_native(device):
-        return True
-    if device.type == "cuda":
-        why = "no FP8 tensor cores (needs sm_89 or newer)"
-    else:
-        why = "CPU tensors" if device.type == "cpu" else "no FP8 kernels here"
-    _log_reference_once(op, _device_name(device), why)
-    return False
+    return kernel_runs(
+        logger,
+        op,
+        device,
+        fp8_native(device),
+        "no FP8 tensor cores (needs sm_89 or newer)",
+        elsewhere="no FP8 kernels here",
+    )
 
 
 # ---------------------------------------------------------------------------------------------------------------

@@ -28,7 +28,6 @@ Benchmark: `python measurements/bench_nvfp4.py --out nvfp4.json`.
 
 from __future__ import annotations
 
-import functools
 import logging
 
 import torch
@@ -36,6 +35,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
+from .fallback import cuda_at_least, kernel_runs
 from .tiles import store_tile, wrapped_tile
 
 logger = logging.getLogger(__name__)
@@ -73,23 +73,11 @@ _FLOAT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 # ---------------------------------------------------------------------------------------------------------------
 
 
-@functools.cache
-def _log_reference_once(op: str, device: str, why: str) -> None:
-    # Cached on (op, device, why) so each fallback is announced once per process, not per call.
-    level = logging.INFO if device == "cpu" else logging.WARNING
-    logger.log(level, "%s on %s runs the PyTorch reference: %s", op, device, why)
-
-
 def _use_nvfp4_kernel(device: torch.device) -> bool:
     """True where the Triton NVFP4 GEMM runs: CUDA sm_80 or newer (bf16 MMA); elsewhere logs the fallback once."""
-    if device.type == "cuda" and torch.cuda.get_device_capability(device) >= (8, 0):
-        return True
-    if device.type == "cuda":
-        major, minor = torch.cuda.get_device_capability(device)
-        _log_reference_once("nvfp4_linear", f"cuda sm_{major}{minor}", "Triton bf16/fp16 MMA needs sm_80 or newer")
-    else:
-        _log_reference_once("nvfp4_linear", device.type, "CPU tensors" if device.type == "cpu" else "no Triton here")
-    return False
+    return kernel_runs(
+        logger, "nvfp4_linear", device, cuda_at_least(device, (8, 0)), "Triton bf16/fp16 MMA needs sm_80 or newer"
+    )
 
 
 # ---------------------------------------------------------------------------------------------------------------

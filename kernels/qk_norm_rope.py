@@ -17,7 +17,6 @@ Check: `pytest tests/test_qk_norm_rope.py` (CPU + interpreter; `-m gpu` on a GPU
 
 from __future__ import annotations
 
-import functools
 import logging
 
 import torch
@@ -26,22 +25,15 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
+from .fallback import cuda_at_least, kernel_runs
+
 logger = logging.getLogger(__name__)
 
 _DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
 
-@functools.cache
-def _log_reference_once(device: str, why: str) -> None:
-    level = logging.INFO if device == "cpu" else logging.WARNING
-    logger.log(level, "rms_norm_rope on %s runs the PyTorch reference: %s", device, why)
-
-
 def _use_triton(device: torch.device) -> bool:
-    if device.type == "cuda" and torch.cuda.get_device_capability(device) >= (8, 0):
-        return True
-    _log_reference_once(device.type, "needs CUDA sm_80 or newer")
-    return False
+    return kernel_runs(logger, "rms_norm_rope", device, cuda_at_least(device, (8, 0)), "needs CUDA sm_80 or newer")
 
 
 def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:

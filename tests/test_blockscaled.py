@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from k6fast.kernels import blockscaled as bs
+from k6fast.kernels.fallback import log_reference_once
 
 
 @pytest.fixture(autouse=True)
@@ -239,7 +240,7 @@ def test_bad_input_is_refused():
 def test_cpu_runs_the_reference_and_says_so(caplog):
     x, w, _ = dit_like(4, 64, 16)
     with caplog.at_level("INFO", logger="k6fast.kernels.blockscaled"):
-        bs._log_reference_once.cache_clear()
+        log_reference_once.cache_clear()
         bs.blockscaled_linear("mxfp8", x, bs.quantize_weight(w, "mxfp8"))
     assert "runs the PyTorch reference: CPU tensors" in caplog.text
     assert not bs.blockscaled_native(torch.device("cpu"))

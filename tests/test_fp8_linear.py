@@ -16,6 +16,7 @@ from kernel_testing import needs_cuda, needs_interpreter, run_interpret_tests, s
 
 from k6fast.kernels import fp8_linear as fp8_module
 from k6fast.kernels.adaln import layernorm_modulate
+from k6fast.kernels.fallback import log_reference_once
 from k6fast.kernels.fp8_linear import (
     E4M3_MAX,
     FP16ACC_CHUNKS,
@@ -149,7 +150,7 @@ def test_extra_columns_are_checked():
 
 
 def test_fp8_linear_on_cpu_runs_the_reference(caplog):
-    fp8_module._log_reference_once.cache_clear()
+    log_reference_once.cache_clear()
     x, w, bias = dit_like(2 * 109, 96, 48)
     x = x.reshape(2, 109, 96)
     wq, ws = quantize_weight_fp8(w)
