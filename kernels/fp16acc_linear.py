@@ -30,7 +30,7 @@ from torch import Tensor
 from .fallback import cuda_at_least, kernel_runs
 from .fp16acc_wgmma import BLOCK_K as WGMMA_CHUNK
 from .fp16acc_wgmma import fp16acc_wgmma, fp16acc_wgmma_supported
-from .tiles import store_tile, wrapped_tile
+from .tiles import launch_gemm, store_tile, wrapped_tile
 
 logger = logging.getLogger(__name__)
 
@@ -144,8 +144,6 @@ _FP16ACC_CONFIGS = [
 _fp16acc_linear_tuned = triton.autotune(
     configs=_FP16ACC_CONFIGS, key=["M", "N", "K", "BLOCK_K", "CHUNK_STEPS", "HAS_BIAS"]
 )(_fp16acc_linear_kernel)
-# Under the interpreter (CPU tensors) autotuning would time every config on the CPU: one small tile instead.
-_INTERPRETER_TILE = {"BLOCK_M": 32, "BLOCK_N": 32, "GROUP_M": 4}
 
 
 def fp16acc_linear_triton(
@@ -173,13 +171,7 @@ def fp16acc_linear_triton(
     args = (x2, w16, bias if bias is not None else y, y, m, n, k, x2.stride(0), w16.stride(0), y.stride(0))
     block_k, steps = fp16acc_chunk_steps(k_chunk)
     flags = {"HAS_BIAS": bias is not None, "EVEN_K": k % k_chunk == 0, "BLOCK_K": block_k, "CHUNK_STEPS": steps}
-    if x.device.type == "cuda":
-        grid = lambda meta: (triton.cdiv(m, meta["BLOCK_M"]) * triton.cdiv(n, meta["BLOCK_N"]),)
-        _fp16acc_linear_tuned[grid](*args, **flags)
-    else:
-        tile = _INTERPRETER_TILE
-        grid = (triton.cdiv(m, tile["BLOCK_M"]) * triton.cdiv(n, tile["BLOCK_N"]),)
-        _fp16acc_linear_kernel[grid](*args, **flags, **tile)
+    launch_gemm(_fp16acc_linear_kernel, _fp16acc_linear_tuned, m, n, x.device, args, flags)
     return y.reshape(*x.shape[:-1], n)
 
 

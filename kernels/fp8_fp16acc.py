@@ -35,7 +35,7 @@ import triton.language as tl
 from torch import Tensor
 
 from .fallback import cuda_at_least, kernel_runs
-from .tiles import store_tile, wrapped_tile
+from .tiles import launch_gemm, store_tile, wrapped_tile
 
 logger = logging.getLogger(__name__)
 
@@ -140,7 +140,6 @@ _CONFIGS = [
     triton.Config({"BLOCK_M": 64, "BLOCK_N": 128, "GROUP_M": 8}, num_warps=4, num_stages=4),
 ]
 _tuned = triton.autotune(configs=_CONFIGS, key=["M", "N", "K", "BLOCK_K", "HAS_BIAS"])(_fp8_fp16acc_kernel)
-_INTERPRETER_TILE = {"BLOCK_M": 32, "BLOCK_N": 32, "GROUP_M": 4}
 
 
 def fp8_fp16acc_linear_triton(
@@ -162,13 +161,7 @@ def fp8_fp16acc_linear_triton(
     xs, ws = x_scale.reshape(m).contiguous(), w_scale.reshape(n).contiguous()
     args = (xq, xs, wq, ws, bias if bias is not None else y, y, m, n, k, xq.stride(0), wq.stride(0), y.stride(0))
     flags = {"HAS_BIAS": bias is not None, "EVEN_K": k % chunk == 0, "BLOCK_K": chunk}
-    if xq.device.type == "cuda":
-        grid = lambda meta: (triton.cdiv(m, meta["BLOCK_M"]) * triton.cdiv(n, meta["BLOCK_N"]),)
-        _tuned[grid](*args, **flags)
-    else:
-        tile = _INTERPRETER_TILE
-        grid = (triton.cdiv(m, tile["BLOCK_M"]) * triton.cdiv(n, tile["BLOCK_N"]),)
-        _fp8_fp16acc_kernel[grid](*args, **flags, **tile)
+    launch_gemm(_fp8_fp16acc_kernel, _tuned, m, n, xq.device, args, flags)
     return y
 
 

@@ -36,7 +36,7 @@ import triton.language as tl
 from torch import Tensor
 
 from .fallback import cuda_at_least, kernel_runs
-from .tiles import store_tile, wrapped_tile
+from .tiles import INTERPRETER_TILE, launch_gemm, store_tile, wrapped_tile
 
 logger = logging.getLogger(__name__)
 
@@ -349,8 +349,7 @@ def _even_k(args: dict) -> bool:
 _nvfp4_linear_tuned = triton.autotune(configs=_NVFP4_CONFIGS, key=["M", "N", "K", "HAS_BIAS", "DOT_FP32"])(
     triton.heuristics({"EVEN_K": _even_k})(_nvfp4_linear_kernel)
 )
-# Under the interpreter (CPU tensors) autotuning would time every config on the CPU: one small tile instead.
-_INTERPRETER_TILE = {"BLOCK_M": 32, "BLOCK_N": 32, "BLOCK_K": 64, "GROUP_M": 4}
+_INTERPRETER_TILE = {**INTERPRETER_TILE, "BLOCK_K": 64}  # the K tile is autotuned here too
 
 
 def nvfp4_linear_triton(
@@ -376,13 +375,9 @@ def nvfp4_linear_triton(
         m, n, k, x2.stride(0), y.stride(0),
     )  # fmt: skip
     flags = {"HAS_BIAS": bias is not None, "DOT_FP32": dot_fp32}
-    if x.device.type == "cuda":
-        grid = lambda meta: (triton.cdiv(m, meta["BLOCK_M"]) * triton.cdiv(n, meta["BLOCK_N"]),)
-        _nvfp4_linear_tuned[grid](*args, **flags)
-    else:
-        tile = _INTERPRETER_TILE
-        grid = (triton.cdiv(m, tile["BLOCK_M"]) * triton.cdiv(n, tile["BLOCK_N"]),)
-        _nvfp4_linear_kernel[grid](*args, **flags, EVEN_K=k % tile["BLOCK_K"] == 0, **tile)
+    # The autotuned kernel's heuristic sets EVEN_K for the K tile it picks; the interpreter's tile is fixed.
+    tile = {**_INTERPRETER_TILE, "EVEN_K": k % _INTERPRETER_TILE["BLOCK_K"] == 0}
+    launch_gemm(_nvfp4_linear_kernel, _nvfp4_linear_tuned, m, n, x.device, args, flags, tile)
     return y.reshape(*x.shape[:-1], n)
 
 
