@@ -109,18 +109,6 @@ def permute(order, *ts):
     return tuple(t[:, perm].contiguous() for t in ts)
 
 
-def bf16_masked_sdpa(q, k, v, idx, cnt):
-    """SDPA in bf16 under the block mask, chunked over query blocks: the rule's baseline error."""
-    out = torch.empty_like(q)
-    for i in range(0, idx.shape[2], 8):
-        rows = slice(i * sa.BLOCK, min(q.shape[1], (i + 8) * sa.BLOCK))
-        mask = tm.token_mask(idx[:, :, i : i + 8], cnt[:, :, i : i + 8], rows.stop - rows.start, k.shape[1])
-        o = F.scaled_dot_product_attention(q[:, rows].transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
-                                           attn_mask=mask)  # fmt: skip
-        out[:, rows] = o.transpose(1, 2)
-    return out
-
-
 def block_mass(q, k):
     """fp32 [B, H, Mb, Nb]: the exact attention probability each query block puts on each key block (summed over its
     queries), chunked over query blocks. Its top-k per row is the oracle mask the rule is compared with."""
@@ -174,7 +162,7 @@ def main() -> None:
     for density in densities:
         idx, cnt = tm.build_block_mask(q, k, window, density)
         exact = sa.sparse_attention_ref(q, k, v, idx, cnt, out_dtype=torch.float32)
-        base = rel_cos(bf16_masked_sdpa(q, k, v, idx, cnt), exact)[0]
+        base = rel_cos(sa.sparse_attention_sdpa(q, k, v, idx, cnt), exact)[0]
         for impl in impls:
             err = rel_cos(sa.sparse_attention(q, k, v, idx, cnt, impl=impl), exact)[0]
             ok = err <= 2.0 * base + 1e-6
