@@ -12,7 +12,7 @@ import logging
 import pytest
 import torch
 import torch.nn.functional as F
-from kernel_testing import needs_cuda, needs_interpreter, run_interpret_tests, spawns_interpreter
+from kernel_testing import interpreter_suite, needs_cuda, needs_interpreter
 
 from k6fast.kernels import adaln
 from k6fast.kernels.adaln import (
@@ -209,10 +209,7 @@ def _assert_e4m3_close_interpreted(actual: torch.Tensor, expected: torch.Tensor)
     _assert_within_one_ulp(a[away_from_carry], e[away_from_carry], mantissa_bits=3, min_spacing=2.0**-9)
 
 
-@pytest.mark.interpret
-@spawns_interpreter
-def test_triton_kernels_under_interpreter():
-    run_interpret_tests(__file__)
+test_triton_kernels_under_interpreter = interpreter_suite(__file__)
 
 
 @pytest.mark.interpret

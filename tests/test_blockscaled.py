@@ -12,6 +12,8 @@ import math
 
 import pytest
 import torch
+from kernel_testing import dit_like_gemm as dit_like  # fp32 on the CPU
+from kernel_testing import rel_l2
 
 from k6fast.kernels import blockscaled as bs
 from k6fast.kernels.fallback import log_reference_once
@@ -28,18 +30,6 @@ E2M1 = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0])
 # outlier columns (what K6_GEMM=mxfp8|nvfp4 runs on bf16 weights): 2.2 % and 10.0 %, within the 3 % / 12 % asked.
 LAYER_BOUND = {"mxfp8": 0.039, "nvfp4": 0.135}
 OUTLIER_BOUND = {"mxfp8": 0.03, "nvfp4": 0.12}
-
-
-def dit_like(m: int, k: int, n: int, seed: int = 0):
-    """x [m, k] ~ N(0, 1) with K/512 channels x30, w [n, k] ~ N(0, 0.02²), bias [n]: fp32."""
-    g = torch.Generator().manual_seed(seed)
-    x = torch.randn(m, k, generator=g)
-    x[:, torch.randperm(k, generator=g)[: max(1, k // 512)]] *= 30.0
-    return x, torch.randn(n, k, generator=g) * 0.02, torch.randn(n, generator=g) * 0.1
-
-
-def rel_l2(a: torch.Tensor, b: torch.Tensor) -> float:
-    return ((a.double() - b.double()).norm() / b.double().norm()).item()
 
 
 # ---------------------------------------------------------------------------------------------------------------

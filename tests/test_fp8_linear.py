@@ -7,12 +7,13 @@ tests at the W1 shapes: M = 50220 tokens, (K, N) = (4096, 4096), (4096, 16384), 
 
 from __future__ import annotations
 
+import functools
 import logging
 
 import pytest
 import torch
 import torch.nn.functional as F
-from kernel_testing import needs_cuda, needs_interpreter, run_interpret_tests, spawns_interpreter
+from kernel_testing import dit_like_gemm, interpreter_suite, needs_cuda, needs_interpreter, rel_l2
 
 from k6fast.kernels import fp8_linear as fp8_module
 from k6fast.kernels.adaln import layernorm_modulate
@@ -33,24 +34,12 @@ from k6fast.kernels.fp8_linear import (
 )
 from k6fast.kernels.fp8_outliers import outlier_columns
 
+# DiT-like operands in bf16 (kernel_testing.dit_like_gemm).
+dit_like = functools.partial(dit_like_gemm, dtype=torch.bfloat16)
+
 # e4m3 keeps 3 mantissa bits: ≈2.5% RMS relative rounding error per operand, ≈3.5% for the product of two quantized
 # operands over incoherent sums (CPU measurement on the DiT-like data below). 3% would be below that floor.
 FP8_REL_L2_VS_BF16 = 0.045
-
-
-def dit_like(m: int, k: int, n: int, device: str = "cpu", seed: int = 0):
-    """x [m, k] bf16 activations with a few outlier channels (×30), w [n, k] bf16 ~ N(0, 0.02²), bias [n] bf16."""
-    g = torch.Generator(device=device).manual_seed(seed)
-    x = torch.randn(m, k, generator=g, device=device)
-    x[:, torch.randperm(k, generator=g, device=device)[: max(1, k // 512)]] *= 30.0
-    w = torch.randn(n, k, generator=g, device=device) * 0.02
-    bias = torch.randn(n, generator=g, device=device) * 0.1
-    return x.bfloat16(), w.bfloat16(), bias.bfloat16()
-
-
-def rel_l2(a: torch.Tensor, b: torch.Tensor) -> float:
-    a, b = a.double(), b.double()
-    return ((a - b).norm() / b.norm()).item()
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -249,10 +238,7 @@ def _assert_e4m3_close_interpreted(actual: torch.Tensor, expected: torch.Tensor)
     assert ((a - e).abs() <= step)[compared].all()
 
 
-@pytest.mark.interpret
-@spawns_interpreter
-def test_triton_kernels_under_interpreter():
-    run_interpret_tests(__file__)
+test_triton_kernels_under_interpreter = interpreter_suite(__file__)
 
 
 @pytest.mark.interpret

@@ -8,6 +8,7 @@ M = 50220 tokens, (K, N) = (4096, 4096), (4096, 16384), (16384, 4096), and odd s
 
 from __future__ import annotations
 
+import functools
 import logging
 
 import pytest
@@ -15,7 +16,7 @@ import torch
 import torch.nn.functional as F
 import triton
 import triton.language as tl
-from kernel_testing import needs_cuda, needs_interpreter, run_interpret_tests, spawns_interpreter
+from kernel_testing import dit_like_gemm, interpreter_suite, needs_cuda, needs_interpreter, rel_l2
 
 from k6fast.kernels import nvfp4 as nvfp4_module
 from k6fast.kernels.fallback import log_reference_once
@@ -33,26 +34,12 @@ from k6fast.kernels.nvfp4 import (
     quantize_nvfp4_ref,
 )
 
+# DiT-like operands in bf16, with outlier weights (kernel_testing.dit_like_gemm).
+dit_like = functools.partial(dit_like_gemm, dtype=torch.bfloat16, outlier_weights=True)
+
 # E2M1 with e4m3 block scales: ≈ 9.5% relative L2 on Gaussian weights (CPU measurement below), the weight-only error
 # that a product with incoherent activations inherits.
 NVFP4_REL_L2 = 0.12
-
-
-def dit_like(m: int, k: int, n: int, device: str = "cpu", seed: int = 0):
-    """x [m, k] bf16 activations with a few outlier channels (×30), w [n, k] bf16 ~ N(0, 0.02²) with a few outlier
-    weights (×20), bias [n] bf16."""
-    g = torch.Generator(device=device).manual_seed(seed)
-    x = torch.randn(m, k, generator=g, device=device)
-    x[:, torch.randperm(k, generator=g, device=device)[: max(1, k // 512)]] *= 30.0
-    w = torch.randn(n, k, generator=g, device=device) * 0.02
-    w.view(-1)[torch.randperm(n * k, generator=g, device=device)[: max(1, n * k // 4096)]] *= 20.0
-    bias = torch.randn(n, generator=g, device=device) * 0.1
-    return x.bfloat16(), w.bfloat16(), bias.bfloat16()
-
-
-def rel_l2(a: torch.Tensor, b: torch.Tensor) -> float:
-    a, b = a.double(), b.double()
-    return ((a - b).norm() / b.norm()).item()
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -243,10 +230,7 @@ def test_custom_op_passes_opcheck_and_compiles():
 # ---------------------------------------------------------------------------------------------------------------
 
 
-@pytest.mark.interpret
-@spawns_interpreter
-def test_triton_kernel_under_interpreter():
-    run_interpret_tests(__file__)
+test_triton_kernel_under_interpreter = interpreter_suite(__file__)
 
 
 @triton.jit

@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
-from kernel_testing import needs_cuda, needs_interpreter, run_interpret_tests, spawns_interpreter
+from kernel_testing import interpreter_suite, needs_cuda, needs_interpreter, rel_l2
 
 from k6fast.dit.backend import ExactBackend, SwitchedBackend
 from k6fast.dit.rope import rope_1d
@@ -38,10 +38,6 @@ def _truth(x, weight, cos, sin, eps):
     xf = x.double()
     y = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps) * weight.double()
     return y if cos is None else apply_rope(y, cos.double(), sin.double())
-
-
-def _rel(a, b):
-    return ((a.double() - b.double()).norm() / b.double().norm()).item()
 
 
 def test_reference_is_the_forwards_sequence():
@@ -109,10 +105,7 @@ def test_backends_route_norm_rope(monkeypatch):
 # ---------------------------------------------------------------------------------------------------------------
 
 
-@pytest.mark.interpret
-@spawns_interpreter
-def test_triton_kernel_under_interpreter():
-    run_interpret_tests(__file__)
+test_triton_kernel_under_interpreter = interpreter_suite(__file__)
 
 
 @pytest.mark.interpret
@@ -136,7 +129,7 @@ def test_kernel_interpreted_bf16(shape):
     # Two roundings to bf16 (after the norm, after the rotation), truncating under the interpreter: about two units
     # in the last place of values of order one (normalised rows); a wrong pair, token or scale is off by O(1).
     assert ((got - expected).abs() <= 2.0**-6 * (expected.abs() + 1.0)).all()
-    assert _rel(got, expected) < 1e-2
+    assert rel_l2(got, expected) < 1e-2
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -155,5 +148,5 @@ def test_kernel_gpu(shape, rope):
     got = rms_norm_rope(x, weight, cos, sin)
     reference = rms_norm_rope_ref(x, weight, cos, sin, eps)
     truth = _truth(x, weight, cos, sin, eps)
-    assert _rel(got, truth) <= 2 * _rel(reference, truth) + 1e-6
+    assert rel_l2(got, truth) <= 2 * rel_l2(reference, truth) + 1e-6
     assert (got != reference).float().mean().item() < 0.02, "differs from the reference beyond last-bit rounding"

@@ -34,7 +34,7 @@ import os
 
 import pytest
 import torch
-from kernel_testing import run_interpret_tests, spawns_interpreter
+from kernel_testing import interpreter_suite
 
 from k6fast.kernels import quant_attention as qa
 from k6fast.kernels import quant_attention_core as qc
@@ -225,10 +225,7 @@ INTERPRET_SHAPES = [  # (b, h, m, n, d): one ragged tile, a single token, full t
 interpreted_only = pytest.mark.skipif(not INTERPRETED, reason="needs TRITON_INTERPRET=1 (see the subprocess test)")
 
 
-@pytest.mark.interpret
-@spawns_interpreter
-def test_interpreter_suite_in_subprocess():
-    run_interpret_tests(__file__, timeout=900)
+test_interpreter_suite_in_subprocess = interpreter_suite(__file__, timeout=900)
 
 
 @pytest.mark.interpret

@@ -17,7 +17,7 @@ import os
 import pytest
 import torch
 import torch.nn.functional as F
-from kernel_testing import needs_cuda, run_interpret_tests, spawns_interpreter
+from kernel_testing import interpreter_suite, needs_cuda, rel_l2
 
 from k6fast.kernels import sparse_attention as sa
 from k6fast.kernels import tile_mask as tm
@@ -67,10 +67,6 @@ def masked_sdpa(q, k, v, idx, cnt):
 def dense_fp32(q, k, v):
     s = torch.einsum("bmhd,bnhd->bhmn", q.float(), k.float()) / q.shape[-1] ** 0.5
     return torch.einsum("bhmn,bnhd->bmhd", torch.softmax(s, dim=-1), v.float())
-
-
-def rel_l2(a, b):
-    return ((a.double() - b.double()).norm() / b.double().norm()).item()
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -171,10 +167,7 @@ def test_the_compiled_op_keeps_one_graph():
 # ---------------------------------------------------------------------------------------------------------------------
 
 
-@pytest.mark.interpret
-@spawns_interpreter
-def test_interpreter_suite_in_subprocess():
-    run_interpret_tests(__file__, timeout=900)
+test_interpreter_suite_in_subprocess = interpreter_suite(__file__, timeout=900)
 
 
 INTERPRET_SHAPES = [(1, 2, 1, 300, 16), (1, 1, 300, 1, 32), (2, 1, 257, 129, 16), (1, 2, 130, 384, 64)]
