@@ -57,14 +57,7 @@ import logging
 
 import torch
 
-from .attention_constants import (
-    K_BLOCK,
-    K_BLOCKS,
-    LOG2E,
-    Q_BLOCK,
-    SUPPORTED_DTYPES,
-    SUPPORTED_HEAD_DIMS,
-)
+from .attention_constants import K_BLOCK, K_BLOCKS, LOG2E, Q_BLOCK, SUPPORTED_DTYPES, SUPPORTED_HEAD_DIMS
 from .exact_attention import attention_fp32
 from .gluon_hopper import GLUON_AVAILABLE
 from .quant_attention_core import (
