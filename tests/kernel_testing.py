@@ -51,6 +51,17 @@ def dit_like_gemm(
     return x.to(dtype), w.to(dtype), bias.to(dtype)
 
 
+# The DiT's linear layers at W1 (864x480, 121 frames): video tokens, and (K, N) of the fused blocks' GEMMs.
+W1_TOKENS = 50220
+W1_GEMM_SHAPES = [(4096, 4096), (4096, 16384), (16384, 4096)]
+
+
+def checked_rows(m: int, device: str) -> torch.Tensor:
+    """The rows a W1 GEMM test compares: the first 2048 and the last 300 (which include the partial last tile);
+    references on every row of a 50220 x 16384 product would cost more memory and time than the kernels."""
+    return torch.cat([torch.arange(2048), torch.arange(m - 300, m)]).to(device)
+
+
 def rel_l2(a: torch.Tensor, b: torch.Tensor) -> float:
     """Relative L2 error of a against b, in float64."""
     a, b = a.double(), b.double()

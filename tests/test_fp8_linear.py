@@ -13,7 +13,16 @@ import logging
 import pytest
 import torch
 import torch.nn.functional as F
-from kernel_testing import dit_like_gemm, interpreter_suite, needs_cuda, needs_interpreter, rel_l2
+from kernel_testing import (
+    W1_GEMM_SHAPES,
+    W1_TOKENS,
+    checked_rows,
+    dit_like_gemm,
+    interpreter_suite,
+    needs_cuda,
+    needs_interpreter,
+    rel_l2,
+)
 
 from k6fast.kernels import fp8_linear as fp8_module
 from k6fast.kernels.adaln import layernorm_modulate
@@ -306,21 +315,12 @@ def test_fp16acc_default_chunk():
 # GPU: W1 shapes
 # ---------------------------------------------------------------------------------------------------------------
 
-W1_M = 50220
-W1_SHAPES = [(4096, 4096), (4096, 16384), (16384, 4096)]  # (K, N)
-
-
-def _checked_rows(m: int, device: str) -> torch.Tensor:
-    """The first 2048 rows and the last 300 (which include the partial last tile): references on every row of a
-    50220 × 16384 product would cost more memory and time than the kernels themselves."""
-    return torch.cat([torch.arange(2048), torch.arange(m - 300, m)]).to(device)
-
 
 @pytest.mark.gpu
 @needs_cuda
 @pytest.mark.parametrize("k", [4096, 16384, 20000])
 def test_quantize_rows_gpu_matches_reference_bit_for_bit(k):
-    x, _, _ = dit_like(W1_M if k != 20000 else 300, k, 16, device="cuda")
+    x, _, _ = dit_like(W1_TOKENS if k != 20000 else 300, k, 16, device="cuda")
     q, s = quantize_rows_fp8(x)
     q_ref, s_ref = quantize_rows_fp8_ref(x)
     assert torch.equal(s, s_ref)
@@ -342,10 +342,10 @@ def test_quantize_rows_extra_columns_gpu_match_reference_bit_for_bit(k):
 
 @pytest.mark.gpu
 @needs_cuda
-@pytest.mark.parametrize(("k", "n"), W1_SHAPES)
+@pytest.mark.parametrize(("k", "n"), W1_GEMM_SHAPES)
 def test_fp8_linear_outlier_columns_gpu(k, n):
-    x, w, bias = dit_like(W1_M, k, n, device="cuda")
-    rows = _checked_rows(W1_M, "cuda")
+    x, w, bias = dit_like(W1_TOKENS, k, n, device="cuda")
+    rows = checked_rows(W1_TOKENS, "cuda")
     cols = outlier_columns(x, 32)  # 32 outlier channels at K = 16384
     wq, ws = quantize_weight_fp8(w, residual_cols=cols)
     y = fp8_linear(quantize_rows_fp8(x, cols), wq, ws, bias, fast_accum=True)[rows]
@@ -355,11 +355,11 @@ def test_fp8_linear_outlier_columns_gpu(k, n):
 
 @pytest.mark.gpu
 @needs_cuda
-@pytest.mark.parametrize(("k", "n"), W1_SHAPES)
+@pytest.mark.parametrize(("k", "n"), W1_GEMM_SHAPES)
 def test_fp8_linear_gpu(k, n):
-    x, w, bias = dit_like(W1_M, k, n, device="cuda")
+    x, w, bias = dit_like(W1_TOKENS, k, n, device="cuda")
     wq, ws = quantize_weight_fp8(w)
-    rows = _checked_rows(W1_M, "cuda")
+    rows = checked_rows(W1_TOKENS, "cuda")
     y = fp8_linear(x, wq, ws, bias)[rows]
     xq, xs = quantize_rows_fp8(x[rows])
     exact_quantized = fp8_linear_ref((xq, xs), wq, ws, bias, out_dtype=torch.float32)
@@ -371,7 +371,7 @@ def test_fp8_linear_gpu(k, n):
 @pytest.mark.gpu
 @needs_cuda
 def test_fp8_linear_from_fused_norm_gpu():
-    x, w, _ = dit_like(W1_M, 4096, 4096, device="cuda")
+    x, w, _ = dit_like(W1_TOKENS, 4096, 4096, device="cuda")
     scale, shift = (torch.randn(2, 4096, device="cuda") * 0.5).unbind(0)
     wq, ws = quantize_weight_fp8(w)
     fused = fp8_linear(layernorm_modulate(x, scale, shift, out_fp8=True), wq, ws)
@@ -383,11 +383,11 @@ def test_fp8_linear_from_fused_norm_gpu():
 @needs_cuda
 # The default chunk (64) at every shape, the others at one: each (shape, chunk) pair costs an autotuning run.
 @pytest.mark.parametrize(
-    ("k", "n", "k_chunk"), [(k, n, 64) for k, n in W1_SHAPES] + [(4096, 4096, 32), (4096, 4096, 128)]
+    ("k", "n", "k_chunk"), [(k, n, 64) for k, n in W1_GEMM_SHAPES] + [(4096, 4096, 32), (4096, 4096, 128)]
 )
 def test_fp16acc_linear_gpu(k, n, k_chunk):
-    x, w, bias = dit_like(W1_M, k, n, device="cuda")
-    rows = _checked_rows(W1_M, "cuda")
+    x, w, bias = dit_like(W1_TOKENS, k, n, device="cuda")
+    rows = checked_rows(W1_TOKENS, "cuda")
     y = fp16acc_linear(x, w.half(), bias, k_chunk=k_chunk)[rows]
     exact = fp16acc_linear_ref(x[rows], w, bias, out_dtype=torch.float32)
     err_kernel, err_cublas = rel_l2(y, exact), rel_l2(F.linear(x[rows], w, bias), exact)

@@ -16,7 +16,16 @@ import torch
 import torch.nn.functional as F
 import triton
 import triton.language as tl
-from kernel_testing import dit_like_gemm, interpreter_suite, needs_cuda, needs_interpreter, rel_l2
+from kernel_testing import (
+    W1_GEMM_SHAPES,
+    W1_TOKENS,
+    checked_rows,
+    dit_like_gemm,
+    interpreter_suite,
+    needs_cuda,
+    needs_interpreter,
+    rel_l2,
+)
 
 from k6fast.kernels import nvfp4 as nvfp4_module
 from k6fast.kernels.fallback import log_reference_once
@@ -278,23 +287,14 @@ def test_nvfp4_kernel_interpreted(m, k, n, with_bias):
 # GPU: W1 shapes and odd shapes
 # ---------------------------------------------------------------------------------------------------------------
 
-W1_M = 50220
-W1_SHAPES = [(4096, 4096), (4096, 16384), (16384, 4096)]  # (K, N)
-
-
-def _checked_rows(m: int, device: str) -> torch.Tensor:
-    """The first 2048 rows and the last 300 (which include the partial last tile): references on every row of a
-    50220 × 16384 product would cost more memory and time than the kernel itself."""
-    return torch.cat([torch.arange(2048), torch.arange(m - 300, m)]).to(device)
-
 
 @pytest.mark.gpu
 @needs_cuda
-@pytest.mark.parametrize(("k", "n"), W1_SHAPES)
+@pytest.mark.parametrize(("k", "n"), W1_GEMM_SHAPES)
 def test_nvfp4_linear_gpu(k, n):
-    x, w, bias = dit_like(W1_M, k, n, device="cuda")
+    x, w, bias = dit_like(W1_TOKENS, k, n, device="cuda")
     q = quantize_nvfp4(w)
-    rows = _checked_rows(W1_M, "cuda")
+    rows = checked_rows(W1_TOKENS, "cuda")
     y = nvfp4_linear(x, *q, bias)[rows]
     exact = nvfp4_linear_ref(x[rows].float(), *q, bias)
     assert rel_l2(y, exact) <= 5e-3, "the GEMM must compute the quantized product (bf16 output rounding)"
