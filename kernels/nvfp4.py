@@ -9,7 +9,8 @@ Format (NVIDIA's NVFP4 recipe, the layout TensorRT-ModelOpt checkpoints use):
 - w[n, k] ≈ e2m1(packed)[n, k] · block_scales[n, k // 16] · global_scale, where
   block_scales = e4m3(block_amax / (6 · global_scale)) and the codes round w / (block scale · global scale) to the
   nearest E2M1 value (ties to even, saturating at ±6).
-Round trip: ≈ 10% relative L2 on Gaussian weights (4.5 bits per element instead of 16).
+Round trip: 4.5 bits per element instead of 16, lossy accordingly (tests/test_nvfp4.py's NVFP4_REL_L2 bounds the
+error on Gaussian weights).
 
 What it holds:
 - `quantize_nvfp4(w)` / `dequantize_nvfp4(...)`: vectorised PyTorch, any device (quantization runs once, offline,
@@ -61,7 +62,7 @@ _FLOAT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 #   nvfp4_linear        reference   Triton dequantize-in-prologue GEMM           reference (logged once)
 #
 # The DiT runtime does not call nvfp4_linear: it dequantizes each layer's weight on the GPU and runs cuBLAS bf16,
-# 8.0-8.2x faster than this kernel on an H200 (k6fast/dit/linear.py `_stored_gemm_runs` has the figures).
+# many times faster than this kernel on an H200 (measurements/sessions/2026-11-29_attention-pipeline/README.md).
 #
 # Blackwell (sm_100, sm_120) has NVFP4 tensor cores, and the installed stack exposes them: torch 2.14's
 # `F.scaled_mm` takes `float4_e2m1fn_x2` operands with `ScalingType.BlockWise1x16` e4m3 scales (swizzled 32x4x4),

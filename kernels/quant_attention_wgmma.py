@@ -5,7 +5,7 @@ an INT32-accumulator wgmma in flight, converts P to the FP8 A operand through wa
 third of the softmax's instructions), and leaves no registers at 128-key tiles for more. Here one CTA holds 128
 query rows as two warpgroups of 64 that run free of each other: while one computes its softmax, the other's MMAs
 run. Making them take turns (FlashAttention-3's ping-pong, `pingpong=True`, an mbarrier per warpgroup passing the
-turn) measured 2-8 % slower on an H200.
+turn) was slower on an H200 (measurements/sessions/2026-11-29_attention-tree/README.md, as the figures below).
 
   warpgroup, iteration t:  softmax of S_t -> P_t, packed to e4m3 in registers (the A operand of P·V);
                            issue S_{t+1} = Q·K_{t+1}ᵀ (INT8) and P_t·V_t (FP8, from zero); wait for both;
@@ -18,16 +18,15 @@ inputs (`QuantizedQKV` of quant_attention_prologue.py, FP8 P·V) and per-element
 `attention_quantized_ref`.
 
 A one-warp producer partition loads Q once and K/Vᵀ tiles into a STAGES-deep ring by TMA (a slot is refilled once
-both warpgroups have released it; 4 deep by default: at W1 on an H200 ring 4 beat ring 2 by ~1 % at head_dim 128 and
-2.3 % at 64, where ring 3 was 9 % slower). Per consumer thread: one score tile, the P·V tile and the accumulator, no
-spills at 240 registers.
+both warpgroups have released it; 4 deep by default, the fastest of rings 2 to 4 at W1 on an H200). Per consumer
+thread: one score tile, the P·V tile and the accumulator, no spills at 240 registers.
 
-What bounds it (ablations on an H200, measurements/sessions/2026-11-29_attention-tree): one warpgroup's serial
-chain from its MMAs' wait through the softmax to the next issue. Without the softmax the core runs in 40.6 ms at W1
-(26.2 ms without K/V loads too) against 50.2 ms with it; dropping the fold saved 4.4 ms, MUFU exp2 7.6 ms; moving a
-half or a quarter of the exp2s to the FMA pipe, staggering the warpgroups, ping-pong, issuing Q·Kᵀ before the exp2s
-and unrolling two tiles did not help. Row max and sum as trees (`gluon_hopper.row_reduce`) shortened the chain by 5-7 %.
-Earlier measurements: measurements/sessions/2026-11-29_attention-gluon-core.
+What bounds it (ablations on an H200): one warpgroup's serial chain from its MMAs' wait through the softmax to the
+next issue. Taking the softmax out (and then the K/V loads) shows how much of the time it holds; the fold and MUFU
+exp2 are its largest parts; moving a half or a quarter of the exp2s to the FMA pipe, staggering the warpgroups,
+ping-pong, issuing Q·Kᵀ before the exp2s and unrolling two tiles did not help; row max and sum as trees
+(`gluon_hopper.row_reduce`) shortened the chain. Earlier measurements:
+measurements/sessions/2026-11-29_attention-gluon-core/README.md.
 """
 
 from __future__ import annotations
@@ -74,8 +73,9 @@ if GLUON_AVAILABLE:
         if MASK:
             cols = t * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
             valid = (cols < N)[None, :]
-            # f's mask is redundant (p is masked below) but kept: without it ptxas allocated the main loop's registers
-            # differently and the core ran 3 % slower on an H200 (measurements/sessions/2026-11-29_attention-tree).
+            # f's mask is redundant (p is masked below) but kept: without it ptxas allocated the main loop's
+            # registers differently and the core ran slower on an H200
+            # (measurements/sessions/2026-11-29_attention-tree/README.md).
             f = gl.where(valid, f, 0.0)
             s = gl.where(valid, s, -2147483647)  # below every valid score
         s_max = row_reduce(s, True, m_i)

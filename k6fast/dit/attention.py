@@ -50,8 +50,9 @@ SITE_SETS = {
 
 
 def exact_sdpa_backends(device: torch.device) -> list:
-    """SDPA backends in order of preference: cuDNN first on Hopper (585 vs 425 TFLOP/s for flash at W1 on an H200,
-    k6-facts.md), flash first elsewhere; the others stay as fallbacks for shapes a backend refuses."""
+    """SDPA backends in order of preference: cuDNN first on Hopper (much faster than flash at W1 on an H200,
+    measurements/sessions/2026-11-29_exact-attention/README.md), flash first elsewhere; the others stay as fallbacks
+    for shapes a backend refuses."""
     from torch.nn.attention import SDPBackend
 
     if device.type != "cuda":
