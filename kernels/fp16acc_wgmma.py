@@ -1,6 +1,6 @@
 """FP16-accumulate GEMM for Hopper (sm_90) in Gluon: TMA loads and asynchronous wgmma with an fp16 accumulator.
 
-`fp8_linear.fp16acc_linear` accumulates in FP16 inside each 64-wide K chunk and in FP32 across chunks. Plain Triton
+`fp16acc_linear.fp16acc_linear` accumulates in FP16 inside each 64-wide K chunk and in FP32 across chunks. Plain Triton
 never keeps such an MMA in flight on sm_90 (its wgmma pipeliner only makes FP32-accumulator dots asynchronous), so
 each waits for the one before. Gluon exposes `warpgroup_mma(..., is_async=True)` and its waits directly:
 
@@ -18,7 +18,7 @@ registers or ring depth, and a warp-specialized TMA producer did not help (all r
 no rate advantage on Hopper; this kernel only keeps the fp16acc arm from being slower there than it must be.
 
 `fp16acc_wgmma(x16, w16, bias)` is the launcher; `fp16acc_wgmma_supported` says whether a call can use it.
-The reference is `fp8_linear.fp16acc_linear_ref` (tests/test_fp16acc_wgmma.py).
+The reference is `fp16acc_linear.fp16acc_linear_ref` (tests/test_fp16acc_wgmma.py).
 """
 
 from __future__ import annotations

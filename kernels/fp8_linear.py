@@ -9,8 +9,7 @@ What it holds:
   (CUTLASS kernels in PyTorch). Lossy: e4m3 keeps 3 mantissa bits, so each operand carries a few percent RMS
   relative rounding error, and the product of the two more (tests/test_fp8_linear.py's FP8_REL_L2_VS_BF16 bounds
   it on Gaussian data with outlier channels).
-- The FP16-accumulate GEMM (`fp16acc_linear`) lives in kernels/fp16acc_linear.py and is re-exported here, so
-  `from k6fast.kernels.fp8_linear import fp16acc_linear` keeps working.
+- The FP16-accumulate GEMM (`fp16acc_linear`) is kernels/fp16acc_linear.py's.
 
 Each public op has a pure-PyTorch `*_ref` beside it with the same signature.
 
@@ -29,15 +28,6 @@ from torch import Tensor
 
 from .fallback import kernel_runs
 from .fp8_outliers import OUTLIER_WIDTH
-from .fp16acc_linear import (  # noqa: F401  (re-exported: the fp16acc GEMM lived here before)
-    FP16ACC_CHUNKS,
-    _fp16acc_linear_kernel,
-    fp16acc_chunk_steps,
-    fp16acc_default_chunk,
-    fp16acc_linear,
-    fp16acc_linear_ref,
-    fp16acc_linear_triton,
-)
 
 logger = logging.getLogger(__name__)
 

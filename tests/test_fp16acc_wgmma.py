@@ -22,7 +22,7 @@ from kernel_testing import (
 )
 
 from k6fast.kernels import fp16acc_wgmma as wg
-from k6fast.kernels.fp8_linear import fp16acc_linear, fp16acc_linear_ref
+from k6fast.kernels.fp16acc_linear import fp16acc_linear, fp16acc_linear_ref
 
 
 def _compile_sm90(tile: wg.WgmmaTile):

@@ -29,19 +29,21 @@ from k6fast.kernels.adaln import layernorm_modulate
 from k6fast.kernels.fallback import log_reference_once
 from k6fast.kernels.fp8_linear import (
     E4M3_MAX,
-    FP16ACC_CHUNKS,
     fp8_linear,
     fp8_linear_ref,
-    fp16acc_default_chunk,
-    fp16acc_linear,
-    fp16acc_linear_ref,
-    fp16acc_linear_triton,
     quantize_rows_fp8,
     quantize_rows_fp8_ref,
     quantize_rows_fp8_triton,
     quantize_weight_fp8,
 )
 from k6fast.kernels.fp8_outliers import outlier_columns
+from k6fast.kernels.fp16acc_linear import (
+    FP16ACC_CHUNKS,
+    fp16acc_default_chunk,
+    fp16acc_linear,
+    fp16acc_linear_ref,
+    fp16acc_linear_triton,
+)
 
 # DiT-like operands in bf16 (kernel_testing.dit_like_gemm).
 dit_like = functools.partial(dit_like_gemm, dtype=torch.bfloat16)
