@@ -19,7 +19,6 @@ Benchmark: `python measurements/bench_elementwise.py --out elementwise.json`.
 
 from __future__ import annotations
 
-import functools
 import logging
 
 import torch
@@ -28,11 +27,11 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
+from .adaln_layout import _check_activation, _modulation_layout, _per_sample, _row_tile, _rows_per_sample
+from .fallback import cuda_at_least, kernel_runs
 from .fp8_linear import e4m3_quantize, e4m3_scales, fp8_native, quantize_rows_fp8_ref
 
 logger = logging.getLogger(__name__)
-
-_ACT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
 # ---------------------------------------------------------------------------------------------------------------
 # Dispatch: which implementation runs where.
@@ -45,83 +44,10 @@ _ACT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 # ---------------------------------------------------------------------------------------------------------------
 
 
-@functools.cache
-def _log_reference_once(op: str, device: str, why: str) -> None:
-    # Cached on (op, device, why) so each fallback is announced once per process, not per call.
-    level = logging.INFO if device == "cpu" else logging.WARNING
-    logger.log(level, "%s on %s runs the PyTorch reference: %s", op, device, why)
-
-
 def _use_triton(op: str, device: torch.device, need_fp8: bool) -> bool:
-    if device.type == "cuda":
-        major, minor = torch.cuda.get_device_capability(device)
-        if need_fp8 and not fp8_native(device):
-            _log_reference_once(op, f"cuda sm_{major}{minor}", "e4m3 conversion needs sm_89 or newer")
-            return False
-        if (major, minor) >= (8, 0):
-            return True
-        _log_reference_once(op, f"cuda sm_{major}{minor}", "bf16 kernels need sm_80 or newer")
-        return False
-    _log_reference_once(op, device.type, "CPU tensors" if device.type == "cpu" else "no Triton kernels here")
-    return False
-
-
-# ---------------------------------------------------------------------------------------------------------------
-# Shapes: x is [..., D] (rows = tokens). A modulation vector is [D] (shared by all rows), [1, D], or [B, D] with
-# x [B, ..., D] (one vector per sample, rows of sample b are x[b].reshape(-1, D)), as diffusers broadcasts them.
-# ---------------------------------------------------------------------------------------------------------------
-
-
-def _check_activation(x: Tensor, op: str, name: str = "x") -> None:
-    if x.dtype not in _ACT_DTYPES:
-        raise ValueError(f"{op}: expected {name} bfloat16, float16 or float32, found {x.dtype}")
-    if x.ndim < 2:
-        raise ValueError(f"{op}: expected {name} [..., tokens, D] with at least 2 dims, found {tuple(x.shape)}")
-    if not x.is_contiguous():
-        raise ValueError(f"{op}: expected a contiguous {name}, found shape {tuple(x.shape)} stride {x.stride()}")
-
-
-def _modulation_layout(x: Tensor, vec: Tensor, op: str, name: str) -> tuple[int, int, int]:
-    """→ (batch stride, column stride, rows per sample) of a modulation vector for x viewed as [rows, D]."""
-    d = x.shape[-1]
-    rows = x.numel() // d if d else 0
-    if vec.dtype not in _ACT_DTYPES:
-        raise ValueError(f"{op}: expected {name} float32, bfloat16 or float16, found {vec.dtype}")
-    if vec.device != x.device:
-        raise ValueError(f"{op}: expected {name} on {x.device}, found {vec.device}")
-    if vec.ndim == 1 and vec.shape[0] == d:
-        return 0, vec.stride(0), max(rows, 1)
-    if vec.ndim == 2 and vec.shape[1] == d:
-        if vec.shape[0] == 1:
-            return 0, vec.stride(1), max(rows, 1)
-        if x.ndim > 2 and vec.shape[0] == x.shape[0]:
-            return vec.stride(0), vec.stride(1), max(rows // x.shape[0], 1)
-    batch = x.shape[0] if x.ndim > 2 else 1
-    raise ValueError(
-        f"{op}: expected {name} of shape ({d},), (1, {d}) or ({batch}, {d}) for x {tuple(x.shape)}, "
-        f"found {tuple(vec.shape)}"
-    )
-
-
-def _per_sample(vec: Tensor, x: Tensor) -> Tensor:
-    """diffusers' broadcast of a [B, D] modulation vector over x [B, ..., D]: reshape to [B, 1, ..., 1, D]."""
-    if x.ndim > 2 and vec.ndim == 2:
-        return vec.reshape((vec.shape[0],) + (1,) * (x.ndim - 2) + (vec.shape[-1],))
-    return vec
-
-
-def _rows_per_sample(x: Tensor, vectors: tuple[Tensor, ...], op: str, names: tuple[str, ...]) -> int:
-    """Rows of x [rows, D] per modulation sample shared by several vectors: a per-sample [B, D] vector's, else all
-    rows. Broadcast vectors have batch stride 0, so any of them reads the right row at that granularity."""
-    return min(_modulation_layout(x, v, op, name)[2] for v, name in zip(vectors, names, strict=True))
-
-
-def _row_tile(d: int, n_rows: int, elements: int) -> tuple[int, int, int]:
-    """→ (BLOCK_D, rows per program, num_warps): a whole row per program; short rows are stacked up to `elements`."""
-    block_d = triton.next_power_of_2(d)
-    rows = max(1, min(elements // block_d, triton.next_power_of_2(n_rows)))
-    num_warps = min(16, max(4, rows * block_d // 512))
-    return block_d, rows, num_warps
+    if need_fp8 and device.type == "cuda" and not fp8_native(device):
+        return kernel_runs(logger, op, device, False, "e4m3 conversion needs sm_89 or newer")
+    return kernel_runs(logger, op, device, cuda_at_least(device, (8, 0)), "bf16 kernels need sm_80 or newer")
 
 
 # ---------------------------------------------------------------------------------------------------------------

@@ -27,25 +27,25 @@ Dispatch (`blockscaled_linear`):
   CUDA sm_100 / sm_103 / sm_12x   torch._scaled_mm block-scaled (cuBLASLt)
   anything else                   blockscaled_linear_ref: the fp32 product of the dequantized operands (logged once)
 
-Accuracy on DiT-like inputs (x ~ N(0, 1) with K/512 channels x30, w ~ N(0, 0.02²); CPU, `blockscaled_linear_ref`,
-K = 4096): MXFP8 3.7 % and NVFP4 12.9 % relative L2 of the layer output. Block scales do not lower e4m3's relative
-rounding (3 mantissa bits whatever the scale): each MXFP8 operand alone costs 2.65 %, the pair sqrt(2) x that;
-e2m1 costs 8.6 % (x) and 9.5 % (w). With 32 outlier columns (`activations_with_outliers` / `weight_with_outliers`:
-2C = 64 extra K columns, 1.6 % more GEMM at K = 4096, that put back both operands' rounding at the activations' 32
-largest channels; it needs the unquantized weight, so bf16 checkpoints only) 2.2 % and 10.0 %
-(tests/test_blockscaled.py: <= 3 % and <= 12 % with them, <= 3.9 % and <= 13.5 % without).
+Accuracy on DiT-like inputs (x ~ N(0, 1) with K/512 channels x30, w ~ N(0, 0.02²); CPU, `blockscaled_linear_ref`):
+block scales do not lower e4m3's relative rounding (3 mantissa bits whatever the scale), so an MXFP8 layer errs
+about as a row-scaled FP8 one does, and e2m1's one mantissa bit makes NVFP4 several times lossier. Outlier columns
+(`activations_with_outliers` / `weight_with_outliers`: 2C extra K columns, 64 more at K = 4096 for C = 32, that put
+back both operands' rounding at the activations' C largest channels; they need the unquantized weight, so bf16
+checkpoints only) lower both. tests/test_blockscaled.py holds the layer's relative L2 to its bounds with and without
+them (LAYER_BOUND, OUTLIER_BOUND).
 
 Benchmark: `python measurements/bench_gemm.py --out gemm.json` (rows `mxfp8`, `nvfp4` on sm_100/sm_120 only).
 """
 
 from __future__ import annotations
 
-import functools
 import logging
 
 import torch
 from torch import Tensor
 
+from .fallback import kernel_runs
 from .nvfp4 import E2M1_VALUES, quantize_nvfp4
 
 logger = logging.getLogger(__name__)
@@ -65,21 +65,11 @@ def blockscaled_native(device: torch.device) -> bool:
     return device.type == "cuda" and torch.cuda.get_device_capability(device)[0] in (10, 12)
 
 
-@functools.cache
-def _log_reference_once(device: str, why: str) -> None:
-    level = logging.INFO if device == "cpu" else logging.WARNING
-    logger.log(level, "blockscaled_linear on %s runs the PyTorch reference: %s", device, why)
-
-
 def _use_scaled_mm(device: torch.device) -> bool:
-    if blockscaled_native(device):
-        return True
-    if device.type == "cuda":
-        major, minor = torch.cuda.get_device_capability(device)
-        _log_reference_once(f"cuda sm_{major}{minor}", "no block-scaled tensor cores (needs sm_100 or sm_120)")
-    else:
-        _log_reference_once(device.type, "CPU tensors" if device.type == "cpu" else "no block-scaled GEMM here")
-    return False
+    return kernel_runs(
+        logger, "blockscaled_linear", device, blockscaled_native(device),
+        "no block-scaled tensor cores (needs sm_100 or sm_120)", elsewhere="no block-scaled GEMM here",
+    )  # fmt: skip
 
 
 def _mx_formats():

@@ -1,14 +1,14 @@
 """Exact BF16/FP16 attention for sm_90 in Gluon: the quantized core's CTA shape with 16-bit operands throughout.
 
-Why: on an H200 cuDNN's SDPA is the fastest exact attention PyTorch offers (585 TFLOP/s at W1, k6-facts.md), and
-attention is ~64 % of a Pro block's device time on the exact path. At 16-bit the MMAs per key tile take twice the
-FP8 core's time while the softmax costs the same, so a warpgroup's softmax hides behind MMAs (its own P·V and the
-other warpgroup's): 632 TFLOP/s against cuDNN's 562 at W1 on an H200 (1.125x); the K/V ring's depth bounds it.
+Why: on an H200 cuDNN's SDPA is the fastest exact attention PyTorch offers, and attention is most of a Pro block's
+device time on the exact path. At 16-bit the MMAs per key tile take twice the FP8 core's time while the softmax
+costs the same, so a warpgroup's softmax hides behind MMAs (its own P·V and the other warpgroup's): faster than
+cuDNN at W1 on an H200, bounded by the K/V ring's depth (measurements/sessions/2026-11-29_exact-attention/README.md).
 
   CTA: 128 query rows = two consumer warpgroups of 64 that run free of each other, and a one-warp TMA producer that
   loads Q once and K and V tiles ([BLOCK_N, D] each, straight from the [B, N, H, D] projections: no copies, no
   transposes; wgmma reads V's tile N-major) into a STAGES-deep ring (3 at 128 keys: 2 left the tensor cores waiting
-  for loads, 0.87x cuDNN against 1.13x at W1 on an H200, measurements/sessions/2026-11-29_exact-attention).
+  for loads, slower than cuDNN at W1 on an H200, in the same record).
   warpgroup, iteration t:  issue S_{t+1} = Q·K_{t+1}ᵀ and acc += P_t·V_t; wait for S_{t+1} only; its softmax (fp32,
                            exp2 with the scale folded in) runs while P_t·V_t is in flight -> P_{t+1} in bf16/fp16
                            registers (the score accumulator's layout is the A operand's at 16 bits: no data moves);
@@ -27,8 +27,8 @@ import torch
 import triton
 import triton.language
 
+from .attention_constants import on_device
 from .gluon_hopper import GLUON_AVAILABLE
-from .quant_attention import _on_device
 
 if GLUON_AVAILABLE:
     from .gluon_hopper import (
@@ -274,7 +274,7 @@ def flash_attention(
         q2, q_rows_b, rows_h, col_h = _rows_view(q.contiguous())
         k2, kv_rows_b, _, _ = _rows_view(k.contiguous())
         v2, _, _, _ = _rows_view(v.contiguous())
-    with _on_device(q.device):
+    with on_device(q.device):
         _flash_attention_kernel[(triton.cdiv(m, 2 * WG_ROWS), bsz * h)](
             desc(q2, WG_ROWS), desc(k2, block_n), desc(v2, block_n), out, out.stride(0), out.stride(1),
             out.stride(2), h, m, n, q_rows_b, kv_rows_b, rows_h, col_h, scale * _LOG2E,

@@ -20,7 +20,6 @@ Benchmark: `python measurements/bench_gemm.py --out gemm.json`.
 
 from __future__ import annotations
 
-import functools
 import logging
 
 import torch
@@ -28,31 +27,20 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
+from .fallback import cuda_at_least, kernel_runs
 from .fp16acc_wgmma import BLOCK_K as WGMMA_CHUNK
 from .fp16acc_wgmma import fp16acc_wgmma, fp16acc_wgmma_supported
-from .tiles import store_tile, wrapped_tile
+from .tiles import launch_gemm, store_tile, wrapped_tile
 
 logger = logging.getLogger(__name__)
 
 _FLOAT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
 
-@functools.cache
-def _log_reference_once(device: str, why: str) -> None:
-    # Cached on (device, why) so each fallback is announced once per process, not per call.
-    level = logging.INFO if device == "cpu" else logging.WARNING
-    logger.log(level, "fp16acc_linear on %s runs the PyTorch reference: %s", device, why)
-
-
 def _use_fp16acc_kernel(device: torch.device) -> bool:
-    if device.type == "cuda" and torch.cuda.get_device_capability(device) >= (8, 0):
-        return True
-    if device.type == "cuda":
-        major, minor = torch.cuda.get_device_capability(device)
-        _log_reference_once(f"cuda sm_{major}{minor}", "Triton bf16/fp16 MMA needs sm_80 or newer")
-    else:
-        _log_reference_once(device.type, "CPU tensors" if device.type == "cpu" else "no Triton kernels here")
-    return False
+    return kernel_runs(
+        logger, "fp16acc_linear", device, cuda_at_least(device, (8, 0)), "Triton bf16/fp16 MMA needs sm_80 or newer"
+    )
 
 
 def fp16acc_linear_ref(
@@ -66,8 +54,8 @@ def fp16acc_linear_ref(
     """fp32 matmul of the fp16-rounded operands: x [..., K], w [N, K], bias [N] or None → [..., N] out_dtype.
 
     `k_chunk` is accepted for signature parity; the reference accumulates everything in fp32, so the kernel differs
-    from it by its fp16 rounding inside each chunk (≈ 3e-4 relative L2 at K = 4096 and 16384 in a CPU emulation
-    with 32-wide chunks; 1.7e-3 measured on an H200 with 64-wide chunks and bf16 output, the output rounding)."""
+    from it by its fp16 rounding inside each chunk, below the bf16 output's own rounding at the W1 shapes on an H200
+    (measurements/sessions/2026-11-29_fp16acc-wgmma/README.md)."""
     y = x.to(torch.float16).float() @ w.to(torch.float16).float().t()
     if bias is not None:
         y = y + bias.float()
@@ -125,9 +113,9 @@ FP16ACC_CHUNKS = (32, 64, 128, 256)
 
 
 def fp16acc_default_chunk(device: torch.device) -> int:
-    """64 on sm_90, the Gluon kernel's chunk (the Triton kernel there: 0.62x cuBLAS BF16 at 64 vs 0.50x at 32,
-    measurements/sessions/2026-11-29_h200-kernels2); 32 elsewhere, GeForce included, where no chunk width has been
-    measured and the shorter chunk's fp16 partial sums reach 65504 later."""
+    """64 on sm_90, the Gluon kernel's chunk (the Triton kernel there is faster at 64 than at 32:
+    measurements/sessions/2026-11-29_h200-kernels2/README.md); 32 elsewhere, GeForce included, where no chunk width
+    has been measured and the shorter chunk's fp16 partial sums reach 65504 later."""
     if device.type == "cuda" and torch.cuda.get_device_capability(device) == (9, 0):
         return 64
     return 32
@@ -156,8 +144,6 @@ _FP16ACC_CONFIGS = [
 _fp16acc_linear_tuned = triton.autotune(
     configs=_FP16ACC_CONFIGS, key=["M", "N", "K", "BLOCK_K", "CHUNK_STEPS", "HAS_BIAS"]
 )(_fp16acc_linear_kernel)
-# Under the interpreter (CPU tensors) autotuning would time every config on the CPU: one small tile instead.
-_INTERPRETER_TILE = {"BLOCK_M": 32, "BLOCK_N": 32, "GROUP_M": 4}
 
 
 def fp16acc_linear_triton(
@@ -185,13 +171,7 @@ def fp16acc_linear_triton(
     args = (x2, w16, bias if bias is not None else y, y, m, n, k, x2.stride(0), w16.stride(0), y.stride(0))
     block_k, steps = fp16acc_chunk_steps(k_chunk)
     flags = {"HAS_BIAS": bias is not None, "EVEN_K": k % k_chunk == 0, "BLOCK_K": block_k, "CHUNK_STEPS": steps}
-    if x.device.type == "cuda":
-        grid = lambda meta: (triton.cdiv(m, meta["BLOCK_M"]) * triton.cdiv(n, meta["BLOCK_N"]),)
-        _fp16acc_linear_tuned[grid](*args, **flags)
-    else:
-        tile = _INTERPRETER_TILE
-        grid = (triton.cdiv(m, tile["BLOCK_M"]) * triton.cdiv(n, tile["BLOCK_N"]),)
-        _fp16acc_linear_kernel[grid](*args, **flags, **tile)
+    launch_gemm(_fp16acc_linear_kernel, _fp16acc_linear_tuned, m, n, x.device, args, flags)
     return y.reshape(*x.shape[:-1], n)
 
 
@@ -237,10 +217,10 @@ def fp16acc_linear(
     Speed: FP16-accumulate MMA runs at twice the FP32-accumulate rate only on GeForce cards (sm_89, sm_120). On
     datacenter cards (A100, H100, H200, B200) both rates are equal, so there this kernel is no faster than cuBLAS
     BF16 and exists for numerical parity with the GeForce path. On sm_90 with k_chunk=64 a Gluon kernel
-    (kernels/fp16acc_wgmma.py: TMA, fp16-accumulator wgmma kept in flight) runs the call: 0.62-0.69x cuBLAS BF16 at
-    the W1 shapes including the activations' conversion to fp16 (0.71-0.78x on fp16 activations), where the Triton
-    kernel reaches 0.58-0.62x (measurements/sessions/2026-11-29_fp16acc-wgmma; the Triton kernel's tiles and chunks:
-    2026-11-29_fp16acc-sweep). GeForce cards are not measured. Triton on CUDA sm_80+; the reference elsewhere."""
+    (kernels/fp16acc_wgmma.py: TMA, fp16-accumulator wgmma kept in flight) runs the call, faster there than the
+    Triton kernel though still slower than cuBLAS BF16 (measurements/sessions/2026-11-29_fp16acc-wgmma/README.md; the
+    Triton kernel's tiles and chunks: measurements/sessions/2026-11-29_fp16acc-sweep/README.md). GeForce cards are
+    not measured. Triton on CUDA sm_80+; the reference elsewhere."""
     if x.dtype not in (torch.bfloat16, torch.float16) or w.dtype not in (torch.bfloat16, torch.float16):
         raise ValueError(f"fp16acc_linear: expected bf16/fp16 x and w, found x {x.dtype}, w {w.dtype}")
     if w.ndim != 2 or x.ndim < 1 or x.shape[-1] != w.shape[1]:

@@ -1,6 +1,6 @@
 """FP16-accumulate GEMM for Hopper (sm_90) in Gluon: TMA loads and asynchronous wgmma with an fp16 accumulator.
 
-`fp8_linear.fp16acc_linear` accumulates in FP16 inside each 64-wide K chunk and in FP32 across chunks. Plain Triton
+`fp16acc_linear.fp16acc_linear` accumulates in FP16 inside each 64-wide K chunk and in FP32 across chunks. Plain Triton
 never keeps such an MMA in flight on sm_90 (its wgmma pipeliner only makes FP32-accumulator dots asynchronous), so
 each waits for the one before. Gluon exposes `warpgroup_mma(..., is_async=True)` and its waits directly:
 
@@ -8,18 +8,17 @@ each waits for the one before. Gluon exposes `warpgroup_mma(..., is_async=True)`
 - the CTA tile is two 64-row halves, each with its own fp16 accumulator; per 64-wide K step both halves' MMAs are
   issued back to back, and half 0's fp16 -> fp32 add runs while half 1's MMAs are still in flight.
 
-Measured on an H200 at the W1 shapes (measurements/sessions/2026-11-29_fp16acc-wgmma, one run): the default tile
-0.71-0.78x cuBLAS BF16 on fp16 activations; `fp16acc_linear` on bf16 activations (conversion pass + kernel)
-0.62-0.69x, where the Triton kernel reaches 0.58-0.62x (the conversion costs 0.55 ms at K = 4096, 2.2 ms at
-K = 16384). The same kernel accumulating in FP32 reaches 0.83-0.95x: the fp16 chunks cost ~18 % because each
-step's fp16 accumulator is drained (wait 0) before its add, so the tensor pipe empties every step. Keeping an fp16
+On an H200 at the W1 shapes (measurements/sessions/2026-11-29_fp16acc-wgmma/README.md) it is faster than the Triton
+kernel, conversion pass included, and slower than cuBLAS BF16; the same kernel accumulating in FP32 is faster still:
+the fp16 chunks cost that much because each step's fp16 accumulator is drained (wait 0) before its add, so the
+tensor pipe empties every step. Keeping an fp16
 accumulator in flight across the loop is what Gluon cannot do (it unpacks the accumulator right after the wgmma and
 ptxas then serializes every wgmma, warning C7514); halving the drains (two steps unrolled, 128-wide chunks) cost
 registers or ring depth, and a warp-specialized TMA producer did not help (all recorded there). FP16 accumulation has
 no rate advantage on Hopper; this kernel only keeps the fp16acc arm from being slower there than it must be.
 
 `fp16acc_wgmma(x16, w16, bias)` is the launcher; `fp16acc_wgmma_supported` says whether a call can use it.
-The reference is `fp8_linear.fp16acc_linear_ref` (tests/test_fp16acc_wgmma.py).
+The reference is `fp16acc_linear.fp16acc_linear_ref` (tests/test_fp16acc_wgmma.py).
 """
 
 from __future__ import annotations
@@ -44,8 +43,8 @@ BLOCK_K = 64  # the K step and the fp16 chunk: one TMA box of 64 fp16 = 128 byte
 @dataclass(frozen=True)
 class WgmmaTile:
     """A launch tile. The default, 128x256 with two warpgroups side by side along N and a 4-deep ring (192 KB),
-    was the fastest of the sweep at all three W1 shapes; 128x128 with one warpgroup (two CTAs an SM) was within
-    1-5 %."""
+    was the fastest of the sweep at all three W1 shapes, 128x128 with one warpgroup (two CTAs an SM) close behind
+    (measurements/sessions/2026-11-29_fp16acc-wgmma/README.md)."""
 
     block_m: int = 128
     block_n: int = 256

@@ -27,7 +27,6 @@ at 32-wide chunks the emulation's result bit for bit), and the SASS for sm_120 a
 
 from __future__ import annotations
 
-import functools
 import logging
 
 import torch
@@ -35,7 +34,8 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from .tiles import store_tile, wrapped_tile
+from .fallback import cuda_at_least, kernel_runs
+from .tiles import launch_gemm, store_tile, wrapped_tile
 
 logger = logging.getLogger(__name__)
 
@@ -49,21 +49,11 @@ DEFAULT_CHUNK = 32
 _FLOAT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
 
-@functools.cache
-def _log_reference_once(device: str, why: str) -> None:
-    level = logging.INFO if device == "cpu" else logging.WARNING
-    logger.log(level, "fp8_fp16acc_linear on %s runs the PyTorch emulation: %s", device, why)
-
-
 def _use_kernel(device: torch.device) -> bool:
-    if device.type == "cuda" and torch.cuda.get_device_capability(device) >= (8, 9):
-        return True
-    if device.type == "cuda":
-        major, minor = torch.cuda.get_device_capability(device)
-        _log_reference_once(f"cuda sm_{major}{minor}", "no FP8 tensor cores (needs sm_89 or newer)")
-    else:
-        _log_reference_once(device.type, "CPU tensors" if device.type == "cpu" else "no Triton here")
-    return False
+    return kernel_runs(
+        logger, "fp8_fp16acc_linear", device, cuda_at_least(device, (8, 9)),
+        "no FP8 tensor cores (needs sm_89 or newer)", what="the PyTorch emulation",
+    )  # fmt: skip
 
 
 def fp8_fp16acc_linear_ref(
@@ -150,7 +140,6 @@ _CONFIGS = [
     triton.Config({"BLOCK_M": 64, "BLOCK_N": 128, "GROUP_M": 8}, num_warps=4, num_stages=4),
 ]
 _tuned = triton.autotune(configs=_CONFIGS, key=["M", "N", "K", "BLOCK_K", "HAS_BIAS"])(_fp8_fp16acc_kernel)
-_INTERPRETER_TILE = {"BLOCK_M": 32, "BLOCK_N": 32, "GROUP_M": 4}
 
 
 def fp8_fp16acc_linear_triton(
@@ -172,13 +161,7 @@ def fp8_fp16acc_linear_triton(
     xs, ws = x_scale.reshape(m).contiguous(), w_scale.reshape(n).contiguous()
     args = (xq, xs, wq, ws, bias if bias is not None else y, y, m, n, k, xq.stride(0), wq.stride(0), y.stride(0))
     flags = {"HAS_BIAS": bias is not None, "EVEN_K": k % chunk == 0, "BLOCK_K": chunk}
-    if xq.device.type == "cuda":
-        grid = lambda meta: (triton.cdiv(m, meta["BLOCK_M"]) * triton.cdiv(n, meta["BLOCK_N"]),)
-        _tuned[grid](*args, **flags)
-    else:
-        tile = _INTERPRETER_TILE
-        grid = (triton.cdiv(m, tile["BLOCK_M"]) * triton.cdiv(n, tile["BLOCK_N"]),)
-        _fp8_fp16acc_kernel[grid](*args, **flags, **tile)
+    launch_gemm(_fp8_fp16acc_kernel, _tuned, m, n, xq.device, args, flags)
     return y
 
 

@@ -1,22 +1,22 @@
 """Outlier columns for the fp8 GEMM: which input channels get their weight rounding corrected.
 
-With per-row activation and per-channel weight scales each e4m3 operand carries ~2.4 % RMS relative rounding error,
-~3.5 % on the product. In a DiT a few input channels carry most of the activations' energy (outlier channels), so
-most of the weight rounding's contribution to the output comes from those channels' weight columns. Appending C
+With per-row activation and per-channel weight scales each e4m3 operand carries a few percent RMS relative rounding
+error, more on the product. In a DiT a few input channels carry most of the activations' energy (outlier channels),
+so most of the weight rounding's contribution to the output comes from those channels' weight columns. Appending C
 columns to both operands, x's values at the C largest channels and what e4m3 rounding left of w's columns there (in
-e4m3 on the same scales; `fp8_linear.quantize_rows_fp8(..., extra_cols, residual)`), adds that remainder back, for
-2.74 % instead of 3.48 % relative L2 on DiT-like inputs (CPU; nothing gained on inputs without outlier channels).
+e4m3 on the same scales; `fp8_linear.quantize_rows_fp8(..., extra_cols, residual)`), adds that remainder back and
+lowers the layer's error on DiT-like inputs (nothing is gained on inputs without outlier channels).
 
 The block appended is 128 wide (the C chosen channels, then zero columns) so K stays a multiple of 128: with K + 16,
-cuBLAS's FP8 GEMM left its fast kernel (1.37-1.53x cuBLAS BF16 instead of 1.67-1.71x). Measured on an H200 with 32
-channels and the kernels below (measurements/sessions/2026-11-29_fp8-outliers, run 17): 2.8 / 2.8 / 3.0 % at
-1.70 / 1.82 / 1.69x cuBLAS BF16 at the three W1 shapes (plain fp8 3.5 / 3.5 / 3.7 % at 1.76 / 1.76 / 1.71x).
+cuBLAS's FP8 GEMM left its fast kernel. On an H200 with 32 channels and the kernels below the corrected layer kept
+nearly all of plain fp8's speed at the three W1 shapes for a clearly lower error
+(measurements/sessions/2026-11-29_fp8-outliers/README.md, run 17).
 
 The channels are chosen per call from the absmax of every 64th row. `outlier_columns` runs two Triton kernels on
 CUDA: a column absmax over the sampled rows split across ~1024 programs (merged by an integer atomic max on the
 bits), and one program that finds the C-th largest value by bisection on its bits and writes the chosen channels in
-ascending order: 53-59 us on the H200 at the W1 shapes, where torch's strided reduction + topk (one thread block on
-one long row) took 97-153 us, up to 7 % of the layer, and left the 4096 x 4096 layer at 1.56x cuBLAS in one run.
+ascending order, where torch's strided reduction + topk ran one thread block on one long row and cost a visible
+share of the layer (same record).
 `outlier_columns_ref` is the same choice in PyTorch (ties go to the lower channel).
 """
 

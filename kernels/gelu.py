@@ -1,12 +1,11 @@
 """Exact (erf) GELU as an op that torch.compile leaves alone: the DiT feed-forward's activation.
 
 Under torch.compile, Inductor generates its own kernel for `F.gelu`. At W1 (a 50,220 x 16,384 bf16 activation, 1.65 GB
-read and 1.65 GB written) on an H200 that kernel takes 1.170 ms where ATen's takes 1.050 ms called from a compiled
-graph (measurements/sessions/2026-11-29_block-fusions/elementwise.json); inside the compiled Pro block ATen's took
-1.20 ms. A Triton kernel written for this pass took 1.28 ms in the block and differed from `F.gelu` by more than one
-bf16 ulp where erf saturates (its libdevice erff and ATen's differ in the last fp32 bit at times, which 1 + erf
-magnifies; `triton_gelu_*` files of that record), so the fused path wraps ATen's kernel in a custom op, which Inductor
-calls as it is. The result is `F.gelu`'s, bit for bit, on every device.
+read and 1.65 GB written) on an H200 that kernel is slower than ATen's called from a compiled graph, and a Triton
+kernel written for this pass was slower in the block still and differed from `F.gelu` by more than one bf16 ulp where
+erf saturates (its libdevice erff and ATen's differ in the last fp32 bit at times, which 1 + erf magnifies):
+measurements/sessions/2026-11-29_block-fusions/README.md. So the fused path wraps ATen's kernel in a custom op, which
+Inductor calls as it is. The result is `F.gelu`'s, bit for bit, on every device.
 """
 
 from __future__ import annotations

@@ -62,8 +62,8 @@ if GLUON_AVAILABLE:
 
         A thread's 2·C/8 values per row are folded in log2 steps, then the 4 lanes of the row. Under Triton 3.6
         `gl.max`/`gl.sum` alone fold a thread's values one after another, a chain of C/4 dependent instructions on the
-        softmax's critical path (the quantized attention core ran 5-7 % slower with it on an H200,
-        measurements/sessions/2026-11-29_attention-tree); Triton 3.8 builds the same tree itself."""
+        softmax's critical path (the quantized attention core ran slower with it on an H200,
+        measurements/sessions/2026-11-29_attention-tree/README.md); Triton 3.8 builds the same tree itself."""
         for _ in gl.static_range(4):  # C <= 128: at most four halvings reach 8 columns
             if x.shape[1] > 8:  # column c with c + C/2, both in one thread while C > 8
                 x = _reduce(gl.reshape(x, [x.shape[0], 2, x.shape[1] // 2]), 1, IS_MAX)

@@ -17,13 +17,14 @@ Benchmark: `python measurements/bench_vae_decode.py` (the decode, with and witho
 
 from __future__ import annotations
 
-import functools
 import logging
 
 import torch
 import triton
 import triton.language as tl
 from torch import Tensor
+
+from .fallback import log_reference_once
 
 logger = logging.getLogger(__name__)
 
@@ -35,9 +36,8 @@ _DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 # ---------------------------------------------------------------------------------------------------------------
 
 
-@functools.cache
 def _log_reference_once(where: str, why: str, level: int = logging.WARNING) -> None:
-    logger.log(level, "groupnorm_silu on %s runs the PyTorch reference: %s", where, why)
+    log_reference_once(logger, "groupnorm_silu", where, why, level=level)
 
 
 def _check(x: Tensor, scale: Tensor, shift: Tensor, out: Tensor) -> None:

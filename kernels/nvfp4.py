@@ -9,7 +9,8 @@ Format (NVIDIA's NVFP4 recipe, the layout TensorRT-ModelOpt checkpoints use):
 - w[n, k] ≈ e2m1(packed)[n, k] · block_scales[n, k // 16] · global_scale, where
   block_scales = e4m3(block_amax / (6 · global_scale)) and the codes round w / (block scale · global scale) to the
   nearest E2M1 value (ties to even, saturating at ±6).
-Round trip: ≈ 10% relative L2 on Gaussian weights (4.5 bits per element instead of 16).
+Round trip: 4.5 bits per element instead of 16, lossy accordingly (tests/test_nvfp4.py's NVFP4_REL_L2 bounds the
+error on Gaussian weights).
 
 What it holds:
 - `quantize_nvfp4(w)` / `dequantize_nvfp4(...)`: vectorised PyTorch, any device (quantization runs once, offline,
@@ -28,7 +29,6 @@ Benchmark: `python measurements/bench_nvfp4.py --out nvfp4.json`.
 
 from __future__ import annotations
 
-import functools
 import logging
 
 import torch
@@ -36,7 +36,8 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from .tiles import store_tile, wrapped_tile
+from .fallback import cuda_at_least, kernel_runs
+from .tiles import INTERPRETER_TILE, launch_gemm, store_tile, wrapped_tile
 
 logger = logging.getLogger(__name__)
 
@@ -61,7 +62,7 @@ _FLOAT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 #   nvfp4_linear        reference   Triton dequantize-in-prologue GEMM           reference (logged once)
 #
 # The DiT runtime does not call nvfp4_linear: it dequantizes each layer's weight on the GPU and runs cuBLAS bf16,
-# 8.0-8.2x faster than this kernel on an H200 (k6fast/dit/linear.py `_stored_gemm_runs` has the figures).
+# many times faster than this kernel on an H200 (measurements/sessions/2026-11-29_attention-pipeline/README.md).
 #
 # Blackwell (sm_100, sm_120) has NVFP4 tensor cores, and the installed stack exposes them: torch 2.14's
 # `F.scaled_mm` takes `float4_e2m1fn_x2` operands with `ScalingType.BlockWise1x16` e4m3 scales (swizzled 32x4x4),
@@ -73,23 +74,11 @@ _FLOAT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 # ---------------------------------------------------------------------------------------------------------------
 
 
-@functools.cache
-def _log_reference_once(op: str, device: str, why: str) -> None:
-    # Cached on (op, device, why) so each fallback is announced once per process, not per call.
-    level = logging.INFO if device == "cpu" else logging.WARNING
-    logger.log(level, "%s on %s runs the PyTorch reference: %s", op, device, why)
-
-
 def _use_nvfp4_kernel(device: torch.device) -> bool:
     """True where the Triton NVFP4 GEMM runs: CUDA sm_80 or newer (bf16 MMA); elsewhere logs the fallback once."""
-    if device.type == "cuda" and torch.cuda.get_device_capability(device) >= (8, 0):
-        return True
-    if device.type == "cuda":
-        major, minor = torch.cuda.get_device_capability(device)
-        _log_reference_once("nvfp4_linear", f"cuda sm_{major}{minor}", "Triton bf16/fp16 MMA needs sm_80 or newer")
-    else:
-        _log_reference_once("nvfp4_linear", device.type, "CPU tensors" if device.type == "cpu" else "no Triton here")
-    return False
+    return kernel_runs(
+        logger, "nvfp4_linear", device, cuda_at_least(device, (8, 0)), "Triton bf16/fp16 MMA needs sm_80 or newer"
+    )
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -361,8 +350,7 @@ def _even_k(args: dict) -> bool:
 _nvfp4_linear_tuned = triton.autotune(configs=_NVFP4_CONFIGS, key=["M", "N", "K", "HAS_BIAS", "DOT_FP32"])(
     triton.heuristics({"EVEN_K": _even_k})(_nvfp4_linear_kernel)
 )
-# Under the interpreter (CPU tensors) autotuning would time every config on the CPU: one small tile instead.
-_INTERPRETER_TILE = {"BLOCK_M": 32, "BLOCK_N": 32, "BLOCK_K": 64, "GROUP_M": 4}
+_INTERPRETER_TILE = {**INTERPRETER_TILE, "BLOCK_K": 64}  # the K tile is autotuned here too
 
 
 def nvfp4_linear_triton(
@@ -388,13 +376,9 @@ def nvfp4_linear_triton(
         m, n, k, x2.stride(0), y.stride(0),
     )  # fmt: skip
     flags = {"HAS_BIAS": bias is not None, "DOT_FP32": dot_fp32}
-    if x.device.type == "cuda":
-        grid = lambda meta: (triton.cdiv(m, meta["BLOCK_M"]) * triton.cdiv(n, meta["BLOCK_N"]),)
-        _nvfp4_linear_tuned[grid](*args, **flags)
-    else:
-        tile = _INTERPRETER_TILE
-        grid = (triton.cdiv(m, tile["BLOCK_M"]) * triton.cdiv(n, tile["BLOCK_N"]),)
-        _nvfp4_linear_kernel[grid](*args, **flags, EVEN_K=k % tile["BLOCK_K"] == 0, **tile)
+    # The autotuned kernel's heuristic sets EVEN_K for the K tile it picks; the interpreter's tile is fixed.
+    tile = {**_INTERPRETER_TILE, "EVEN_K": k % _INTERPRETER_TILE["BLOCK_K"] == 0}
+    launch_gemm(_nvfp4_linear_kernel, _nvfp4_linear_tuned, m, n, x.device, args, flags, tile)
     return y.reshape(*x.shape[:-1], n)
 
 

@@ -2,11 +2,12 @@
 
 What it holds:
 - `rms_norm_rope(x, weight, cos, sin, eps)`: for x [B, N, H, D] (a projection's output viewed per head),
-  y = RoPE(RMSNorm(x) * weight) with K6's interleaved channel pairs (2i, 2i+1). The reference sequence
-  (`F.rms_norm` then `k6fast.dit.rope.apply_rope`) runs as several passes under eager PyTorch and as one to three
-  Inductor reductions under torch.compile; at W1 they cost ~3.5 ms of a Pro block on an H200
-  (measurements/sessions/2026-11-29_block-profile). Here: one read of x, one write of y.
-- `rms_norm_rope_ref`: that reference sequence, the exact math of the DiT forward.
+  y = RoPE(RMSNorm(x) * weight) with K6's interleaved channel pairs (2i, 2i+1). The reference sequence runs as
+  several passes under eager PyTorch and as one to three Inductor reductions under torch.compile (their cost in a Pro
+  block: measurements/sessions/2026-11-29_block-profile/README.md). Here: one read of x, one write of y.
+- `rms_norm_rope_ref`: that reference sequence (`F.rms_norm`, then `apply_rope`), the exact maths of the DiT forward,
+  which runs it on every path without the fused kernels.
+- `apply_rope(x, cos, sin)`: the rotation alone, in fp32 (the reference's second step).
 
 Rounding follows the reference: the normalised, weighted row is rounded once to x's dtype, then rotated in fp32 and
 rounded again (the reference hands `apply_rope` the dtype-rounded output of `F.rms_norm`).
@@ -16,39 +17,44 @@ Check: `pytest tests/test_qk_norm_rope.py` (CPU + interpreter; `-m gpu` on a GPU
 
 from __future__ import annotations
 
-import functools
 import logging
 
 import torch
+import torch.nn.functional as F
 import triton
 import triton.language as tl
 from torch import Tensor
+
+from .fallback import cuda_at_least, kernel_runs
 
 logger = logging.getLogger(__name__)
 
 _DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
 
-@functools.cache
-def _log_reference_once(device: str, why: str) -> None:
-    level = logging.INFO if device == "cpu" else logging.WARNING
-    logger.log(level, "rms_norm_rope on %s runs the PyTorch reference: %s", device, why)
-
-
 def _use_triton(device: torch.device) -> bool:
-    if device.type == "cuda" and torch.cuda.get_device_capability(device) >= (8, 0):
-        return True
-    _log_reference_once(device.type, "needs CUDA sm_80 or newer")
-    return False
+    return kernel_runs(logger, "rms_norm_rope", device, cuda_at_least(device, (8, 0)), "needs CUDA sm_80 or newer")
 
 
-def rms_norm_rope_ref(x: Tensor, weight: Tensor, cos: Tensor | None, sin: Tensor | None, eps: float) -> Tensor:
+def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    """Rotary embedding over interleaved channel pairs (2i, 2i+1), rotated in fp32.
+    x: [B, N, H, D] (any float dtype); cos, sin: fp32 [N, D // 2] → [B, N, H, D] x.dtype."""
+    xf = x.float().unflatten(-1, (-1, 2))
+    x0, x1 = xf[..., 0], xf[..., 1]
+    c, s = cos[:, None, :], sin[:, None, :]
+    out = torch.stack((x0 * c - x1 * s, x0 * s + x1 * c), dim=-1)
+    return out.flatten(-2).to(x.dtype)
+
+
+def rms_norm_rope_ref(
+    x: Tensor, weight: Tensor, cos: Tensor | None = None, sin: Tensor | None = None, eps: float | None = None
+) -> Tensor:
     """`F.rms_norm(x, (D,), weight.to(x.dtype), eps)`, then `apply_rope(·, cos, sin)` when cos is given: the DiT
-    forward's own sequence (`k6fast.dit.backend.norm_rope_ref`, with eps explicit).
+    forward's own sequence. eps None: as `nn.RMSNorm(eps=None)` in the reference model (F.rms_norm then uses the
+    epsilon of fp32, its computation type).
     x: [B, N, H, D]; weight: [D]; cos, sin: fp32 [N, D // 2] or None → [B, N, H, D] x.dtype."""
-    from ..dit.backend import norm_rope_ref
-
-    return norm_rope_ref(x, weight, None if cos is None else (cos, sin), eps=eps)
+    y = F.rms_norm(x, (x.shape[-1],), weight.to(x.dtype), eps)
+    return y if cos is None else apply_rope(y, cos, sin)
 
 
 @triton.jit

@@ -1,32 +1,32 @@
 """The quantized attention core for sm_90 in Gluon: two consumer warpgroups and a TMA producer per CTA.
 
-Why not the Triton kernel (`quant_attention._quant_attention_kernel`): Triton 3.6 (the GPU machine's) never keeps
+Why not the Triton kernel (`quant_attention_core._quant_attention_kernel`): Triton 3.6 (the GPU machine's) never keeps
 an INT32-accumulator wgmma in flight, converts P to the FP8 A operand through warp shuffles and byte repacking (a
 third of the softmax's instructions), and leaves no registers at 128-key tiles for more. Here one CTA holds 128
 query rows as two warpgroups of 64 that run free of each other: while one computes its softmax, the other's MMAs
 run. Making them take turns (FlashAttention-3's ping-pong, `pingpong=True`, an mbarrier per warpgroup passing the
-turn) measured 2-8 % slower on an H200.
+turn) was slower on an H200 (measurements/sessions/2026-11-29_attention-tree/README.md, as the figures below).
 
   warpgroup, iteration t:  softmax of S_t -> P_t, packed to e4m3 in registers (the A operand of P·V);
                            issue S_{t+1} = Q·K_{t+1}ᵀ (INT8) and P_t·V_t (FP8, from zero); wait for both;
                            release K/V slot t;  acc = acc·alpha_t + P_t·V_t.
 
 P never leaves its thread: the A operand's key order within each 32-key block is taken to be the score accumulator's
-own (`_to_a_operand`), and Vᵀ comes in that key order (`quant_attention.v_key_order`, stored so by the prologue).
-Two-level accumulation as the Triton kernel (each tile's P·V from zero, added in FP32); the same quantized inputs
-(`QuantizedQKV`, FP8 P·V) and per-element softmax arithmetic; checked against `attention_quantized_ref`.
+own (`_to_a_operand`), and Vᵀ comes in that key order (`quant_attention_prologue.v_key_order`, stored so by the
+prologue). Two-level accumulation as the Triton kernel (each tile's P·V from zero, added in FP32); the same quantized
+inputs (`QuantizedQKV` of quant_attention_prologue.py, FP8 P·V) and per-element softmax arithmetic; checked against
+`attention_quantized_ref`.
 
 A one-warp producer partition loads Q once and K/Vᵀ tiles into a STAGES-deep ring by TMA (a slot is refilled once
-both warpgroups have released it; 4 deep by default: at W1 on an H200 ring 4 beat ring 2 by ~1 % at head_dim 128 and
-2.3 % at 64, where ring 3 was 9 % slower). Per consumer thread: one score tile, the P·V tile and the accumulator, no
-spills at 240 registers.
+both warpgroups have released it; 4 deep by default, the fastest of rings 2 to 4 at W1 on an H200). Per consumer
+thread: one score tile, the P·V tile and the accumulator, no spills at 240 registers.
 
-What bounds it (ablations on an H200, measurements/sessions/2026-11-29_attention-tree): one warpgroup's serial
-chain from its MMAs' wait through the softmax to the next issue. Without the softmax the core runs in 40.6 ms at W1
-(26.2 ms without K/V loads too) against 50.2 ms with it; dropping the fold saved 4.4 ms, MUFU exp2 7.6 ms; moving a
-half or a quarter of the exp2s to the FMA pipe, staggering the warpgroups, ping-pong, issuing Q·Kᵀ before the exp2s
-and unrolling two tiles did not help. Row max and sum as trees (`gluon_hopper.row_reduce`) shortened the chain by 5-7 %.
-Earlier measurements: measurements/sessions/2026-11-29_attention-gluon-core.
+What bounds it (ablations on an H200): one warpgroup's serial chain from its MMAs' wait through the softmax to the
+next issue. Taking the softmax out (and then the K/V loads) shows how much of the time it holds; the fold and MUFU
+exp2 are its largest parts; moving a half or a quarter of the exp2s to the FMA pipe, staggering the warpgroups,
+ping-pong, issuing Q·Kᵀ before the exp2s and unrolling two tiles did not help; row max and sum as trees
+(`gluon_hopper.row_reduce`) shortened the chain. Earlier measurements:
+measurements/sessions/2026-11-29_attention-gluon-core/README.md.
 """
 
 from __future__ import annotations
@@ -35,10 +35,10 @@ import torch
 import triton
 import triton.language
 
+# The softmax constants are the Triton core's (int32 + MAGIC_I's bits = fp32 1.5·2**23 + x; log2(448)).
+from .attention_constants import LOG2_FP8_MAX, MAGIC_F, MAGIC_I, Q_BLOCK, on_device
 from .gluon_hopper import GLUON_AVAILABLE
-
-# The softmax constants are the Triton kernel's (int32 + _MAGIC_I's bits = fp32 1.5·2**23 + x; log2(448)).
-from .quant_attention import _LOG2_FP8_MAX, _MAGIC_F, _MAGIC_I, Q_BLOCK, QuantizedQKV, _on_device, v_key_order
+from .quant_attention_prologue import QuantizedQKV, v_key_order
 
 if GLUON_AVAILABLE:
     from .gluon_hopper import (
@@ -56,7 +56,7 @@ if GLUON_AVAILABLE:
 
 __all__ = ["BLOCK_M", "DEFAULT_STAGES", "GLUON_AVAILABLE", "attention_quantized_wgmma", "wgmma_attention_supported"]
 
-BLOCK_M = 128  # query rows per CTA: two warpgroups of 64 (one Q scale block, quant_attention.Q_BLOCK)
+BLOCK_M = 128  # query rows per CTA: two warpgroups of 64 (one Q scale block, attention_constants.Q_BLOCK)
 WG_ROWS = 64  # query rows per consumer warpgroup
 DEFAULT_STAGES = 4  # K/Vᵀ ring depth (see the module docstring)
 _WG_ROWS = triton.language.constexpr(WG_ROWS)
@@ -66,21 +66,22 @@ if GLUON_AVAILABLE:
 
     @gluon.jit
     def _probs(s, m_i, l_i, sc, t, N, BLOCK_N: gl.constexpr, MASK: gl.constexpr, s_layout: gl.constexpr):
-        # Online softmax of one tile, as quant_attention._tile_probs (P scaled to e4m3's range). The row max is taken
-        # on the int32 scores (exact, like the float max of the magic-number floats), so the 64 magic adds run beside
-        # it instead of before it.
-        f = (s + _MAGIC_I).to(gl.float32, bitcast=True)
+        # Online softmax of one tile, as quant_attention_core._tile_probs (P scaled to e4m3's range). The row max is
+        # taken on the int32 scores (exact, like the float max of the magic-number floats), so the 64 magic adds run
+        # beside it instead of before it.
+        f = (s + MAGIC_I).to(gl.float32, bitcast=True)
         if MASK:
             cols = t * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
             valid = (cols < N)[None, :]
-            # f's mask is redundant (p is masked below) but kept: without it ptxas allocated the main loop's registers
-            # differently and the core ran 3 % slower on an H200 (measurements/sessions/2026-11-29_attention-tree).
+            # f's mask is redundant (p is masked below) but kept: without it ptxas allocated the main loop's
+            # registers differently and the core ran slower on an H200
+            # (measurements/sessions/2026-11-29_attention-tree/README.md).
             f = gl.where(valid, f, 0.0)
             s = gl.where(valid, s, -2147483647)  # below every valid score
         s_max = row_reduce(s, True, m_i)
         m_new = gl.maximum(m_i, s_max.to(gl.float32) * sc)
         alpha = gl.exp2(m_i - m_new)
-        bias = m_new + _MAGIC_F * sc - _LOG2_FP8_MAX
+        bias = m_new + MAGIC_F * sc - LOG2_FP8_MAX
         p = gl.exp2(f * sc - bias[:, None])
         if MASK:
             p = gl.where(valid, p, 0.0)
@@ -93,7 +94,7 @@ if GLUON_AVAILABLE:
         # In each 32-key block a thread's accumulator holds keys {8i + 2q + e} (i < 4, e < 2; q = lane % 4) and its
         # A-operand registers want keys {16·(i // 2) + 4q + 2·(i % 2) + e}: the same count, other positions. Taking
         # the A operand's key order to be this permutation of P's makes the conversion a per-thread byte packing;
-        # Vᵀ's keys come in the same order (quant_attention.v_key_order; the prologue stores it so when asked).
+        # Vᵀ's keys come in the same order (quant_attention_prologue.v_key_order; the prologue stores it so when asked).
         BM: gl.constexpr = p.shape[0]
         BN: gl.constexpr = p.shape[1]
         p = gl.reshape(p, [BM, BN // 32, 2, 2, 4, 2])  # (row, block, i // 2, i % 2, q, e)
@@ -295,7 +296,7 @@ def attention_quantized_wgmma(
     k_desc = desc(qkv.k8.view(b * h * n_pad, d), [bn, d], gl.int8)
     vt = qkv.vt if qkv.v_key_perm else v_key_order(qkv.vt)  # quantize_qkv(v_key_perm=True) saves this copy
     v_desc = desc(vt.view(b * h * d, n_pad), [d, bn], gl.float8e4nv)
-    with _on_device(qkv.q8.device):
+    with on_device(qkv.q8.device):
         _qattn_wgmma_kernel[(m_pad // BLOCK_M, b * h)](
             q_desc, k_desc, v_desc, qkv.q_scale, qkv.k_scale, qkv.v_scale, qkv.v_offset, out,
             *out.stride(), h, qkv.num_q, qkv.num_kv, m_pad, n_pad,

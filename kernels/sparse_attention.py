@@ -9,6 +9,8 @@ Public API (layout [B, N, H, D], the DiT's projections; self- or cross-attention
   Returns a new contiguous [B, M, H, D] in q's dtype. Block size BLOCK = 128 for queries and keys.
 - ``sparse_attention_ref(...)``: the same in FP32 PyTorch (scores of dropped keys set to -inf), chunked over query
   blocks; the kernels are checked against it.
+- ``sparse_attention_sdpa(...)``: the same through PyTorch SDPA in q's dtype under the dense token mask: the plain
+  low-precision implementation whose error bounds the kernels' (the flash-attention rule).
 - ``sparse_attention_op``: the custom op compiled DiT blocks call.
 
 Implementations (``_select``): flash-attn-4's block-sparse forward (its ``full_block_cnt/idx``) where it runs
@@ -36,6 +38,7 @@ import math
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 import triton
 import triton.language as tl
 from triton.runtime.interpreter import InterpretedFunction
@@ -50,6 +53,7 @@ __all__ = [
     "sparse_attention",
     "sparse_attention_op",
     "sparse_attention_ref",
+    "sparse_attention_sdpa",
 ]
 
 logger = logging.getLogger(__name__)
@@ -148,6 +152,21 @@ def sparse_attention_ref(
         p = torch.softmax(s, dim=-1).masked_fill_(~keep.any(dim=-1, keepdim=True), 0.0)  # no kept key: zeros
         out[:, rows] = torch.matmul(p, vf).transpose(1, 2)
     return out.to(out_dtype or q.dtype)
+
+
+def sparse_attention_sdpa(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_idx: torch.Tensor, kv_cnt: torch.Tensor
+) -> torch.Tensor:
+    """PyTorch SDPA in q's dtype under the same block mask (as a dense token mask), eight query blocks at a time.
+    Shapes as ``sparse_attention``; every query block must keep a key block (SDPA gives NaN for a row with none)."""
+    out = torch.empty_like(q)
+    for i in range(0, kv_idx.shape[2], 8):
+        rows = slice(i * BLOCK, min(q.shape[1], (i + 8) * BLOCK))
+        mask = token_mask(kv_idx[:, :, i : i + 8], kv_cnt[:, :, i : i + 8], rows.stop - rows.start, k.shape[1])
+        o = F.scaled_dot_product_attention(q[:, rows].transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
+                                           attn_mask=mask)  # fmt: skip
+        out[:, rows] = o.transpose(1, 2)
+    return out
 
 
 # ---------------------------------------------------------------------------------------------------------------------

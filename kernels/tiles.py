@@ -1,9 +1,26 @@
-"""Tile scheduling shared by k6fast's Triton GEMMs."""
+"""Tile scheduling shared by k6fast's Triton GEMMs, and their launch."""
 
 from __future__ import annotations
 
+import torch
 import triton
 import triton.language as tl
+
+# Under the interpreter (CPU tensors) autotuning would time every config on the CPU: one small tile instead.
+INTERPRETER_TILE = {"BLOCK_M": 32, "BLOCK_N": 32, "GROUP_M": 4}
+
+
+def launch_gemm(
+    kernel, tuned, m: int, n: int, device: torch.device, args: tuple, flags: dict, interpreter_tile: dict | None = None
+) -> None:
+    """Launch a grouped-tile GEMM (one program per BLOCK_M x BLOCK_N tile of the [m, n] output): `tuned`, the
+    autotuned `kernel`, on CUDA; `kernel` itself with `interpreter_tile` (default INTERPRETER_TILE) elsewhere."""
+    if device.type == "cuda":
+        grid = lambda meta: (triton.cdiv(m, meta["BLOCK_M"]) * triton.cdiv(n, meta["BLOCK_N"]),)
+        tuned[grid](*args, **flags)
+    else:
+        tile = INTERPRETER_TILE if interpreter_tile is None else interpreter_tile
+        kernel[(triton.cdiv(m, tile["BLOCK_M"]) * triton.cdiv(n, tile["BLOCK_N"]),)](*args, **flags, **tile)
 
 
 @triton.jit

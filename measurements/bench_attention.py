@@ -9,7 +9,7 @@ self-attention shape by default (1×32×50220×128, bf16):
   the median, 4·B·H·M·N·D / t, and the speed-up over cuDNN SDPA.
 k6fast rows: the whole op (quantization prologue + attention kernel), the kernel alone on pre-quantized inputs, and
 the prologue alone; with ``--sweep`` also the kernel alone for each ``CANDIDATE_CONFIGS`` entry (to fill
-``_CONFIGS`` in kernels/quant_attention.py).
+``_CONFIGS`` in kernels/quant_attention_core.py).
 
 Run on the GPU machine from the repository root:
     python measurements/bench_attention.py --out measurements/results/attention_h200.json
@@ -39,6 +39,8 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from triton.testing import do_bench
 
 from k6fast.kernels import quant_attention as qa
+from k6fast.kernels import quant_attention_core as qc
+from k6fast.kernels import quant_attention_prologue as qp
 
 # Bounds on relative L2 vs exact FP32 (see tests/test_quant_attention.py for the error budget behind them).
 EXACT_BOUND = 0.01  # bf16 SDPA: about 0.25%
@@ -156,7 +158,7 @@ def main() -> None:
     dev = torch.device("cuda")
     b, h, m, n, d = args.batch, args.heads, args.q_len, args.kv_len, args.head_dim
     flops = 4.0 * b * h * m * n * d
-    pv_fp8_default = qa._resolve_pv_fp8(None, dev)
+    pv_fp8_default = qp._resolve_pv_fp8(None, dev)
     print(f"{torch.cuda.get_device_name(dev)}  torch {torch.__version__}  triton {triton.__version__}")
     print(f"shape B={b} H={h} M={m} N={n} D={d} {args.dtype}, v_offset {args.v_offset}, seed {seed}")
 
@@ -181,7 +183,7 @@ def main() -> None:
         tag = "fp8pv" if pv_fp8 else "fp16pv"
         bound = FP8_PV_BOUND if pv_fp8 else FP16_PV_BOUND
         variant(f"k6_quant_{tag}", lambda pv_fp8=pv_fp8: qa.quant_attention(q, k, v, pv_fp8=pv_fp8), bound)
-        qkv_block = qa._config_for(dev, d, pv_fp8).block_n
+        qkv_block = qc._config_for(dev, d, pv_fp8).block_n
         qkv = qa.quantize_qkv(q, k, v, pv_fp8=pv_fp8, k_block=qkv_block)
         variant(f"k6_quant_{tag}_kernel_only", lambda qkv=qkv: qa.attention_quantized(qkv), bound)
         row = Row(f"k6_quant_{tag}_prologue_only", note="quantize_qkv alone; TFLOP/s not meaningful")
@@ -218,7 +220,7 @@ def main() -> None:
         "inputs": {"k_offset_std": 3.0, "v_offset_std": args.v_offset, "seed": seed},
         "flops_per_call": flops,
         "quant_attention_default_config": {
-            tag: asdict(qa._config_for(dev, d, fp8)) for tag, fp8 in (("fp8pv", True), ("fp16pv", False))
+            tag: asdict(qc._config_for(dev, d, fp8)) for tag, fp8 in (("fp8pv", True), ("fp16pv", False))
         },
         "results": [asdict(r) for r in rows],
     }

@@ -21,6 +21,7 @@ from torch.nn.attention import SDPBackend
 from triton.testing import do_bench
 
 from k6fast.kernels import quant_attention as qa
+from k6fast.kernels import quant_attention_core as qc
 from k6fast.kernels.quant_attention_wgmma import attention_quantized_wgmma
 
 CONFIGS = [(128, 2, False), (128, 3, False), (128, 4, False), (128, 2, True)]  # (key tile, ring stages, ping-pong)
@@ -64,7 +65,7 @@ def main() -> None:
         (
             "k6_triton_op (the Triton core's sm_90 config)",
             lambda: qa.attention_quantized(
-                qa.quantize_qkv(q, k, v, pv_fp8=True, k_block=qa._config_for(q.device, args.head_dim, True).block_n)
+                qa.quantize_qkv(q, k, v, pv_fp8=True, k_block=qc._config_for(q.device, args.head_dim, True).block_n)
             ),
         ),
         ("k6_triton_core_n128", lambda: qa.attention_quantized(qkv[128])),

@@ -28,16 +28,24 @@ def attention_arg_parser() -> argparse.ArgumentParser:
     return ap
 
 
-def environment() -> dict:
-    import triton
+def environment(device: torch.device | None = None) -> dict:
+    """GPU, versions and date for a record: of CUDA device 0, or of `device` (named first; a CPU one has gpu None)."""
+    try:
+        import triton
 
-    props = torch.cuda.get_device_properties(0)
+        triton_version = triton.__version__
+    except ImportError:
+        triton_version = None
+    env = {} if device is None else {"device": str(device)}
+    if device is None or device.type == "cuda":
+        props = torch.cuda.get_device_properties(0 if device is None else device)
+        env.update(gpu=props.name, capability=f"sm_{props.major}{props.minor}", sms=props.multi_processor_count)
+    else:
+        env["gpu"] = None
     return {
-        "gpu": props.name,
-        "capability": f"sm_{props.major}{props.minor}",
-        "sms": props.multi_processor_count,
+        **env,
         "torch": torch.__version__,
-        "triton": triton.__version__,
+        "triton": triton_version,
         "cuda": torch.version.cuda,
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
     }

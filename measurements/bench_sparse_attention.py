@@ -47,11 +47,12 @@ from bench_common import attention_arg_parser, environment
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from triton.testing import do_bench
 
-from k6fast.dit.rope import apply_rope, rope_3d
+from k6fast.dit.rope import rope_3d
 from k6fast.kernels import sparse_attention as sa
 from k6fast.kernels import tile_mask as tm
+from k6fast.kernels.exact_attention import attention_fp32
 from k6fast.kernels.fa4_attention import fa4_block_sparse_runs_on, fa4_version
-from k6fast.kernels.quant_attention import attention_fp32
+from k6fast.kernels.qk_norm_rope import apply_rope
 
 DENSITIES = "1.0,0.5,0.25,0.125"
 GRID = (31, 30, 54)  # W1 text-to-video: 50,220 tokens (with the image tail frame: 32 frames)
@@ -108,18 +109,6 @@ def permute(order, *ts):
     return tuple(t[:, perm].contiguous() for t in ts)
 
 
-def bf16_masked_sdpa(q, k, v, idx, cnt):
-    """SDPA in bf16 under the block mask, chunked over query blocks: the rule's baseline error."""
-    out = torch.empty_like(q)
-    for i in range(0, idx.shape[2], 8):
-        rows = slice(i * sa.BLOCK, min(q.shape[1], (i + 8) * sa.BLOCK))
-        mask = tm.token_mask(idx[:, :, i : i + 8], cnt[:, :, i : i + 8], rows.stop - rows.start, k.shape[1])
-        o = F.scaled_dot_product_attention(q[:, rows].transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
-                                           attn_mask=mask)  # fmt: skip
-        out[:, rows] = o.transpose(1, 2)
-    return out
-
-
 def block_mass(q, k):
     """fp32 [B, H, Mb, Nb]: the exact attention probability each query block puts on each key block (summed over its
     queries), chunked over query blocks. Its top-k per row is the oracle mask the rule is compared with."""
@@ -173,7 +162,7 @@ def main() -> None:
     for density in densities:
         idx, cnt = tm.build_block_mask(q, k, window, density)
         exact = sa.sparse_attention_ref(q, k, v, idx, cnt, out_dtype=torch.float32)
-        base = rel_cos(bf16_masked_sdpa(q, k, v, idx, cnt), exact)[0]
+        base = rel_cos(sa.sparse_attention_sdpa(q, k, v, idx, cnt), exact)[0]
         for impl in impls:
             err = rel_cos(sa.sparse_attention(q, k, v, idx, cnt, impl=impl), exact)[0]
             ok = err <= 2.0 * base + 1e-6

@@ -62,7 +62,7 @@ H200_DRAM = 4.8e12  # NVIDIA's H200 specification
 
 
 def derive_rates(rates: dict[str, Rate]) -> dict[str, Rate]:
-    """Quantized attention with P·V at FP32 accumulation (what kernels/quant_attention.py issues on sm_120 today,
+    """Quantized attention with P·V at FP32 accumulation (what kernels/quant_attention_core.py issues on sm_120 today,
     tests/test_sass_geforce.py): Q·K and P·V are half the FLOPs each; at SageAttention2++'s 560 both MMAs run at
     the FP16-accumulate FP8 rate R and the rest (softmax, loads) takes t_s = F (1/560 - 1/R); halving P·V's rate
     adds F/(2R)."""

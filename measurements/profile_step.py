@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import datetime
 import json
 import tempfile
 import time
@@ -32,10 +31,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from bench_common import environment as cuda_environment
+from bench_common import environment
 from torch.autograd import DeviceType
 
-from k6fast.bench.visit import DEFAULT_PROMPT
+from k6fast.bench.runner import DEFAULT_PROMPT
 from k6fast.bench.workload import Geometry, parse_geometry
 from k6fast.dit.model import K6DiT
 from k6fast.pipeline import Pipeline, Request, Result
@@ -297,25 +296,6 @@ def default_step(options: Options, steps: int) -> int:
     return (typical or called)[0]
 
 
-def environment(device: torch.device) -> dict:
-    if device.type == "cuda":
-        return {"device": str(device), **cuda_environment()}
-    try:
-        import triton
-
-        triton_version = triton.__version__
-    except ImportError:
-        triton_version = None
-    return {
-        "device": str(device),
-        "gpu": None,
-        "torch": torch.__version__,
-        "triton": triton_version,
-        "cuda": torch.version.cuda,
-        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-    }
-
-
 def request_record(telemetry: Telemetry, wall_s: float, load_s: float) -> dict:
     """The measured request from the pipeline's own telemetry; per-block streaming detail left out."""
     t = telemetry.as_dict()
@@ -492,6 +472,7 @@ def main(argv: list[str] | None = None) -> dict:
 
 
 def write_record(path: Path, record: dict) -> None:
+    """The record as JSON in its own key order (the categories' order is part of the report)."""
     path.parent.mkdir(parents=True, exist_ok=True)
     with open(path, "w") as f:
         json.dump(record, f, indent=1)

@@ -20,7 +20,7 @@ import triton
 import triton.language as tl
 from bench_common import W1_M, W1_SHAPES, environment, quantiles_ms, rel_l2
 
-from k6fast.kernels.fp8_linear import _fp16acc_linear_kernel, fp16acc_chunk_steps, fp16acc_linear_ref
+from k6fast.kernels.fp16acc_linear import _fp16acc_linear_kernel, fp16acc_chunk_steps, fp16acc_linear_ref
 from k6fast.kernels.tiles import store_tile, wrapped_tile
 
 # (BLOCK_M, BLOCK_N, num_warps, num_stages, maxnreg, k_chunk). Shared memory per CTA is num_stages x k_chunk x

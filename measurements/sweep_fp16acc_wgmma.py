@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 from bench_common import W1_M, W1_SHAPES, environment, quantiles_ms, rel_l2
 
-from k6fast.kernels.fp8_linear import fp16acc_linear, fp16acc_linear_ref, fp16acc_linear_triton
+from k6fast.kernels.fp16acc_linear import fp16acc_linear, fp16acc_linear_ref, fp16acc_linear_triton
 from k6fast.kernels.fp16acc_wgmma import WgmmaTile, fp16acc_wgmma
 
 TILES = [

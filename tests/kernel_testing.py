@@ -1,4 +1,5 @@
-"""Shared by the Triton kernel tests: the interpreter switch and the subprocess that runs the `interpret` tests.
+"""Shared by the Triton kernel tests: the interpreter switch and the subprocess that runs the `interpret` tests, the
+DiT-like GEMM operands and the relative error the kernels are judged by, and the sm_90 compile and SASS helpers.
 
 Triton reads TRITON_INTERPRET when it is imported, so the interpreted tests of a file run in a child pytest with the
 variable set; it never leaks into the other test modules of this process. bf16 dots and fp8 rounding are wrong in
@@ -34,6 +35,39 @@ needs_sm90_gluon = pytest.mark.skipif(
 )
 
 
+def dit_like_gemm(
+    m: int, k: int, n: int, *, device: str = "cpu", seed: int = 0, dtype=torch.float32, outlier_weights: bool = False
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A DiT-like linear layer's operands in `dtype`: x [m, k] ~ N(0, 1) with k/512 outlier channels (x30), w [n, k]
+    ~ N(0, 0.02²) (with outlier_weights one weight in 4096 x20), bias [n] ~ N(0, 0.1²). Drawn in that order from one
+    generator seeded with `seed` on `device`, so a seed gives the same tensors to every test."""
+    g = torch.Generator(device=device).manual_seed(seed)
+    x = torch.randn(m, k, generator=g, device=device)
+    x[:, torch.randperm(k, generator=g, device=device)[: max(1, k // 512)]] *= 30.0
+    w = torch.randn(n, k, generator=g, device=device) * 0.02
+    if outlier_weights:
+        w.view(-1)[torch.randperm(n * k, generator=g, device=device)[: max(1, n * k // 4096)]] *= 20.0
+    bias = torch.randn(n, generator=g, device=device) * 0.1
+    return x.to(dtype), w.to(dtype), bias.to(dtype)
+
+
+# The DiT's linear layers at W1 (864x480, 121 frames): video tokens, and (K, N) of the fused blocks' GEMMs.
+W1_TOKENS = 50220
+W1_GEMM_SHAPES = [(4096, 4096), (4096, 16384), (16384, 4096)]
+
+
+def checked_rows(m: int, device: str) -> torch.Tensor:
+    """The rows a W1 GEMM test compares: the first 2048 and the last 300 (which include the partial last tile);
+    references on every row of a 50220 x 16384 product would cost more memory and time than the kernels."""
+    return torch.cat([torch.arange(2048), torch.arange(m - 300, m)]).to(device)
+
+
+def rel_l2(a: torch.Tensor, b: torch.Tensor) -> float:
+    """Relative L2 error of a against b, in float64."""
+    a, b = a.double(), b.double()
+    return ((a - b).norm() / b.norm()).item()
+
+
 def run_interpret_tests(test_file: str, timeout: int = 600) -> None:
     """Run `test_file`'s `interpret`-marked tests in a child pytest under TRITON_INTERPRET=1; fail with its output."""
     env = {**os.environ, "TRITON_INTERPRET": "1"}
@@ -41,6 +75,18 @@ def run_interpret_tests(test_file: str, timeout: int = 600) -> None:
     run = subprocess.run(cmd, env=env, cwd=Path(test_file).parents[1], capture_output=True, text=True, timeout=timeout)
     assert run.returncode == 0, run.stdout[-6000:] + run.stderr[-3000:]
     assert " passed" in run.stdout, run.stdout[-2000:]  # a child that collected nothing proves nothing
+
+
+def interpreter_suite(test_file: str, timeout: int = 600):
+    """The plain test that runs `test_file`'s `interpret` tests in a child pytest (`run_interpret_tests`); a kernel
+    test file binds it to a test name: `test_triton_kernels_under_interpreter = interpreter_suite(__file__)`."""
+
+    @pytest.mark.interpret
+    @spawns_interpreter
+    def test() -> None:
+        run_interpret_tests(test_file, timeout=timeout)
+
+    return test
 
 
 def assert_ptxas_sm90a_clean(ptx: str, tmp_path: Path) -> None:

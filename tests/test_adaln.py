@@ -12,7 +12,7 @@ import logging
 import pytest
 import torch
 import torch.nn.functional as F
-from kernel_testing import needs_cuda, needs_interpreter, run_interpret_tests, spawns_interpreter
+from kernel_testing import interpreter_suite, needs_cuda, needs_interpreter
 
 from k6fast.kernels import adaln
 from k6fast.kernels.adaln import (
@@ -27,6 +27,7 @@ from k6fast.kernels.adaln import (
     layernorm_modulate_ref,
     layernorm_modulate_triton,
 )
+from k6fast.kernels.fallback import log_reference_once
 from k6fast.kernels.fp8_linear import quantize_rows_fp8_ref, quantize_rows_fp8_triton
 
 # (x shape, modulation shape): one row, D not a power of two, the 218 audio tokens, a batch with one vector per sample.
@@ -104,7 +105,7 @@ def test_out_fp8_reference_quantizes_the_bf16_result():
 
 @pytest.mark.parametrize(("x_shape", "mod_shape"), CASES)
 def test_public_ops_on_cpu_equal_the_references(x_shape, mod_shape, caplog):
-    adaln._log_reference_once.cache_clear()
+    log_reference_once.cache_clear()
     x, out, scale, shift, gate = _inputs(x_shape, mod_shape)
     with caplog.at_level(logging.INFO, logger=adaln.__name__):
         assert torch.equal(layernorm_modulate(x, scale, shift), layernorm_modulate_ref(x, scale, shift))
@@ -208,10 +209,7 @@ def _assert_e4m3_close_interpreted(actual: torch.Tensor, expected: torch.Tensor)
     _assert_within_one_ulp(a[away_from_carry], e[away_from_carry], mantissa_bits=3, min_spacing=2.0**-9)
 
 
-@pytest.mark.interpret
-@spawns_interpreter
-def test_triton_kernels_under_interpreter():
-    run_interpret_tests(__file__)
+test_triton_kernels_under_interpreter = interpreter_suite(__file__)
 
 
 @pytest.mark.interpret

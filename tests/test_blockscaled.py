@@ -12,8 +12,11 @@ import math
 
 import pytest
 import torch
+from kernel_testing import dit_like_gemm as dit_like  # fp32 on the CPU
+from kernel_testing import rel_l2
 
 from k6fast.kernels import blockscaled as bs
+from k6fast.kernels.fallback import log_reference_once
 
 
 @pytest.fixture(autouse=True)
@@ -27,18 +30,6 @@ E2M1 = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0])
 # outlier columns (what K6_GEMM=mxfp8|nvfp4 runs on bf16 weights): 2.2 % and 10.0 %, within the 3 % / 12 % asked.
 LAYER_BOUND = {"mxfp8": 0.039, "nvfp4": 0.135}
 OUTLIER_BOUND = {"mxfp8": 0.03, "nvfp4": 0.12}
-
-
-def dit_like(m: int, k: int, n: int, seed: int = 0):
-    """x [m, k] ~ N(0, 1) with K/512 channels x30, w [n, k] ~ N(0, 0.02²), bias [n]: fp32."""
-    g = torch.Generator().manual_seed(seed)
-    x = torch.randn(m, k, generator=g)
-    x[:, torch.randperm(k, generator=g)[: max(1, k // 512)]] *= 30.0
-    return x, torch.randn(n, k, generator=g) * 0.02, torch.randn(n, generator=g) * 0.1
-
-
-def rel_l2(a: torch.Tensor, b: torch.Tensor) -> float:
-    return ((a.double() - b.double()).norm() / b.double().norm()).item()
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -239,7 +230,7 @@ def test_bad_input_is_refused():
 def test_cpu_runs_the_reference_and_says_so(caplog):
     x, w, _ = dit_like(4, 64, 16)
     with caplog.at_level("INFO", logger="k6fast.kernels.blockscaled"):
-        bs._log_reference_once.cache_clear()
+        log_reference_once.cache_clear()
         bs.blockscaled_linear("mxfp8", x, bs.quantize_weight(w, "mxfp8"))
     assert "runs the PyTorch reference: CPU tensors" in caplog.text
     assert not bs.blockscaled_native(torch.device("cpu"))

@@ -19,10 +19,10 @@ def test_second_request_compiles_nothing(tiny_distill, monkeypatch) -> None:
     from torch._dynamo.utils import counters
 
     import k6fast.dit.attention as dispatch
-    import k6fast.kernels.quant_attention as qa
+    import k6fast.kernels.quant_attention_prologue as qp
 
     monkeypatch.setattr(dispatch, "SUPPORTED_HEAD_DIMS", (16, 64, 128))
-    monkeypatch.setattr(qa, "SUPPORTED_HEAD_DIMS", (16, 64, 128))
+    monkeypatch.setattr(qp, "SUPPORTED_HEAD_DIMS", (16, 64, 128))
     torch._dynamo.reset()
     counters.clear()
     # The tiny model has 2 fused blocks: `fast`'s exact first and last 2 would leave none lossy. Compile on whatever

@@ -15,7 +15,7 @@ import sys
 import pytest
 import torch
 import torch.nn.functional as F
-from kernel_testing import needs_cuda
+from kernel_testing import needs_cuda, rel_l2
 
 from k6fast.dit import attention as attention_module
 from k6fast.dit.attention import AttentionDispatch
@@ -100,10 +100,6 @@ def _needs_fa4():
         pytest.skip(f"flash-attn-4 does not run here: {fa4.fa4_unavailable_reason(torch.device('cuda'))}")
 
 
-def _rel(a, b):
-    return ((a.double() - b.double()).norm() / b.double().norm()).item()
-
-
 @pytest.mark.gpu
 @needs_cuda
 @pytest.mark.parametrize(
@@ -125,7 +121,7 @@ def test_gpu_flash_attention_rule(shape, dtype):
     sdpa = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)).transpose(1, 2)
     out = fa4.fa4_attention(q, k, v)
     assert out.shape == q.shape and out.dtype == dtype
-    assert _rel(out, exact) <= 2 * _rel(sdpa, exact) + 1e-6, (_rel(out, exact), _rel(sdpa, exact))
+    assert rel_l2(out, exact) <= 2 * rel_l2(sdpa, exact) + 1e-6, (rel_l2(out, exact), rel_l2(sdpa, exact))
 
 
 @pytest.mark.gpu

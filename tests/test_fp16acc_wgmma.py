@@ -12,14 +12,17 @@ from pathlib import Path
 
 import pytest
 import torch
-from kernel_testing import assert_ptxas_sm90a_clean, compile_gluon_sm90, needs_cuda, needs_gluon, needs_sm90_gluon
+from kernel_testing import (
+    assert_ptxas_sm90a_clean,
+    compile_gluon_sm90,
+    needs_cuda,
+    needs_gluon,
+    needs_sm90_gluon,
+    rel_l2,
+)
 
 from k6fast.kernels import fp16acc_wgmma as wg
-from k6fast.kernels.fp8_linear import fp16acc_linear, fp16acc_linear_ref
-
-
-def rel_l2(a: torch.Tensor, b: torch.Tensor) -> float:
-    return ((a.float() - b.float()).norm() / b.float().norm()).item()
+from k6fast.kernels.fp16acc_linear import fp16acc_linear, fp16acc_linear_ref
 
 
 def _compile_sm90(tile: wg.WgmmaTile):

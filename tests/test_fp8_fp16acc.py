@@ -12,7 +12,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-from kernel_testing import needs_cuda, needs_interpreter, run_interpret_tests, spawns_interpreter
+from kernel_testing import dit_like_gemm as dit_like  # fp32 on the CPU
+from kernel_testing import interpreter_suite, needs_cuda, needs_interpreter, rel_l2
 
 from k6fast.kernels.fp8_fp16acc import (
     DEFAULT_CHUNK,
@@ -24,18 +25,6 @@ from k6fast.kernels.fp8_fp16acc import (
     fp8_fp16acc_linear_triton,
 )
 from k6fast.kernels.fp8_linear import fp8_linear_ref, quantize_rows_fp8, quantize_weight_fp8
-
-
-def dit_like(m: int, k: int, n: int, seed: int = 0):
-    """x [m, k] with K/512 outlier channels (x30), w [n, k] ~ N(0, 0.02²), bias [n]: fp32."""
-    g = torch.Generator().manual_seed(seed)
-    x = torch.randn(m, k, generator=g)
-    x[:, torch.randperm(k, generator=g)[: max(1, k // 512)]] *= 30.0
-    return x, torch.randn(n, k, generator=g) * 0.02, torch.randn(n, generator=g) * 0.1
-
-
-def rel_l2(a: torch.Tensor, b: torch.Tensor) -> float:
-    return ((a.double() - b.double()).norm() / b.double().norm()).item()
 
 
 def quantized(x: torch.Tensor, w: torch.Tensor, chunk: int = DEFAULT_CHUNK):
@@ -99,10 +88,7 @@ def test_bad_input_is_refused():
 # ---------------------------------------------------------------------------------------------------------------
 
 
-@pytest.mark.interpret
-@spawns_interpreter
-def test_triton_kernel_under_interpreter():
-    run_interpret_tests(__file__)
+test_triton_kernel_under_interpreter = interpreter_suite(__file__)
 
 
 @pytest.mark.interpret

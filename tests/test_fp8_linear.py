@@ -7,49 +7,50 @@ tests at the W1 shapes: M = 50220 tokens, (K, N) = (4096, 4096), (4096, 16384), 
 
 from __future__ import annotations
 
+import functools
 import logging
 
 import pytest
 import torch
 import torch.nn.functional as F
-from kernel_testing import needs_cuda, needs_interpreter, run_interpret_tests, spawns_interpreter
+from kernel_testing import (
+    W1_GEMM_SHAPES,
+    W1_TOKENS,
+    checked_rows,
+    dit_like_gemm,
+    interpreter_suite,
+    needs_cuda,
+    needs_interpreter,
+    rel_l2,
+)
 
 from k6fast.kernels import fp8_linear as fp8_module
 from k6fast.kernels.adaln import layernorm_modulate
+from k6fast.kernels.fallback import log_reference_once
 from k6fast.kernels.fp8_linear import (
     E4M3_MAX,
-    FP16ACC_CHUNKS,
     fp8_linear,
     fp8_linear_ref,
-    fp16acc_default_chunk,
-    fp16acc_linear,
-    fp16acc_linear_ref,
-    fp16acc_linear_triton,
     quantize_rows_fp8,
     quantize_rows_fp8_ref,
     quantize_rows_fp8_triton,
     quantize_weight_fp8,
 )
 from k6fast.kernels.fp8_outliers import outlier_columns
+from k6fast.kernels.fp16acc_linear import (
+    FP16ACC_CHUNKS,
+    fp16acc_default_chunk,
+    fp16acc_linear,
+    fp16acc_linear_ref,
+    fp16acc_linear_triton,
+)
+
+# DiT-like operands in bf16 (kernel_testing.dit_like_gemm).
+dit_like = functools.partial(dit_like_gemm, dtype=torch.bfloat16)
 
 # e4m3 keeps 3 mantissa bits: ≈2.5% RMS relative rounding error per operand, ≈3.5% for the product of two quantized
 # operands over incoherent sums (CPU measurement on the DiT-like data below). 3% would be below that floor.
 FP8_REL_L2_VS_BF16 = 0.045
-
-
-def dit_like(m: int, k: int, n: int, device: str = "cpu", seed: int = 0):
-    """x [m, k] bf16 activations with a few outlier channels (×30), w [n, k] bf16 ~ N(0, 0.02²), bias [n] bf16."""
-    g = torch.Generator(device=device).manual_seed(seed)
-    x = torch.randn(m, k, generator=g, device=device)
-    x[:, torch.randperm(k, generator=g, device=device)[: max(1, k // 512)]] *= 30.0
-    w = torch.randn(n, k, generator=g, device=device) * 0.02
-    bias = torch.randn(n, generator=g, device=device) * 0.1
-    return x.bfloat16(), w.bfloat16(), bias.bfloat16()
-
-
-def rel_l2(a: torch.Tensor, b: torch.Tensor) -> float:
-    a, b = a.double(), b.double()
-    return ((a - b).norm() / b.norm()).item()
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -149,7 +150,7 @@ def test_extra_columns_are_checked():
 
 
 def test_fp8_linear_on_cpu_runs_the_reference(caplog):
-    fp8_module._log_reference_once.cache_clear()
+    log_reference_once.cache_clear()
     x, w, bias = dit_like(2 * 109, 96, 48)
     x = x.reshape(2, 109, 96)
     wq, ws = quantize_weight_fp8(w)
@@ -248,10 +249,7 @@ def _assert_e4m3_close_interpreted(actual: torch.Tensor, expected: torch.Tensor)
     assert ((a - e).abs() <= step)[compared].all()
 
 
-@pytest.mark.interpret
-@spawns_interpreter
-def test_triton_kernels_under_interpreter():
-    run_interpret_tests(__file__)
+test_triton_kernels_under_interpreter = interpreter_suite(__file__)
 
 
 @pytest.mark.interpret
@@ -319,21 +317,12 @@ def test_fp16acc_default_chunk():
 # GPU: W1 shapes
 # ---------------------------------------------------------------------------------------------------------------
 
-W1_M = 50220
-W1_SHAPES = [(4096, 4096), (4096, 16384), (16384, 4096)]  # (K, N)
-
-
-def _checked_rows(m: int, device: str) -> torch.Tensor:
-    """The first 2048 rows and the last 300 (which include the partial last tile): references on every row of a
-    50220 × 16384 product would cost more memory and time than the kernels themselves."""
-    return torch.cat([torch.arange(2048), torch.arange(m - 300, m)]).to(device)
-
 
 @pytest.mark.gpu
 @needs_cuda
 @pytest.mark.parametrize("k", [4096, 16384, 20000])
 def test_quantize_rows_gpu_matches_reference_bit_for_bit(k):
-    x, _, _ = dit_like(W1_M if k != 20000 else 300, k, 16, device="cuda")
+    x, _, _ = dit_like(W1_TOKENS if k != 20000 else 300, k, 16, device="cuda")
     q, s = quantize_rows_fp8(x)
     q_ref, s_ref = quantize_rows_fp8_ref(x)
     assert torch.equal(s, s_ref)
@@ -355,10 +344,10 @@ def test_quantize_rows_extra_columns_gpu_match_reference_bit_for_bit(k):
 
 @pytest.mark.gpu
 @needs_cuda
-@pytest.mark.parametrize(("k", "n"), W1_SHAPES)
+@pytest.mark.parametrize(("k", "n"), W1_GEMM_SHAPES)
 def test_fp8_linear_outlier_columns_gpu(k, n):
-    x, w, bias = dit_like(W1_M, k, n, device="cuda")
-    rows = _checked_rows(W1_M, "cuda")
+    x, w, bias = dit_like(W1_TOKENS, k, n, device="cuda")
+    rows = checked_rows(W1_TOKENS, "cuda")
     cols = outlier_columns(x, 32)  # 32 outlier channels at K = 16384
     wq, ws = quantize_weight_fp8(w, residual_cols=cols)
     y = fp8_linear(quantize_rows_fp8(x, cols), wq, ws, bias, fast_accum=True)[rows]
@@ -368,11 +357,11 @@ def test_fp8_linear_outlier_columns_gpu(k, n):
 
 @pytest.mark.gpu
 @needs_cuda
-@pytest.mark.parametrize(("k", "n"), W1_SHAPES)
+@pytest.mark.parametrize(("k", "n"), W1_GEMM_SHAPES)
 def test_fp8_linear_gpu(k, n):
-    x, w, bias = dit_like(W1_M, k, n, device="cuda")
+    x, w, bias = dit_like(W1_TOKENS, k, n, device="cuda")
     wq, ws = quantize_weight_fp8(w)
-    rows = _checked_rows(W1_M, "cuda")
+    rows = checked_rows(W1_TOKENS, "cuda")
     y = fp8_linear(x, wq, ws, bias)[rows]
     xq, xs = quantize_rows_fp8(x[rows])
     exact_quantized = fp8_linear_ref((xq, xs), wq, ws, bias, out_dtype=torch.float32)
@@ -384,7 +373,7 @@ def test_fp8_linear_gpu(k, n):
 @pytest.mark.gpu
 @needs_cuda
 def test_fp8_linear_from_fused_norm_gpu():
-    x, w, _ = dit_like(W1_M, 4096, 4096, device="cuda")
+    x, w, _ = dit_like(W1_TOKENS, 4096, 4096, device="cuda")
     scale, shift = (torch.randn(2, 4096, device="cuda") * 0.5).unbind(0)
     wq, ws = quantize_weight_fp8(w)
     fused = fp8_linear(layernorm_modulate(x, scale, shift, out_fp8=True), wq, ws)
@@ -396,11 +385,11 @@ def test_fp8_linear_from_fused_norm_gpu():
 @needs_cuda
 # The default chunk (64) at every shape, the others at one: each (shape, chunk) pair costs an autotuning run.
 @pytest.mark.parametrize(
-    ("k", "n", "k_chunk"), [(k, n, 64) for k, n in W1_SHAPES] + [(4096, 4096, 32), (4096, 4096, 128)]
+    ("k", "n", "k_chunk"), [(k, n, 64) for k, n in W1_GEMM_SHAPES] + [(4096, 4096, 32), (4096, 4096, 128)]
 )
 def test_fp16acc_linear_gpu(k, n, k_chunk):
-    x, w, bias = dit_like(W1_M, k, n, device="cuda")
-    rows = _checked_rows(W1_M, "cuda")
+    x, w, bias = dit_like(W1_TOKENS, k, n, device="cuda")
+    rows = checked_rows(W1_TOKENS, "cuda")
     y = fp16acc_linear(x, w.half(), bias, k_chunk=k_chunk)[rows]
     exact = fp16acc_linear_ref(x[rows], w, bias, out_dtype=torch.float32)
     err_kernel, err_cublas = rel_l2(y, exact), rel_l2(F.linear(x[rows], w, bias), exact)

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from kernel_testing import needs_cuda, needs_interpreter, run_interpret_tests, spawns_interpreter
+from kernel_testing import interpreter_suite, needs_cuda, needs_interpreter
 
 from k6fast.kernels.fp8_outliers import (
     OUTLIER_WIDTH,
@@ -77,10 +77,7 @@ def test_op_passes_opcheck_and_compiles_without_graph_breaks():
 # Interpreter: the kernels on CPU tensors, exactly the reference's choice.
 
 
-@pytest.mark.interpret
-@spawns_interpreter
-def test_triton_kernels_under_interpreter():
-    run_interpret_tests(__file__)
+test_triton_kernels_under_interpreter = interpreter_suite(__file__)
 
 
 @pytest.mark.interpret

@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
-from kernel_testing import needs_cuda, needs_interpreter, run_interpret_tests, spawns_interpreter
+from kernel_testing import interpreter_suite, needs_cuda, needs_interpreter
 
 from k6fast.kernels.groupnorm_silu import groupnorm_silu, groupnorm_silu_ref, groupnorm_silu_triton
 
@@ -86,10 +86,7 @@ def _assert_bf16_within_one_ulp(actual, expected):
     assert excess.max() <= 0, f"{(excess > 0).sum().item()} of {a.numel()} elements differ by more than one ulp"
 
 
-@pytest.mark.interpret
-@spawns_interpreter
-def test_triton_kernel_under_interpreter():
-    run_interpret_tests(__file__)
+test_triton_kernel_under_interpreter = interpreter_suite(__file__)
 
 
 @pytest.mark.interpret

@@ -8,6 +8,7 @@ M = 50220 tokens, (K, N) = (4096, 4096), (4096, 16384), (16384, 4096), and odd s
 
 from __future__ import annotations
 
+import functools
 import logging
 
 import pytest
@@ -15,9 +16,19 @@ import torch
 import torch.nn.functional as F
 import triton
 import triton.language as tl
-from kernel_testing import needs_cuda, needs_interpreter, run_interpret_tests, spawns_interpreter
+from kernel_testing import (
+    W1_GEMM_SHAPES,
+    W1_TOKENS,
+    checked_rows,
+    dit_like_gemm,
+    interpreter_suite,
+    needs_cuda,
+    needs_interpreter,
+    rel_l2,
+)
 
 from k6fast.kernels import nvfp4 as nvfp4_module
+from k6fast.kernels.fallback import log_reference_once
 from k6fast.kernels.nvfp4 import (
     E2M1_VALUES,
     _e2m1_to_f32,
@@ -32,26 +43,12 @@ from k6fast.kernels.nvfp4 import (
     quantize_nvfp4_ref,
 )
 
+# DiT-like operands in bf16, with outlier weights (kernel_testing.dit_like_gemm).
+dit_like = functools.partial(dit_like_gemm, dtype=torch.bfloat16, outlier_weights=True)
+
 # E2M1 with e4m3 block scales: ≈ 9.5% relative L2 on Gaussian weights (CPU measurement below), the weight-only error
 # that a product with incoherent activations inherits.
 NVFP4_REL_L2 = 0.12
-
-
-def dit_like(m: int, k: int, n: int, device: str = "cpu", seed: int = 0):
-    """x [m, k] bf16 activations with a few outlier channels (×30), w [n, k] bf16 ~ N(0, 0.02²) with a few outlier
-    weights (×20), bias [n] bf16."""
-    g = torch.Generator(device=device).manual_seed(seed)
-    x = torch.randn(m, k, generator=g, device=device)
-    x[:, torch.randperm(k, generator=g, device=device)[: max(1, k // 512)]] *= 30.0
-    w = torch.randn(n, k, generator=g, device=device) * 0.02
-    w.view(-1)[torch.randperm(n * k, generator=g, device=device)[: max(1, n * k // 4096)]] *= 20.0
-    bias = torch.randn(n, generator=g, device=device) * 0.1
-    return x.bfloat16(), w.bfloat16(), bias.bfloat16()
-
-
-def rel_l2(a: torch.Tensor, b: torch.Tensor) -> float:
-    a, b = a.double(), b.double()
-    return ((a - b).norm() / b.norm()).item()
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -189,7 +186,7 @@ def test_linear_error_against_the_bf16_product():
 
 
 def test_linear_on_cpu_runs_the_reference(caplog):
-    nvfp4_module._log_reference_once.cache_clear()
+    log_reference_once.cache_clear()
     x, w, bias = dit_like(2 * 109, 96, 48)
     x = x.reshape(2, 109, 96)
     q = quantize_nvfp4(w)
@@ -242,10 +239,7 @@ def test_custom_op_passes_opcheck_and_compiles():
 # ---------------------------------------------------------------------------------------------------------------
 
 
-@pytest.mark.interpret
-@spawns_interpreter
-def test_triton_kernel_under_interpreter():
-    run_interpret_tests(__file__)
+test_triton_kernel_under_interpreter = interpreter_suite(__file__)
 
 
 @triton.jit
@@ -293,23 +287,14 @@ def test_nvfp4_kernel_interpreted(m, k, n, with_bias):
 # GPU: W1 shapes and odd shapes
 # ---------------------------------------------------------------------------------------------------------------
 
-W1_M = 50220
-W1_SHAPES = [(4096, 4096), (4096, 16384), (16384, 4096)]  # (K, N)
-
-
-def _checked_rows(m: int, device: str) -> torch.Tensor:
-    """The first 2048 rows and the last 300 (which include the partial last tile): references on every row of a
-    50220 × 16384 product would cost more memory and time than the kernel itself."""
-    return torch.cat([torch.arange(2048), torch.arange(m - 300, m)]).to(device)
-
 
 @pytest.mark.gpu
 @needs_cuda
-@pytest.mark.parametrize(("k", "n"), W1_SHAPES)
+@pytest.mark.parametrize(("k", "n"), W1_GEMM_SHAPES)
 def test_nvfp4_linear_gpu(k, n):
-    x, w, bias = dit_like(W1_M, k, n, device="cuda")
+    x, w, bias = dit_like(W1_TOKENS, k, n, device="cuda")
     q = quantize_nvfp4(w)
-    rows = _checked_rows(W1_M, "cuda")
+    rows = checked_rows(W1_TOKENS, "cuda")
     y = nvfp4_linear(x, *q, bias)[rows]
     exact = nvfp4_linear_ref(x[rows].float(), *q, bias)
     assert rel_l2(y, exact) <= 5e-3, "the GEMM must compute the quantized product (bf16 output rounding)"

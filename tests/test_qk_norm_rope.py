@@ -11,12 +11,12 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
-from kernel_testing import needs_cuda, needs_interpreter, run_interpret_tests, spawns_interpreter
+from kernel_testing import interpreter_suite, needs_cuda, needs_interpreter, rel_l2
 
-from k6fast.dit.backend import ExactBackend, SwitchedBackend, norm_rope_ref
-from k6fast.dit.rope import apply_rope, rope_1d
+from k6fast.dit.backend import ExactBackend, SwitchedBackend
+from k6fast.dit.rope import rope_1d
 from k6fast.kernels import qk_norm_rope
-from k6fast.kernels.qk_norm_rope import rms_norm_rope, rms_norm_rope_ref, rms_norm_rope_triton
+from k6fast.kernels.qk_norm_rope import apply_rope, rms_norm_rope, rms_norm_rope_ref, rms_norm_rope_triton
 from k6fast.switches import Options
 
 # (B, N, H, D): D a power of two, D/2 not one (48 pairs: masked lanes), one token, a batch of two.
@@ -40,16 +40,12 @@ def _truth(x, weight, cos, sin, eps):
     return y if cos is None else apply_rope(y, cos.double(), sin.double())
 
 
-def _rel(a, b):
-    return ((a.double() - b.double()).norm() / b.double().norm()).item()
-
-
 def test_reference_is_the_forwards_sequence():
     x, weight, cos, sin = _inputs((1, 7, 3, 128))
     expected = apply_rope(F.rms_norm(x, (128,), weight.to(x.dtype)), cos, sin)
     assert torch.equal(rms_norm_rope_ref(x, weight, cos, sin, torch.finfo(torch.float32).eps), expected)
-    assert torch.equal(norm_rope_ref(x, weight, (cos, sin)), expected)
-    assert torch.equal(norm_rope_ref(x, weight, None), F.rms_norm(x, (128,), weight))
+    assert torch.equal(ExactBackend().norm_rope(x, weight, (cos, sin)), expected)
+    assert torch.equal(ExactBackend().norm_rope(x, weight, None), F.rms_norm(x, (128,), weight))
 
 
 @pytest.mark.parametrize("rope", [True, False])
@@ -87,7 +83,7 @@ def test_custom_op_passes_opcheck_and_compiles_without_graph_breaks():
 
 def test_backends_route_norm_rope(monkeypatch):
     x, weight, cos, sin = _inputs((1, 7, 3, 128))
-    expected = norm_rope_ref(x, weight, (cos, sin))
+    expected = rms_norm_rope_ref(x, weight, cos, sin)
     assert torch.equal(ExactBackend().norm_rope(x, weight, (cos, sin)), expected)
     cpu = torch.device("cpu")
     plain = SwitchedBackend(Options(), cpu)
@@ -109,10 +105,7 @@ def test_backends_route_norm_rope(monkeypatch):
 # ---------------------------------------------------------------------------------------------------------------
 
 
-@pytest.mark.interpret
-@spawns_interpreter
-def test_triton_kernel_under_interpreter():
-    run_interpret_tests(__file__)
+test_triton_kernel_under_interpreter = interpreter_suite(__file__)
 
 
 @pytest.mark.interpret
@@ -136,7 +129,7 @@ def test_kernel_interpreted_bf16(shape):
     # Two roundings to bf16 (after the norm, after the rotation), truncating under the interpreter: about two units
     # in the last place of values of order one (normalised rows); a wrong pair, token or scale is off by O(1).
     assert ((got - expected).abs() <= 2.0**-6 * (expected.abs() + 1.0)).all()
-    assert _rel(got, expected) < 1e-2
+    assert rel_l2(got, expected) < 1e-2
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -155,5 +148,5 @@ def test_kernel_gpu(shape, rope):
     got = rms_norm_rope(x, weight, cos, sin)
     reference = rms_norm_rope_ref(x, weight, cos, sin, eps)
     truth = _truth(x, weight, cos, sin, eps)
-    assert _rel(got, truth) <= 2 * _rel(reference, truth) + 1e-6
+    assert rel_l2(got, truth) <= 2 * rel_l2(reference, truth) + 1e-6
     assert (got != reference).float().mean().item() < 0.02, "differs from the reference beyond last-bit rounding"

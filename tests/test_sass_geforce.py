@@ -35,12 +35,14 @@ from triton.tools.disasm import get_sass
 
 from k6fast.kernels import adaln, fp8_fp16acc, fp8_linear, fp8_outliers, fp16acc_linear, qk_norm_rope
 from k6fast.kernels import quant_attention as qa
+from k6fast.kernels import quant_attention_core as qc
+from k6fast.kernels import quant_attention_prologue as qp
 
 TARGETS = {"sm_120": 120, "sm_89": 89}
 # The stated spill bounds (STL instructions): none, but for two kernels that spill today.
 SPILL_BOUNDS = {
     # head_dim 128 on the default 128x64-key tile, 8 warps: 6 stores on sm_120, 30 on sm_89 (255 registers); an
-    # sm_89/sm_120 entry in quant_attention's `_CONFIGS` is the attention owner's fix.
+    # sm_89/sm_120 entry in quant_attention_core's `_CONFIGS` is the attention owner's fix.
     ("_quant_attention_kernel", 128): 32,
     # the K/V quantization pass at head_dim 128, 4 warps over 64-key blocks: 84 stores on sm_120, 182 on sm_89 (0 at
     # head_dim 64); the whole prologue is 1.0 ms of ~57 ms on an H200 (measurements/sessions/2026-11-29_attention-tree).
@@ -143,7 +145,8 @@ def test_fp8_gemm_accumulates_chunks_in_fp16(target, config) -> None:
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# The quantized attention (kernels/quant_attention.py's Triton kernels, as `quant_attention` launches them off sm_90)
+# The quantized attention (the Triton kernels of kernels/quant_attention_prologue.py and quant_attention_core.py, as
+# `quant_attention` launches them off sm_90)
 # ---------------------------------------------------------------------------------------------------------------
 
 
@@ -154,7 +157,7 @@ def _attention_core(target: str, head_dim: int) -> Build:
     consts = {"stride_od": 1, "HEAD_DIM": head_dim, "BLOCK_M": cfg.block_m, "BLOCK_N": cfg.block_n,
               "Q_BLK": qa.Q_BLOCK, "PV_FP8": True, "FP8_NO_FOLD": True, "UNROLL": cfg.unroll,
               "EXP2_POLY": cfg.exp2_poly, "PIPELINE": cfg.pipeline}  # fmt: skip
-    return build(qa._quant_attention_kernel, TARGETS[target], pointers, consts, num_warps=cfg.num_warps,
+    return build(qc._quant_attention_kernel, TARGETS[target], pointers, consts, num_warps=cfg.num_warps,
                  num_stages=cfg.num_stages)  # fmt: skip
 
 
@@ -170,8 +173,8 @@ def test_quant_attention_builds_with_int8_qk(target, head_dim) -> None:
 
 @pytest.mark.xfail(
     strict=True,
-    reason="kernels/quant_attention.py's P·V dot accumulates in FP32 (QMMA.16832.F32.E4M3.E4M3, the half-rate form "
-    "on GeForce); an FP16-accumulate P·V is the attention kernel's owner's change. Strict: passing flags the fix.",
+    reason="kernels/quant_attention_core.py's P·V dot accumulates in FP32 (QMMA.16832.F32.E4M3.E4M3, the half-rate "
+    "form on GeForce); an FP16-accumulate P·V is the attention kernel's owner's change. Strict: passing flags the fix.",
 )
 @pytest.mark.parametrize("target", TARGETS)
 def test_quant_attention_pv_accumulates_in_fp16(target) -> None:
@@ -186,17 +189,17 @@ def test_quant_attention_prologue_builds(target, head_dim) -> None:
     cap = TARGETS[target]
     src = {"stride_d": 1}
     builds = [
-        build(qa._quantize_q_kernel, cap, {"Q": "*bf16", "Q8": "*i8", "QS": "*fp32"},
+        build(qp._quantize_q_kernel, cap, {"Q": "*bf16", "Q8": "*i8", "QS": "*fp32"},
               {**src, "HEAD_DIM": head_dim, "BLOCK": qa.Q_BLOCK}, num_warps=8),
-        build(qa._kv_stats_kernel, cap, {"K": "*bf16", "V": "*bf16", "STATS": "*fp32"},
-              {"stride_kd": 1, "stride_vd": 1, "HEAD_DIM": head_dim, "BLOCK": qa._STATS_ROWS,
-               "CHUNK": qa._STATS_CHUNK, "PV_FP8": True}, num_warps=4),
-        build(qa._kv_quantize_kernel, cap,
+        build(qp._kv_stats_kernel, cap, {"K": "*bf16", "V": "*bf16", "STATS": "*fp32"},
+              {"stride_kd": 1, "stride_vd": 1, "HEAD_DIM": head_dim, "BLOCK": qp._STATS_ROWS,
+               "CHUNK": qp._STATS_CHUNK, "PV_FP8": True}, num_warps=4),
+        build(qp._kv_quantize_kernel, cap,
               {"K": "*bf16", "V": "*bf16", "KMEAN": "*fp32", "VMEAN": "*fp32", "VMAX": "*fp32", "K8": "*i8",
                "KS": "*fp32", "VT": "*fp8e4nv", "VQSUM": "*fp32"},
               {"stride_kd": 1, "stride_vd": 1, "HEAD_DIM": head_dim, "BLOCK": qa.K_BLOCK,
-               "SUB": qa._KV_QUANT_ROWS // qa.K_BLOCK, "PV_FP8": True, "V_PERM": False},
-              num_warps=qa._KV_QUANT_WARPS),
+               "SUB": qp._KV_QUANT_ROWS // qa.K_BLOCK, "PV_FP8": True, "V_PERM": False},
+              num_warps=qp._KV_QUANT_WARPS),
     ]  # fmt: skip
     for b in builds:
         bound = spill_bound(b.name, head_dim)

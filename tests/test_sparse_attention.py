@@ -17,7 +17,7 @@ import os
 import pytest
 import torch
 import torch.nn.functional as F
-from kernel_testing import needs_cuda, run_interpret_tests, spawns_interpreter
+from kernel_testing import interpreter_suite, needs_cuda, rel_l2
 
 from k6fast.kernels import sparse_attention as sa
 from k6fast.kernels import tile_mask as tm
@@ -69,10 +69,6 @@ def dense_fp32(q, k, v):
     return torch.einsum("bhmn,bnhd->bmhd", torch.softmax(s, dim=-1), v.float())
 
 
-def rel_l2(a, b):
-    return ((a.double() - b.double()).norm() / b.double().norm()).item()
-
-
 # ---------------------------------------------------------------------------------------------------------------------
 # CPU: the reference
 # ---------------------------------------------------------------------------------------------------------------------
@@ -105,6 +101,17 @@ def test_reference_with_hand_built_blocks_is_masked_sdpa(shape):
     idx, cnt = random_blocks(b, h, m, n, seed=2, allow_empty=True)
     out = sa.sparse_attention_ref(q, k, v, idx, cnt)
     torch.testing.assert_close(out, masked_sdpa(q, k, v, idx, cnt), rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("shape", [*ODD, (1, 1, 1100, 300, 32)])  # the last: nine query blocks, two chunks
+def test_sdpa_baseline_in_fp32_is_the_reference(shape):
+    # The baseline the GPU tests hold the kernels' error to (`_rule`): in fp32 it computes what the reference does.
+    b, h, m, n, d = shape
+    q, k, v = qkv(*shape, seed=3)
+    idx, cnt = random_blocks(b, h, m, n, seed=4)
+    got = sa.sparse_attention_sdpa(q, k, v, idx, cnt)
+    assert got.shape == q.shape and got.dtype == q.dtype
+    torch.testing.assert_close(got, sa.sparse_attention_ref(q, k, v, idx, cnt), rtol=1e-5, atol=1e-6)
 
 
 def test_reference_zero_blocks_row_gives_zeros():
@@ -160,10 +167,7 @@ def test_the_compiled_op_keeps_one_graph():
 # ---------------------------------------------------------------------------------------------------------------------
 
 
-@pytest.mark.interpret
-@spawns_interpreter
-def test_interpreter_suite_in_subprocess():
-    run_interpret_tests(__file__, timeout=900)
+test_interpreter_suite_in_subprocess = interpreter_suite(__file__, timeout=900)
 
 
 INTERPRET_SHAPES = [(1, 2, 1, 300, 16), (1, 1, 300, 1, 32), (2, 1, 257, 129, 16), (1, 2, 130, 384, 64)]
@@ -244,18 +248,6 @@ def _gpu_case(shape, seed, density):
     return q, k, v, idx, cnt
 
 
-def _bf16_masked_sdpa(q, k, v, idx, cnt):
-    """SDPA in bf16 under the same mask, chunked over query blocks: the error a plain bf16 implementation makes."""
-    out = torch.empty_like(q)
-    for i in range(0, idx.shape[2], 8):
-        rows = slice(i * sa.BLOCK, min(q.shape[1], (i + 8) * sa.BLOCK))
-        mask = tm.token_mask(idx[:, :, i : i + 8], cnt[:, :, i : i + 8], rows.stop - rows.start, k.shape[1])
-        o = F.scaled_dot_product_attention(q[:, rows].transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
-                                           attn_mask=mask)  # fmt: skip
-        out[:, rows] = o.transpose(1, 2)
-    return out
-
-
 @pytest.mark.gpu
 @needs_cuda
 @pytest.mark.parametrize("impl", ["triton", "fa4"])
@@ -271,7 +263,7 @@ def test_gpu_kernels_by_the_flash_attention_rule(shape, density, impl):
     out = sa.sparse_attention(q, k, v, idx, cnt, impl=impl)
     assert out.shape == q.shape and out.dtype == q.dtype and torch.isfinite(out).all()
     exact = sa.sparse_attention_ref(q, k, v, idx, cnt, out_dtype=torch.float32)
-    _rule(out, exact, _bf16_masked_sdpa(q, k, v, idx, cnt), f"{impl} {shape} density {density}")
+    _rule(out, exact, sa.sparse_attention_sdpa(q, k, v, idx, cnt), f"{impl} {shape} density {density}")
 
 
 @pytest.mark.gpu

@@ -184,7 +184,7 @@ def generate_command(run: Run, w: Workload, run_dir: Path, python: str) -> list[
 def peer_command(run: Run, w: Workload, run_dir: Path, python: str) -> list[str]:
     """The peer through `k6fast bench`'s visit process: one request, no warm-up (a user's first request), under
     the same allocator cap, MP4 written by the same writer."""
-    from .visit import VisitSpec
+    from .runner import VisitSpec
 
     width, height, frames = (int(v) for v in w.geometry.split("x"))
     spec = VisitSpec(session="acceptance", visit=0, position=0, repeat=0, arm=run.arm, model=w.model,

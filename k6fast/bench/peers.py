@@ -21,7 +21,7 @@ from typing import Any
 
 import torch
 
-from .visit import VisitSpec, peak_vram, reset_peak, sync, time_call
+from .runner import VisitSpec, peak_vram, reset_peak, sync, time_call
 from .workload import audio_tokens, block_inputs, dit_inputs
 
 PEER_ARMS = ("diffusers", "diffusers-offload")

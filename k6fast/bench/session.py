@@ -25,7 +25,7 @@ from typing import Any
 from .gpu import GpuWatch, NvidiaSmi, Smi, gpu_inventory, wait_for_idle
 from .peers import PEER_ARMS, is_peer
 from .records import SCHEMA, SESSION_FILE, VISITS_FILE, append_jsonl, check_topic, new_session_dir, write_json
-from .visit import COMPONENTS, DEFAULT_PROMPT, VisitSpec
+from .runner import COMPONENTS, DEFAULT_PROMPT, VisitSpec
 from .workload import Geometry
 
 ORDERS = {"ABBA": "mirrored", "ABAB": "in order"}

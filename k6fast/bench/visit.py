@@ -26,93 +26,17 @@ import sys  # noqa: E402
 import tempfile  # noqa: E402
 import threading  # noqa: E402
 import traceback  # noqa: E402
-from collections.abc import Callable  # noqa: E402
-from dataclasses import asdict, dataclass, field  # noqa: E402
 from pathlib import Path  # noqa: E402
-from typing import Any, Protocol  # noqa: E402
+from typing import Any  # noqa: E402
 
 import torch  # noqa: E402
 
 from ..telemetry import anon_rss_bytes  # noqa: E402
 from .records import SCHEMA, write_json  # noqa: E402
-from .workload import Geometry, audio_tokens, block_inputs, dit_inputs  # noqa: E402
+from .runner import Runner, VisitSpec, peak_vram, sync, time_call  # noqa: E402
+from .workload import audio_tokens, block_inputs, dit_inputs  # noqa: E402
 
-COMPONENTS = ("pipeline", "dit", "block")
-DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 VERSIONED = ("torch", "triton", "diffusers", "transformers", "safetensors", "av", "numpy", "k6fast")
-DEFAULT_PROMPT = (
-    "A rain-slicked Tokyo alley at night, camera tracking forward past a glowing neon sign that reads OPEN in red "
-    "letters, reflections rippling in puddles. Audio: steady rain on metal awnings, a distant train."
-)
-
-
-@dataclass(frozen=True)
-class VisitSpec:
-    """Everything one visit needs; written by the session as JSON, read back by the visit process."""
-
-    session: str
-    visit: int  # 0-based index in the session's order
-    position: int  # position within one mirrored pattern (A B B A: 0..3)
-    repeat: int  # which repetition of the pattern
-    arm: str  # arm name, arm file path, or a peer arm name
-    model: str
-    component: str
-    width: int
-    height: int
-    frames: int
-    steps: int
-    guidance: float
-    seed: int = 42
-    prompt: str = DEFAULT_PROMPT
-    requests: int = 1
-    warmup: int = 1
-    device: str | None = None
-    dtype: str | None = None
-    mux: bool = True
-    command: str = ""
-    switches: dict[str, str] = field(default_factory=dict)  # session-wide switches over the arm's (see SessionPlan)
-
-    @property
-    def geometry(self) -> Geometry:
-        return Geometry(self.width, self.height, self.frames)
-
-    def resolved_device(self) -> torch.device:
-        from ..dit.runtime import resolve_device
-
-        return resolve_device(self.device or ("cuda" if torch.cuda.is_available() else "cpu"))
-
-    def resolved_dtype(self) -> torch.dtype:
-        if self.dtype is not None:
-            return DTYPES[self.dtype]
-        return torch.bfloat16 if self.resolved_device().type == "cuda" else torch.float32
-
-    @classmethod
-    def from_dict(cls, raw: dict[str, Any]) -> VisitSpec:
-        spec = cls(**raw)
-        if spec.component not in COMPONENTS:
-            raise ValueError(f"component {spec.component!r}: expected one of {', '.join(COMPONENTS)}")
-        if spec.dtype is not None and spec.dtype not in DTYPES:
-            raise ValueError(f"dtype {spec.dtype!r}: expected one of {', '.join(DTYPES)}")
-        if spec.requests < 1 or spec.warmup < 0:
-            raise ValueError(f"expected requests >= 1 and warmup >= 0, found {spec.requests} and {spec.warmup}")
-        return spec
-
-    def as_dict(self) -> dict[str, Any]:
-        return asdict(self)
-
-
-class Runner(Protocol):
-    """One arm at one component: `load` once, then `run` per request."""
-
-    def load(self) -> None: ...
-
-    def run(self) -> dict[str, Any]:
-        """One request: {"seconds": float, "telemetry": Telemetry.as_dict()-shaped dict}."""
-        ...
-
-    def describe(self) -> dict[str, Any]:
-        """Provenance of what ran (k6fast: version, commit, arm, hash, switches; peers: their settings too)."""
-        ...
 
 
 class RssSampler:
@@ -171,22 +95,6 @@ def environment(device: torch.device) -> dict[str, Any]:
     }
 
 
-def sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
-def reset_peak(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.reset_peak_memory_stats(device)
-
-
-def peak_vram(device: torch.device) -> dict[str, int]:
-    if device.type != "cuda":
-        return {"allocated": 0, "reserved": 0}
-    return {"allocated": torch.cuda.max_memory_allocated(device), "reserved": torch.cuda.max_memory_reserved(device)}
-
-
 class _K6Runner:
     """What every k6fast runner shares: the arm's options, the device and dtype, and its provenance."""
 
@@ -243,25 +151,6 @@ class K6Pipeline(_K6Runner):
         sync(self.device)
         seconds = time.perf_counter() - start
         return {"seconds": seconds, "telemetry": result.telemetry.as_dict()}
-
-
-def time_call(
-    device: torch.device, phase: str, call: Callable[[], object], on_done: Callable[[Any], None] | None = None
-) -> dict[str, Any]:
-    """Time one synchronised call as a one-step Telemetry (a DiT forward is one step at guidance 1); `on_done`
-    receives the Telemetry after the call, to add what the runtime measured inside it."""
-    from ..telemetry import Telemetry
-
-    telemetry = Telemetry(device=str(device))
-    reset_peak(device)
-    with torch.no_grad(), telemetry.phase(phase):
-        call()
-    seconds = telemetry.phases[phase]
-    telemetry.step_seconds.append(seconds)
-    telemetry.dit_calls = 1 if phase == "dit_forward" else 0
-    if on_done is not None:
-        on_done(telemetry)
-    return {"seconds": seconds, "telemetry": telemetry.as_dict()}
 
 
 class K6DiTRunner(_K6Runner):

@@ -5,18 +5,19 @@ target without one (`resolve_for`, which `k6fast switches` prints for sm_90, sm_
 
 - `auto` GEMM (the near-lossless arms): FP16-accumulate only on GeForce cards (sm_80 and newer), where FP16-accumulate
   MMA runs at twice the FP32-accumulate rate (the build check tests/test_sass_geforce.py proves the kernel issues
-  `HMMA.16816.F16` for sm_120 and sm_89); on datacenter cards it has no rate advantage (0.6x cuBLAS on an H200,
-  measurements/sessions/2026-11-29_h200-followup), so cuBLAS bf16 stays.
-- `auto-lossy` GEMM (the lossy arms): block-scaled MXFP8 on Blackwell (sm_100, sm_12x: ≈ 1,000 TFLOP/s published for
-  the RTX 5090, twice its FP32-accumulate FP8 rate; measurements/model_5090.md ranks it) where torchao is installed;
-  FP8 row-wise elsewhere from sm_89 (the H200's best measured GEMM, 1.7x cuBLAS, measurements/sessions/
-  2026-11-29_fp8-outliers); bf16 below sm_89 and on the CPU.
+  `HMMA.16816.F16` for sm_120 and sm_89); on datacenter cards it has no rate advantage (slower than cuBLAS on an
+  H200: measurements/sessions/2026-11-29_h200-followup/README.md), so cuBLAS bf16 stays.
+- `auto-lossy` GEMM (the lossy arms): block-scaled MXFP8 on Blackwell (sm_100, sm_12x: on the RTX 5090 twice its
+  FP32-accumulate FP8 rate by its published specification; measurements/model_5090.md ranks it) where torchao is
+  installed; FP8 row-wise elsewhere from sm_89 (the H200's fastest GEMM measured:
+  measurements/sessions/2026-11-29_fp8-outliers/README.md); bf16 below sm_89 and on the CPU.
 - K6_GEMM=fp8 on GeForce sm_89/sm_12x becomes `fp8-fp16acc`: the FP16-chunk FP8 GEMM (kernels/fp8_fp16acc.py,
   `QMMA.16832.F16` in its SASS) instead of `torch._scaled_mm`'s FP32 accumulation, half rate on those cards.
 - K6_GEMM=mxfp8 / nvfp4 where there are no block-scaled tensor cores (Hopper, Ada, older): cuBLAS bf16, said once.
-- `auto` attention: k6fast's quantized kernel only on GeForce Ada/Blackwell (sm_89, sm_12x: FP8 P·V), where quantized
-  attention was 2.5x FlashAttention2 for the best peer; on the H200 exact attention (k6's Gluon kernel) is the
-  near-lossless choice (measurements/sessions/2026-11-29_exact-attention). Neither GeForce gain is measured here.
+- `auto` attention: k6fast's quantized kernel only on GeForce Ada/Blackwell (sm_89, sm_12x: FP8 P·V), the cards on
+  which SageAttention 2 reports its largest gains over FlashAttention 2; on the H200 exact attention (k6's Gluon
+  kernel) is the near-lossless choice (measurements/sessions/2026-11-29_exact-attention/README.md). Neither GeForce
+  gain is measured here.
 """
 
 from __future__ import annotations

@@ -26,12 +26,12 @@ import logging
 from collections import Counter
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor
 
+from ..kernels.exact_attention import sdpa
 from ..kernels.tile_mask import TokenOrder
 from ..switches import Options, SwitchError
-from .backend import ATTENTION_SITES
+from .config import ATTENTION_SITES
 
 logger = logging.getLogger(__name__)
 SUPPORTED_HEAD_DIMS = (64, 128)  # k6fast's kernel (Pro 128, Lite 64)
@@ -50,8 +50,9 @@ SITE_SETS = {
 
 
 def exact_sdpa_backends(device: torch.device) -> list:
-    """SDPA backends in order of preference: cuDNN first on Hopper (585 vs 425 TFLOP/s for flash at W1 on an H200,
-    k6-facts.md), flash first elsewhere; the others stay as fallbacks for shapes a backend refuses."""
+    """SDPA backends in order of preference: cuDNN first on Hopper (much faster than flash at W1 on an H200,
+    measurements/sessions/2026-11-29_exact-attention/README.md), flash first elsewhere; the others stay as fallbacks
+    for shapes a backend refuses."""
     from torch.nn.attention import SDPBackend
 
     if device.type != "cuda":
@@ -199,14 +200,11 @@ class AttentionDispatch:
             if not torch.compiler.is_compiling():
                 _log_once(f"K6_EXACT_ATTN_KERNEL=fa4: {q.dtype} head_dim {q.shape[-1]} is not taken; using SDPA")
         self._count("exact", site)
-        attn_mask = None if mask is None else mask[:, None, None, :]
         from torch.nn.attention import sdpa_kernel
 
         ctx = sdpa_kernel(self._backends, set_priority=True) if q.is_cuda else contextlib.nullcontext()
         with ctx:
-            out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
-                                                 attn_mask=attn_mask)  # fmt: skip
-        return out.transpose(1, 2)
+            return sdpa(q, k, v, mask)
 
     def _describe(self, device: torch.device) -> dict[str, str]:
         """What the exact and sparse arms run on `device`, for the start-up log and records."""

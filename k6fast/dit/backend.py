@@ -1,7 +1,8 @@
 """Where the DiT's precision and kernel choices live: one object that runs every linear layer and attention call.
 
-The forward names each call (`name` = the layer's weight name, `site` = the attention call site), so a backend can
-choose per layer and per call site without the forward knowing. `ExactBackend` is the BF16 reference path.
+The forward names each call (`name` = the layer's weight name, `site` = the attention call site, one of
+`config.ATTENTION_SITES`), so a backend can choose per layer and per call site without the forward knowing.
+`ExactBackend` is the BF16 reference path; its elementwise maths and attention are the kernels' own references.
 """
 
 from __future__ import annotations
@@ -13,24 +14,17 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from ..kernels.adaln import gated_residual_ref, layernorm_modulate_ref
+from ..kernels.exact_attention import sdpa
+from ..kernels.gelu import gelu_ref
+from ..kernels.qk_norm_rope import rms_norm_rope_ref
+
 if TYPE_CHECKING:
     from ..kernels.tile_mask import TokenOrder
 
 logger = logging.getLogger(__name__)
 
 LN_EPS = 1e-5  # nn.LayerNorm's default, as in the reference model
-
-# Attention call sites of the DiT. Text blocks attend over text only; fused blocks have the six below.
-ATTENTION_SITES = (
-    "text_self",
-    "video_self",
-    "video_text",
-    "audio_self",
-    "audio_text",
-    "video_audio",  # video queries, audio keys
-    "audio_video",  # audio queries, video keys
-)
-
 
 Layer = tuple[Tensor, Tensor | None, str]  # (weight, bias, name) of a linear layer
 
@@ -63,42 +57,9 @@ class Backend(Protocol):
     def video_token_order(self, grid: tuple[int, int, int], positions) -> TokenOrder | None: ...
 
 
-def sdpa(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None) -> Tensor:
-    """q: [B, Nq, H, D], k/v: [B, Nk, H, D], mask: bool [B, Nk] or None → [B, Nq, H, D]."""
-    attn_mask = None if mask is None else mask[:, None, None, :]
-    out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), attn_mask=attn_mask)
-    return out.transpose(1, 2)
-
-
-def broadcast_cond(cond: Tensor, x: Tensor) -> Tensor:
-    """A per-sample vector [B, D] viewed to broadcast over x's token axes [B, ..., D]."""
-    return cond.reshape(cond.shape[0], *([1] * (x.ndim - 2)), cond.shape[-1])
-
-
-def modulate_ref(x: Tensor, scale: Tensor, shift: Tensor) -> Tensor:
-    """AdaLN: LayerNorm(x) * (1 + scale) + shift, all in fp32, returned in x.dtype (the reference model's maths).
-    x: [B, N, D]; scale, shift: [B, D] (fp32)."""
-    normed = F.layer_norm(x.float(), (x.shape[-1],), eps=LN_EPS)
-    return (normed * (broadcast_cond(scale, x).float() + 1.0) + broadcast_cond(shift, x).float()).to(x.dtype)
-
-
-def gated_add_ref(x: Tensor, out: Tensor, gate: Tensor) -> Tensor:
-    """Gated residual x + gate * out in fp32, returned in x.dtype. gate: [B, D]."""
-    return (x.float() + broadcast_cond(gate, x).float() * out.float()).to(x.dtype)
-
-
-def norm_rope_ref(x: Tensor, weight: Tensor, rope: tuple[Tensor, Tensor] | None, eps: float | None = None) -> Tensor:
-    """Per-head RMSNorm of a query or key, then its rotary embedding. x: [B, N, H, D]; rope: fp32 (cos, sin)
-    [N, D // 2] or None. eps=None: as nn.RMSNorm(eps=None) in the reference model (torch then uses fp32's epsilon)."""
-    from .rope import apply_rope
-
-    y = F.rms_norm(x, (x.shape[-1],), weight.to(x.dtype), eps)
-    return y if rope is None else apply_rope(y, *rope)
-
-
 class ExactBackend:
     """The reference every fast path is checked against: GEMMs in the weights' dtype (cuBLAS on GPU), PyTorch SDPA,
-    and the elementwise AdaLN maths as multi-pass fp32 torch ops."""
+    and the elementwise maths as the kernels' own references (`kernels/*`'s `*_ref`: multi-pass fp32 torch ops)."""
 
     def linear(self, x: Tensor, weight: Tensor, bias: Tensor | None, *, name: str) -> Tensor:
         return F.linear(x, weight, bias)
@@ -111,10 +72,12 @@ class ExactBackend:
         return sdpa(q, k, v, mask)
 
     def modulate(self, x: Tensor, scale: Tensor, shift: Tensor) -> Tensor:
-        return modulate_ref(x, scale, shift)
+        """AdaLN: LayerNorm(x) * (1 + scale) + shift in fp32, in x.dtype. x: [B, N, D]; scale, shift: [B, D]."""
+        return layernorm_modulate_ref(x, scale, shift, eps=LN_EPS)
 
     def gated_add(self, x: Tensor, out: Tensor, gate: Tensor) -> Tensor:
-        return gated_add_ref(x, out, gate)
+        """Gated residual x + gate * out in fp32, returned in x.dtype. x, out: [B, N, D]; gate: [B, D]."""
+        return gated_residual_ref(x, out, gate)
 
     def gated_add_modulate(
         self, x: Tensor, out: Tensor, gate: Tensor, scale: Tensor, shift: Tensor
@@ -125,10 +88,13 @@ class ExactBackend:
         return x, self.modulate(x, scale, shift)
 
     def gelu(self, x: Tensor) -> Tensor:
-        return F.gelu(x)
+        return gelu_ref(x)
 
     def norm_rope(self, x: Tensor, weight: Tensor, rope: tuple[Tensor, Tensor] | None) -> Tensor:
-        return norm_rope_ref(x, weight, rope)
+        """Per-head RMSNorm (nn.RMSNorm(eps=None), as the reference model), then RoPE. x: [B, N, H, D]; rope: fp32
+        (cos, sin) [N, D // 2] or None."""
+        cos, sin = (None, None) if rope is None else rope
+        return rms_norm_rope_ref(x, weight, cos, sin)
 
     def begin_step(self, step: int) -> None:
         return None
@@ -179,14 +145,14 @@ class SwitchedBackend(ExactBackend):
             from ..kernels.adaln import layernorm_modulate
 
             return layernorm_modulate(x, scale, shift, eps=LN_EPS)
-        return modulate_ref(x, scale, shift)
+        return super().modulate(x, scale, shift)
 
     def gated_add(self, x: Tensor, out: Tensor, gate: Tensor) -> Tensor:
         if self._fused_for(x):
             from ..kernels.adaln import gated_residual
 
             return gated_residual(x, out.contiguous(), gate)
-        return gated_add_ref(x, out, gate)
+        return super().gated_add(x, out, gate)
 
     def gated_add_modulate(
         self, x: Tensor, out: Tensor, gate: Tensor, scale: Tensor, shift: Tensor
@@ -210,7 +176,7 @@ class SwitchedBackend(ExactBackend):
 
             cos, sin = (None, None) if rope is None else (t.contiguous() for t in rope)
             return rms_norm_rope(x, weight, cos, sin)
-        return norm_rope_ref(x, weight, rope)
+        return super().norm_rope(x, weight, rope)
 
     def begin_step(self, step: int) -> None:
         self.attn.begin_step(step)

@@ -7,6 +7,17 @@ import math
 from dataclasses import dataclass, fields
 from typing import Any
 
+# Attention call sites of the DiT. Text blocks attend over text only; fused blocks have the six below.
+ATTENTION_SITES = (
+    "text_self",
+    "video_self",
+    "video_text",
+    "audio_self",
+    "audio_text",
+    "video_audio",  # video queries, audio keys
+    "audio_video",  # audio queries, video keys
+)
+
 
 @dataclass(frozen=True)
 class DiTConfig:

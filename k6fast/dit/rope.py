@@ -1,8 +1,9 @@
 """Rotary position embeddings as (cos, sin) tables over interleaved channel pairs.
 
 Kandinsky 6 rotates channel pairs (2i, 2i+1) of every head. The tables here hold one angle per pair, fp32, shaped
-[tokens, head_dim // 2]; `apply_rope` broadcasts them over heads. This is the same rotation as diffusers'
-2x2-matrix form (`apply_rotary`), with half the table memory and no per-element matrix product.
+[tokens, head_dim // 2]; the rotation itself (`k6fast.kernels.qk_norm_rope.apply_rope`, the reference of the fused
+q/k norm kernel) broadcasts them over heads. This is the same rotation as diffusers' 2x2-matrix form
+(`apply_rotary`), with half the table memory and no per-element matrix product.
 """
 
 from __future__ import annotations
@@ -42,12 +43,3 @@ def rope_3d(
         per_axis.append(angles.view(shape).expand(*sizes, dim // 2))
     angles = torch.cat(per_axis, dim=-1).reshape(-1, sum(axes_dims) // 2)
     return torch.cos(angles), torch.sin(angles)
-
-
-def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
-    """x: [B, N, H, D] (any float dtype); cos/sin fp32 [N, D // 2]. Rotates pairs in fp32, returns x.dtype."""
-    xf = x.float().unflatten(-1, (-1, 2))
-    x0, x1 = xf[..., 0], xf[..., 1]
-    c, s = cos[:, None, :], sin[:, None, :]
-    out = torch.stack((x0 * c - x1 * s, x0 * s + x1 * c), dim=-1)
-    return out.flatten(-2).to(x.dtype)

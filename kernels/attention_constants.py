@@ -1,0 +1,35 @@
+"""Constants shared by the attention kernels (the quantized attention's prologue, its Triton and Gluon cores, the
+exact Gluon kernel) and the launch-device guard they all use.
+
+The softmax bit tricks (`MAGIC_I`, `MAGIC_F`, `LOG2_FP8_MAX`) are `tl.constexpr` so that Triton and Gluon kernels can
+read them as globals.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+import triton.language as tl
+
+Q_BLOCK = 128  # query rows per Q scale
+K_BLOCK = 64  # default key rows per K scale (QuantAttentionConfig.block_n, QuantizedQKV.k_block). The K scale block
+# is also the kernel's key tile and its online-softmax update granularity, so quantization and kernel must agree.
+K_BLOCKS = (64, 128)
+SUPPORTED_HEAD_DIMS = (64, 128)
+SUPPORTED_DTYPES = (torch.bfloat16, torch.float16)
+
+LOG2E = 1.4426950408889634
+FP8_MAX = 448.0  # largest finite float8 e4m3fn
+
+# An int32 x with |x| < 2**22 plus the bits of 1.5 * 2**23 is the fp32 1.5 * 2**23 + x exactly. This replaces the
+# int32 -> fp32 conversion (I2F runs at 16/clk/SM on sm_90, as slow as exp2) by an integer add. |Q·Kᵀ| <= 127² · 128
+# = 2,064,512 < 2**22.
+MAGIC_I = tl.constexpr(0x4B400000)
+MAGIC_F = tl.constexpr(12582912.0)
+LOG2_FP8_MAX = tl.constexpr(8.807354922057604)  # log2(448)
+
+
+def on_device(device: torch.device) -> contextlib.AbstractContextManager:
+    """Triton launches on the current CUDA device, which need not be the tensors': make it theirs."""
+    return torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()

@@ -1,0 +1,174 @@
+"""The import graph of k6fast's four packages points one way: no cycles, and nothing imports upward.
+
+The graph is read from the source with `ast`, imports inside functions included (an import deferred into a function
+still ties the two modules together; deferring it only hides a cycle from the interpreter). Each import counts as an
+edge to the module it names (`from pkg import name` names `pkg.name` where that is a module, else `pkg`); a package's
+`__init__` is a module like the others, so re-exports through it count.
+
+The layers (design card): `kernels/` (installed as `k6fast.kernels`) knows nothing of the runtime; the runtime knows
+nothing of the command line (`k6fast.cli` and the subcommands' `cli` modules it registers).
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+# Source folder -> the package it is installed as (pyproject.toml's package-dir).
+PACKAGES = {
+    "k6fast": "k6fast",
+    "kernels": "k6fast.kernels",
+    "switches": "k6fast.switches",
+    "quality_gate": "k6fast.quality_gate",
+}
+KERNELS = "k6fast.kernels"
+
+
+def _modules() -> dict[str, Path]:
+    """Every module of the four packages by its installed name (a package by its own name, for its __init__)."""
+    found = {}
+    for folder, package in PACKAGES.items():
+        for path in sorted((ROOT / folder).rglob("*.py")):
+            parts = [p for p in path.relative_to(ROOT / folder).with_suffix("").parts if p != "__init__"]
+            found[".".join([package, *parts])] = path
+    return found
+
+
+MODULES = _modules()
+
+
+def _resolve(name: str) -> str | None:
+    """The module of ours that the dotted `name` refers to: itself, else its longest prefix that is one; None if
+    it is not ours (the standard library, torch, ...)."""
+    while name:
+        if name in MODULES:
+            return name
+        name = name.rpartition(".")[0]
+    return None
+
+
+def _imports(module: str) -> set[str]:
+    """The modules of ours that `module` imports anywhere in its source (module level, functions, TYPE_CHECKING)."""
+    path = MODULES[module]
+    package = module if path.name == "__init__.py" else module.rpartition(".")[0]
+    targets = set()
+    for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+        if isinstance(node, ast.Import):
+            names = [alias.name for alias in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                anchor = package.split(".")
+                anchor = anchor[: len(anchor) - (node.level - 1)]
+                base = ".".join(anchor + ([node.module] if node.module else []))
+            else:
+                base = node.module or ""
+            names = [f"{base}.{alias.name}" for alias in node.names]  # resolves to `base` when not a module
+        else:
+            continue
+        targets.update(t for t in map(_resolve, names) if t is not None and t != module)
+    return targets
+
+
+GRAPH = {module: _imports(module) for module in MODULES}
+
+
+def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """Strongly connected components of more than one module (Tarjan's algorithm, iterative)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    components = []
+    for root in sorted(graph):
+        if root in index:
+            continue
+        work = [(root, iter(sorted(graph[root])))]
+        index[root] = low[root] = len(index)
+        stack.append(root)
+        on_stack.add(root)
+        while work:
+            node, children = work[-1]
+            child = next(children, None)
+            if child is not None:
+                if child not in index:
+                    index[child] = low[child] = len(index)
+                    stack.append(child)
+                    on_stack.add(child)
+                    work.append((child, iter(sorted(graph[child]))))
+                elif child in on_stack:
+                    low[node] = min(low[node], index[child])
+                continue
+            work.pop()
+            if work:
+                parent = work[-1][0]
+                low[parent] = min(low[parent], low[node])
+            if low[node] == index[node]:
+                component = []
+                while True:
+                    member = stack.pop()
+                    on_stack.discard(member)
+                    component.append(member)
+                    if member == node:
+                        break
+                if len(component) > 1:
+                    components.append(sorted(component))
+    return components
+
+
+# `k6fast.server`'s __init__ re-exports its subcommand's `register` for `k6fast.cli` (its docstring says so): the
+# package's face to the command line, so it belongs to that layer. (Importing one of the server's modules still runs
+# it; nothing of the runtime below the server does.)
+CLI_FACES = frozenset({"k6fast.server"})
+
+
+def _is_cli(module: str) -> bool:
+    """The command-line layer: `k6fast.cli`, the subcommands' modules it registers (`bench.cli`,
+    `bench.acceptance_cli`, `server.cli`, `server.ray_cli`), `__main__` entry points and CLI_FACES.
+    `k6fast.cli_args` holds argument checks the server and the gate share and is not part of it."""
+    last = module.rpartition(".")[2]
+    return last in ("cli", "__main__") or last.endswith("_cli") or module in CLI_FACES
+
+
+def test_the_graph_is_read():
+    # Guards the checks below against a reader that finds nothing: known edges of each kind are seen.
+    assert len(MODULES) > 100
+    assert "k6fast.kernels.adaln" in GRAPH["k6fast.dit.backend"]  # module level, relative
+    assert "k6fast.kernels.qk_norm_rope" in GRAPH["k6fast.dit.backend"]
+    assert "k6fast.dit.attention" in GRAPH["k6fast.dit.backend"]  # inside a function
+    assert "k6fast.kernels.fp8_linear" in GRAPH["k6fast.kernels.adaln"]  # within kernels
+    assert "k6fast.bench.cli" in GRAPH["k6fast.cli"]
+    assert "k6fast" in GRAPH["k6fast.switches.provenance"]  # `from .. import __version__`: the root package
+    assert {"k6fast.cli", "k6fast.server.cli", "k6fast.server.__main__", "k6fast.server"} <= {
+        m for m in MODULES if _is_cli(m)
+    }
+
+
+def test_cycle_finder_finds_cycles():
+    graph = {"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}, "e": {"e"}, "f": set()}
+    assert _cycles(graph) == [["a", "b", "c"]]
+    assert _cycles({"x": {"y"}, "y": {"x", "z"}, "z": set()}) == [["x", "y"]]
+
+
+def test_no_import_cycles():
+    cycles = _cycles(GRAPH)
+    assert not cycles, "import cycles (imports inside functions count):\n" + "\n".join(" <-> ".join(c) for c in cycles)
+
+
+def test_kernels_import_nothing_of_the_runtime():
+    upward = sorted(
+        f"{module} imports {target}"
+        for module, targets in GRAPH.items()
+        if module.startswith(KERNELS + ".") or module == KERNELS
+        for target in targets
+        if not (target == KERNELS or target.startswith(KERNELS + "."))
+    )
+    assert not upward, "kernels/ must not import the runtime:\n" + "\n".join(upward)
+
+
+@pytest.mark.parametrize("cli", sorted(m for m in MODULES if _is_cli(m)))
+def test_the_runtime_never_imports_the_command_line(cli):
+    importers = sorted(m for m, targets in GRAPH.items() if cli in targets and not _is_cli(m))
+    assert not importers, f"{cli} is the command line; imported by the runtime: {importers}"
