@@ -141,7 +141,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
 
 def cmd_make_tiny(args: argparse.Namespace) -> int:
-    from .tiny import make_tiny
+    from .testing.tiny import make_tiny
 
     path = make_tiny(args.dir, variant=args.variant, seed=args.seed)
     print(f"wrote a tiny random-weight {args.variant} checkpoint to {path}")
@@ -149,7 +149,7 @@ def cmd_make_tiny(args: argparse.Namespace) -> int:
 
 
 def cmd_make_synthetic(args: argparse.Namespace) -> int:
-    from .synthetic import make_synthetic
+    from .testing.synthetic import make_synthetic
 
     try:
         path = make_synthetic(args.dir, preset=args.preset, blocks=args.blocks, seed=args.seed)

@@ -13,7 +13,7 @@ os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 
 @pytest.fixture(scope="session")
 def tiny_checkpoints(tmp_path_factory) -> dict[str, Path]:
-    from k6fast.tiny import make_tiny
+    from k6fast.testing.tiny import make_tiny
 
     root = tmp_path_factory.mktemp("tiny")
     return {variant: make_tiny(root / variant, variant=variant, seed=0) for variant in ("distill", "base")}

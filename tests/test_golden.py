@@ -110,7 +110,7 @@ def test_outputs_are_bit_identical_to_the_golden_set(outputs, case: str, stream:
 
 
 def _write() -> None:
-    from k6fast.tiny import make_tiny
+    from k6fast.testing.tiny import make_tiny
 
     with tempfile.TemporaryDirectory() as tmp:
         checkpoints = {v: make_tiny(Path(tmp) / v, variant=v, seed=0) for v in ("distill", "base")}

@@ -13,7 +13,7 @@ import torch
 from k6fast.bench.workload import Geometry, block_inputs
 from k6fast.dit.config import DiTConfig, fused_block_shapes, is_fp32_tensor
 from k6fast.dit.residency import activation_estimate
-from k6fast.synthetic import transformer_config
+from k6fast.testing.synthetic import transformer_config
 
 # 864x480 at 17 frames: 5 latent frames, 8,100 video tokens; the audio stream of that clip.
 GEOMETRY = Geometry(864, 480, 17)
