@@ -248,9 +248,9 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     from .allocator import configure_environment
     from .checkpoint import CheckpointError
-    from .dit.residency import ResidencyError
     from .pipeline import RequestError
     from .server.cli import ServeError
+    from .stream.plan import ResidencyError
     from .switches import SwitchError
 
     args = build_parser().parse_args(argv)

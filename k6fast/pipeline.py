@@ -17,13 +17,13 @@ import PIL.Image
 import torch
 from diffusers.utils.torch_utils import randn_tensor
 
-from .allocator import configure_runtime
+from .allocator import configure_runtime, device_budget, resolve_device
 from .cancel import StopCheck, check_stop
 from .checkpoint import Checkpoint, open_checkpoint
 from .dit.backend import SwitchedBackend, configure_inductor_cache
-from .dit.residency import RESERVE_BYTES
-from .dit.runtime import DiTRuntime, build_dit, device_budget, resolve_device
 from .sampler import StepEvent, sample
+from .stream.plan import RESERVE_BYTES
+from .stream.runtime import DiTRuntime, build_dit
 from .switches import Options, validate_cache_steps
 from .telemetry import Telemetry
 from .text import DEFAULT_NEGATIVE_PROMPT, TextConditioning, TextEncoders, encode_prompts
@@ -200,7 +200,9 @@ class Pipeline:
 
     def _load_dit(self) -> None:
         if self.runtime is None:
-            self.runtime = build_dit(self.ckpt, self.device, self.dtype, **self._dit_args)
+            self.runtime = build_dit(
+                self.ckpt.transformer_files, self.ckpt.dit, self.device, self.dtype, **self._dit_args
+            )
             self.dit = self.runtime.dit
             self.runtime_plan = self.runtime.plan  # kept when the DiT leaves the device (the plan does not change)
 

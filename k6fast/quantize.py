@@ -43,9 +43,9 @@ import torch
 from torch import Tensor
 
 from .dit.config import QUANT_CONFIG_KEY, QUANT_FORMATS, QUANT_VERSION, quantized_layer, quantized_tensors
+from .safetensors_index import ITEMSIZE, TensorLocation, file_tensors
 
 WEIGHT_STEM = "diffusion_pytorch_model"
-_ITEMSIZE = {"F64": 8, "I64": 8, "F32": 4, "I32": 4, "BF16": 2, "F16": 2, "F8_E4M3": 1, "U8": 1, "I8": 1, "BOOL": 1}
 _TORCH_DTYPES = {"BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32}
 COPY_CHUNK = 16 << 20
 
@@ -83,34 +83,8 @@ def _gib(n: int) -> str:
     return f"{n / 2**30:.3f} GiB" if n >= 2**24 else f"{n / 2**20:.3f} MiB"
 
 
-@dataclass(frozen=True)
-class _Source:
-    """One tensor of a source shard."""
-
-    name: str
-    dtype: str  # safetensors dtype string
-    shape: tuple[int, ...]
-    offset: int  # absolute byte offset in the file
-    nbytes: int
-
-
-def _read_header(path: Path) -> tuple[dict, int]:
-    """(header without __metadata__, byte offset of the data section)."""
-    with path.open("rb") as f:
-        (length,) = struct.unpack("<Q", f.read(8))
-        header = json.loads(f.read(length))
-    header.pop("__metadata__", None)
-    return header, 8 + length
-
-
-def _sources(path: Path) -> list[_Source]:
-    header, base = _read_header(path)
-    out = [
-        _Source(name, meta["dtype"], tuple(meta["shape"]), base + meta["data_offsets"][0],
-                meta["data_offsets"][1] - meta["data_offsets"][0])
-        for name, meta in header.items()
-    ]  # fmt: skip
-    return sorted(out, key=lambda s: s.offset)  # sequential reads
+def _sources(path: Path) -> list[TensorLocation]:
+    return sorted(file_tensors(path), key=lambda s: s.offset)  # sequential reads
 
 
 def _pread_exact(fd: int, buf: memoryview, offset: int) -> None:
@@ -166,9 +140,9 @@ def _write_shard(src: Path, dst: Path, fmt: str, device: torch.device, report: Q
         else:
             planned[s.name] = (s.dtype, s.shape)
     offsets, at = {}, 0
-    for name in sorted(planned, key=lambda n: (-_ITEMSIZE[planned[n][0]], n)):
+    for name in sorted(planned, key=lambda n: (-ITEMSIZE[planned[n][0]], n)):
         dtype, shape = planned[name]
-        size = _ITEMSIZE[dtype] * int(torch.Size(shape).numel())
+        size = ITEMSIZE[dtype] * int(torch.Size(shape).numel())
         offsets[name] = (at, at + size)
         at += size
     header = {"__metadata__": {"format": "pt", QUANT_CONFIG_KEY: fmt}}

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from k6fast.dit.config import DiTConfig
-from k6fast.dit.residency import GiB, activation_estimate
+from k6fast.stream.plan import GiB, activation_estimate
 from k6fast.switches import load_options
 from k6fast.testing.synthetic import transformer_config
 

@@ -77,7 +77,7 @@ class VisitSpec:
         return Geometry(self.width, self.height, self.frames)
 
     def resolved_device(self) -> torch.device:
-        from ..dit.runtime import resolve_device
+        from ..allocator import resolve_device
 
         return resolve_device(self.device or ("cuda" if torch.cuda.is_available() else "cpu"))
 
@@ -293,8 +293,9 @@ class K6BlockRunner(_K6Runner):
     def load(self) -> None:
         from ..checkpoint import open_checkpoint
         from ..dit.backend import SwitchedBackend
-        from ..dit.weight_stream import FileReader, index_safetensors, upload
         from ..dit.weights import PrefixView
+        from ..safetensors_index import index_safetensors
+        from ..stream.reader import FileReader, upload
 
         ckpt = open_checkpoint(self.spec.model)
         prefix = "visual_transformer_blocks.0."
