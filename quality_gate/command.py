@@ -131,7 +131,7 @@ def config_from_args(args: argparse.Namespace) -> GateConfig:
 def handler(args: argparse.Namespace) -> int:
     """Run the gate from parsed arguments; print one line per arm; 0 pass, 1 an arm failed, 2 cannot run."""
     from ..checkpoint import CheckpointError
-    from ..pipeline import RequestError
+    from ..request import RequestError
     from ..switches import SwitchError
     from .gate import run_gate
 

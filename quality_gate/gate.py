@@ -14,7 +14,7 @@ from pathlib import Path
 import torch
 
 from ..checkpoint import open_checkpoint
-from ..pipeline import validate_geometry
+from ..request import validate_geometry
 from ..switches import SWITCHES_BY_NAME, SwitchError, load_options
 from . import GateError
 from .clips import SET_A, Arm, ClipCache, Geometry, Job, arm_label, check_arms_fit, load_arm, load_prompts, run_jobs

@@ -22,7 +22,8 @@ from k6fast.dit.config import QUANT_CONFIG_KEY, quantized_layer
 from k6fast.dit.linear import LinearDispatch, QuantizedWeight
 from k6fast.kernels.blockscaled import dequantize_mxfp8, quantize_mxfp8
 from k6fast.kernels.nvfp4 import dequantize_nvfp4, quantize_nvfp4
-from k6fast.quantize import quantize_checkpoint, register
+from k6fast.quantize import quantize_checkpoint
+from k6fast.quantize_cli import register
 from k6fast.stream.runtime import build_dit
 from k6fast.switches import Options
 

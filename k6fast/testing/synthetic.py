@@ -13,9 +13,7 @@ from __future__ import annotations
 import json
 import math
 from pathlib import Path
-
-import torch
-from safetensors.torch import save_file
+from typing import TYPE_CHECKING
 
 from ..atomic import build_dir_atomically
 from ..dit.config import DiTConfig, expected_shapes
@@ -31,6 +29,9 @@ from .model_constants import (
     SIZES,
     VIDEO_LATENT_CHANNELS,
 )
+
+if TYPE_CHECKING:
+    import torch
 
 # preset → (the release's size, distilled)
 PRESETS: dict[str, tuple[str, bool]] = {
@@ -71,6 +72,8 @@ def transformer_config(preset: str, blocks: int | None) -> dict:
 def _init_tensor(name: str, shape: tuple[int, ...], generator: torch.Generator, device: str) -> torch.Tensor:
     """Values at the scale of a freshly initialised model: nn.Linear's uniform(±1/sqrt(fan_in)) as a normal with
     the same variance, zero biases, unit norm weights, small embeddings."""
+    import torch
+
     if name.endswith(".bias"):
         return torch.zeros(shape, dtype=torch.bfloat16)
     if "norm" in name:
@@ -81,6 +84,9 @@ def _init_tensor(name: str, shape: tuple[int, ...], generator: torch.Generator, 
 
 
 def _write_transformer(folder: Path, config: dict, seed: int) -> int:
+    import torch
+    from safetensors.torch import save_file
+
     folder.mkdir(parents=True)
     (folder / "config.json").write_text(json.dumps(config, indent=2) + "\n")
     shapes = expected_shapes(DiTConfig.from_dict(config))
@@ -110,6 +116,7 @@ def _write_transformer(folder: Path, config: dict, seed: int) -> int:
 
 
 def _write_small_components(root: Path, distilled: bool, seed: int) -> None:
+    import torch
     from diffusers import (
         AutoencoderKLHunyuanVideo,
         FlowMatchEulerDiscreteScheduler,

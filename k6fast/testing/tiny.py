@@ -24,8 +24,6 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING, Literal
 
-import torch
-
 from ..atomic import build_dir_atomically
 from .model_constants import (
     AUDIO_SAMPLE_RATE,
@@ -147,6 +145,8 @@ def _write_checkpoint(path: Path, variant: Variant, seed: int) -> None:
 @contextmanager
 def _seeded(seed: int, component: int) -> Iterator[None]:
     # Default initialisers draw from the global RNG; fork it so building a checkpoint leaves the caller's RNG alone.
+    import torch
+
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed * 1000 + component)
         yield
