@@ -63,10 +63,20 @@ def test_help_answers_fast_without_heavy_imports(tmp_path, command: list[str]) -
         ),
         (["generate", "--model", "x", "--prompt", "p", "--frames", "10", "--out", "a.mp4"], "frame count 10"),
         (["generate", "--model", "x", "--prompt", "p", "--out", "a.mkv"], "expected a path ending in .mp4"),
+        (["gate", "--model", "x"], "error: nothing to do: expected at least one --arm, --exact or --floor"),
+        (["gate", "--model", "x", "--arm", "final", "--size", "65x64"], "error: width 65 is not a positive multiple"),
         (["make-tiny", "tiny", "--seed", "-1"], "error: seed must be an int in [0, 2**32), got -1"),
         (["make-synthetic", "syn", "--blocks", "99"], "error: --blocks must be in 1..60 for pro-distill, found 99"),
     ],
-    ids=["generate-size", "generate-frames", "generate-out", "make-tiny-seed", "make-synthetic-blocks"],
+    ids=[
+        "generate-size",
+        "generate-frames",
+        "generate-out",
+        "gate-nothing",
+        "gate-size",
+        "make-tiny-seed",
+        "make-synthetic-blocks",
+    ],  # fmt: skip
 )
 def test_bad_arguments_are_refused_fast_without_heavy_imports(tmp_path, args: list[str], message: str) -> None:
     done, seconds, heavy = _run(args, tmp_path)
