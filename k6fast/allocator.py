@@ -1,10 +1,11 @@
 """PyTorch's CUDA caching allocator, configured for a run that fills a card to its budget.
 
-The DiT phase at W1 on a 32 GiB budget holds ~23 GiB of weights and reallocates multi-GiB activations (the
+The DiT phase at W1 on a 32 GiB budget holds most of the budget in weights and reallocates multi-GiB activations (the
 feed-forward's hidden state, the attention inputs) every block. With fixed-size segments those allocations
-fragment the reserved memory until a large one no longer fits ("3.37 GiB reserved but unallocated" at the OOM the
-full-size acceptance run met, measurements/README.md#acceptance). Expandable segments map physical pages into one
-growing virtual range instead, so freed room is reusable for any size.
+fragment the reserved memory until a large one no longer fits (the full-size acceptance run met such an OOM with GiBs
+reserved but unallocated: measurements/sessions/2026-12-01_acceptance-full). Expandable segments map physical pages
+into one growing virtual range instead, so freed room is reusable for any size. `device_budget` caps the allocator
+at the VRAM budget.
 
 PyTorch reads `PYTORCH_CUDA_ALLOC_CONF` when CUDA first initialises, so the command line sets it before anything
 touches CUDA; a library user who builds a `Pipeline` after CUDA started gets the same setting through the

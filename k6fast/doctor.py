@@ -22,7 +22,8 @@ GB = 1e9
 # The Pro DiT in BF16 (60 fused blocks, text blocks, embeddings): the size a user would download.
 PRO_DIT_BF16_BYTES = int(56.14 * GiB)
 # The DiT process's own anonymous memory beside the page cache: text encoders' activations, pinned staging, the
-# decoders (6.2 GiB seen in the full-size acceptance run; a margin on top).
+# decoders (the full-size acceptance run's peak host RSS, measurements/sessions/2026-12-01_acceptance-full, with a
+# margin on top).
 PROCESS_HOST_BYTES = 8 * GiB
 W1_TOKENS = (31 * 30 * 54, 218)  # video, audio tokens of 864x480x121
 

@@ -101,9 +101,9 @@ class Pipeline:
             text_bytes = sum(component_bytes(self.ckpt.root / name) for name in ("text_encoder", "text_encoder_2"))
             plan = self.runtime.plan
             self.dit_leaves_for_text = plan.weight_bytes + text_bytes + RESERVE_BYTES > self.budget_bytes
-            # By default the text encoders leave the device before denoising. Reloading Qwen2.5-VL (16.6 GB) costs
-            # seconds per request, so a server may keep them (K6_KEEP_TEXT_ENCODERS) where the budget holds them
-            # beside the DiT and the denoising activations.
+            # By default the text encoders leave the device before denoising. Reloading Qwen2.5-VL (its weights are
+            # over half a 32 GB card) costs seconds per request, so a server may keep them (K6_KEEP_TEXT_ENCODERS)
+            # where the budget holds them beside the DiT and the denoising activations.
             fits = plan.weight_bytes + plan.activation_bytes + text_bytes + RESERVE_BYTES <= self.budget_bytes
             self.text_resident = options.keep_text_encoders and fits
             self._text: TextEncoders | None = None
@@ -202,8 +202,8 @@ class Pipeline:
         shape = tuple(latents.shape[1:4])
         plan = self._plan_decode(shape)
         # What the decode may send away when it needs the room: the DiT's resident blocks (the next request reloads
-        # them, its "dit_load" phase), then text encoders kept resident. `exact` needs the whole clip (W1: ~29 GiB);
-        # `streamed` only needs something to fit.
+        # them, its "dit_load" phase), then text encoders kept resident. `exact` needs the whole clip (most of a 32 GB
+        # card at W1); `streamed` only needs something to fit.
         for release in (self._drop_dit, self._drop_text):
             if plan is not None and (plan.exact or mode == "streamed"):
                 break

@@ -8,7 +8,7 @@ Variants, each checked for correctness (the device bytes equal the source bytes)
   pread_staged    the same file read with os.preadv straight into the pinned slots (no mapping at all)
 Chunk sizes 64 MiB to 1 GiB. The file variants read the file once untimed (correctness), so the timed passes come
 from the page cache: they measure the copy path, not the disk. Figures are GB/s (10^9 bytes/s) at p20/p50/p80;
-the H200 reference (k6-facts.md): pinned 54 GB/s, pageable 19 GB/s.
+the pinned copy rate the streaming records saw on the H200: measurements/sessions/2026-11-29_streaming.
 
 Run:  python measurements/bench_stream_copy.py --out stream_copy.json
       (--sizes 64,256,1024 in MiB, --repeats N, --file some.safetensors to read a real checkpoint shard)

@@ -122,7 +122,7 @@ class ProcessWatch:
         while not self._stop.wait(self.interval_s):
             self._sample()
             tick += 1
-            if tick % 4 == 0:  # nvidia-smi costs ~50 ms a call: once a second
+            if tick % 4 == 0:  # nvidia-smi is a process start per call: once a second is enough
                 self.peak_smi_mib = max(self.peak_smi_mib, self._smi_used() - self.baseline_smi_mib)
 
     def stop(self) -> dict[str, int]:
@@ -237,7 +237,7 @@ def execute(run: Run, w: Workload, *, work: Path, timeout_s: float, python: str 
     if row["passed"] and not run.peer and reference_latents is not None and latents.is_file():
         row["vs_reference"] = latent_error(latents, reference_latents)
     clip = run_dir / "clip.mp4"
-    if clip.is_file():  # checked, then dropped: a W1 clip of random-weight noise is ~100 MB, the disk is the limit
+    if clip.is_file():  # checked, then dropped: a W1 clip of random-weight noise is large, the disk is the limit
         row["clip_bytes"] = clip.stat().st_size
         clip.unlink()
     return row

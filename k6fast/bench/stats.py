@@ -1,6 +1,6 @@
 """The statistics a bench session reports: per-arm medians with their spread, ratios, and the no-difference rule.
 
-The protocol follows the peers' (k6-facts.md): few samples per arm, each from a fresh process, compared median
+The protocol follows the published peer benchmarks': few samples per arm, each from a fresh process, compared median
 against median. With two to eight samples an interval estimate would be fiction, so the spread shown is the
 observed range (min/max) next to the quartiles, and a difference counts only when the other arm's median falls
 outside the control's observed range.

@@ -140,9 +140,9 @@ def _stored_gemm_runs(fmt: str, x: Tensor, kind: str) -> bool:
     fp8: the FP8 GEMM wherever FP8 tensor cores exist. mxfp8: the block-scaled GEMM on sm_100/sm_12x. nvfp4: the
     block-scaled NVFP4 GEMM there only with K6_GEMM=nvfp4, because it also rounds the activations to 4 bits, a loss
     the checkpoint alone does not imply; otherwise (and on every other GPU) the weight is dequantized and multiplied
-    by cuBLAS bf16: on an H200 0.91-0.94x the speed of cuBLAS on a bf16 weight, where the Triton
-    dequantize-in-prologue GEMM (`kernels.nvfp4.nvfp4_linear`) reaches 0.11x
-    (measurements/sessions/2026-11-29_attention-pipeline/nvfp4.json). The checkpoint's saving is in the bytes streamed
+    by cuBLAS bf16: close to cuBLAS on a bf16 weight, where the Triton dequantize-in-prologue GEMM
+    (`kernels.nvfp4.nvfp4_linear`) is many times slower (both measured in
+    measurements/sessions/2026-11-29_attention-pipeline/nvfp4.json). The checkpoint's saving is in the bytes streamed
     from disk and over PCIe, which the packed weight keeps either way."""
     if not x.is_cuda or x.dtype not in (torch.bfloat16, torch.float16):
         return False
@@ -200,9 +200,9 @@ class LinearDispatch:
             from ..kernels.fp8_linear import quantize_weight_fp8
 
             # Weights are quantized at use: streamed blocks arrive in reused slots, so a cache keyed by tensor would
-            # go stale. The pass reads each weight once per call (estimated ≈ 0.4 ms per Pro block at H200
-            # bandwidth, against ≈ 120 ms of compute; included in the fp8 block time recorded in
-            # measurements/sessions/2026-11-29_kernels). A checkpoint from `k6fast quantize --format fp8` removes it.
+            # go stale. The pass reads each weight once per call, a memory-bound pass far shorter than the GEMMs it
+            # feeds (included in the fp8 block time recorded in measurements/sessions/2026-11-29_kernels). A
+            # checkpoint from `k6fast quantize --format fp8` removes it.
             # With K6_FP8_OUTLIER_CHANNELS > 0 (the bf16 weight at hand), its rounding at this call's outlier channels
             # is corrected by extra GEMM columns (kernels/fp8_outliers.py). fp8-fp16acc (what K6_GEMM=fp8 resolves to on
             # GeForce, where FP32 accumulation runs at half rate) quantizes to the FP16-chunk GEMM's range and runs it.
@@ -220,7 +220,7 @@ class LinearDispatch:
 
             # Quantized at use, as the fp8 weights are; `k6fast quantize --format mxfp8|nvfp4` removes the pass. With
             # K6_FP8_OUTLIER_CHANNELS > 0, 2C extra columns put back both operands' rounding at this call's largest
-            # input channels (kernels/blockscaled.py: 3.7 → 2.2 % for MXFP8, 12.9 → 10.0 % for NVFP4 on DiT-like data).
+            # input channels (the error bounds it meets on DiT-like data: tests/test_blockscaled.py).
             cols, xq = _blockscaled_input(x, kind, self.outlier_channels, shared)
             wq = quantize_weight(weight, kind) if cols is None else weight_with_outliers(weight, kind, cols)
             return _blockscaled(x, kind, wq, bias, xq)
@@ -305,10 +305,9 @@ def _fp8(x: Tensor, wq: Tensor, w_scale: Tensor, bias: Tensor | None, xq: tuple[
     quantized ([rows, K'] e4m3 and its row scales; K' > K with outlier columns)."""
     from ..kernels.fp8_linear import fp8_linear
 
-    # Hopper's fast accumulation (fewer promotions of the wgmma accumulator to fp32): this layer, row quantization
-    # included, runs at 1.64-1.73x cuBLAS bf16 instead of 1.58-1.64x at the W1 shapes, for 0.2-0.4 % relative L2
-    # against the exact quantized product (measurements/sessions/2026-11-29_h200-followup/gemm.json), small beside
-    # e4m3's own ~3.5 %. The arm is lossy anyway.
+    # Hopper's fast accumulation (fewer promotions of the wgmma accumulator to fp32): faster at the W1 shapes for an
+    # error against the exact quantized product small beside e4m3's own rounding
+    # (measurements/sessions/2026-11-29_h200-followup/gemm.json). The arm is lossy anyway.
     out = fp8_linear(
         xq, wq, w_scale, bias=None if bias is None else bias.to(x.dtype), out_dtype=x.dtype, fast_accum=True
     )
