@@ -24,10 +24,9 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from .acceptance_report import ROWS_FILE, latent_error, render_table, request_summary
+from .acceptance_report import PLAN_FILE, ROWS_FILE, is_peer_arm, latent_error, render_table, request_summary
 from .records import append_jsonl, read_jsonl, write_json
 
-PLAN_FILE = "acceptance.json"
 REFERENCE_ARM = "reference"
 DEFAULT_PROMPT = (
     "A rain-slicked Tokyo alley at night, camera tracking forward past a glowing neon sign that reads OPEN in red "
@@ -52,7 +51,7 @@ class Run:
 
     @property
     def peer(self) -> bool:
-        return self.arm.startswith("diffusers")
+        return is_peer_arm(self.arm)
 
     @property
     def slug(self) -> str:
