@@ -32,9 +32,9 @@ SCHEDULERS = {"distill": "PiflowScheduler", "base": "FlowMatchEulerDiscreteSched
 
 
 @pytest.fixture(scope="module")
-def checkpoints(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
-    root = tmp_path_factory.mktemp("tiny")
-    return {variant: make_tiny(root / variant, variant, seed=0) for variant in ("distill", "base")}
+def checkpoints(tiny_checkpoints: dict[str, Path]) -> dict[str, Path]:
+    """The session's tiny checkpoints (conftest.py): `make_tiny(dir, variant, seed=0)` for both variants."""
+    return tiny_checkpoints
 
 
 @pytest.fixture(scope="module")
