@@ -11,12 +11,12 @@ quantized tensors' names, shapes and dtypes).
 from __future__ import annotations
 
 import json
-import struct
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from .dit.config import QUANT_CONFIG_KEY, QUANT_FORMATS, QUANT_VERSION, DiTConfig, expected_shapes, quantized_layout
+from .safetensors_index import CheckpointError, file_tensors, read_header
 
 COMPONENTS = (
     "transformer",
@@ -33,10 +33,6 @@ COMPONENTS = (
 _MODEL_COMPONENTS = ("transformer", "vae", "text_encoder", "text_encoder_2", "audio_vae", "vocoder")
 DISTILLED_SCHEDULER = "PiflowScheduler"
 BASE_SCHEDULER = "FlowMatchEulerDiscreteScheduler"
-
-
-class CheckpointError(ValueError):
-    """The checkpoint is missing, incomplete or inconsistent; the message names the file and what was expected."""
 
 
 @dataclass(frozen=True)
@@ -111,27 +107,6 @@ def _read_json(path: Path) -> dict[str, Any]:
     return data
 
 
-def safetensors_header(path: Path) -> dict[str, Any]:
-    """The JSON header of a safetensors file, after checking that the file holds every byte the header promises."""
-    size = path.stat().st_size
-    with path.open("rb") as f:
-        raw_len = f.read(8)
-        if len(raw_len) != 8:
-            raise CheckpointError(f"{path}: truncated safetensors file ({size} bytes, no header)")
-        (header_len,) = struct.unpack("<Q", raw_len)
-        if header_len > size - 8:
-            raise CheckpointError(f"{path}: truncated safetensors file (header of {header_len} bytes, file {size})")
-        try:
-            header = json.loads(f.read(header_len))
-        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-            raise CheckpointError(f"{path}: corrupt safetensors header ({exc})") from exc
-    data_end = max((v["data_offsets"][1] for k, v in header.items() if k != "__metadata__"), default=0)
-    expected = 8 + header_len + data_end
-    if size < expected:
-        raise CheckpointError(f"{path}: truncated safetensors file: {size} bytes, the header describes {expected}")
-    return header
-
-
 def weight_files(folder: Path, stem: str) -> tuple[Path, ...]:
     """The safetensors files of one component: `<stem>.safetensors` or the shards its index lists."""
     single = folder / f"{stem}.safetensors"
@@ -175,10 +150,9 @@ def _check_transformer(dit: DiTConfig, files: tuple[Path, ...], quantization: st
     found: dict[str, tuple[tuple[int, ...], Path]] = {}
     dtypes: dict[str, str] = {}
     for file in files:
-        for name, meta in safetensors_header(file).items():
-            if name != "__metadata__":
-                found[name] = (tuple(meta["shape"]), file)
-                dtypes[name] = meta["dtype"]
+        for loc in file_tensors(file):
+            found[loc.name] = (loc.shape, file)
+            dtypes[loc.name] = loc.dtype
     missing = sorted(set(expected) - set(found))
     if missing:
         raise CheckpointError(
@@ -220,7 +194,7 @@ def open_checkpoint(model: str | Path) -> Checkpoint:
         _read_json(root / name / "config.json")
         stem = "model" if name.startswith("text_encoder") else "diffusion_pytorch_model"
         for file in weight_files(root / name, stem):
-            safetensors_header(file)
+            read_header(file)
 
     transformer_config = _read_json(root / "transformer" / "config.json")
     dit = DiTConfig.from_dict(transformer_config)

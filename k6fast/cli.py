@@ -10,6 +10,7 @@ from pathlib import Path
 
 from . import __version__
 from .cli_args import device_problem, seed_problem, size_arg
+from .request import validate_geometry
 
 
 class CliError(Exception):
@@ -50,8 +51,6 @@ def _check_out(out: Path) -> None:
 
 def _check_generate_args(args: argparse.Namespace) -> None:
     """Everything that can be checked before a model loads (minutes on the real checkpoint)."""
-    from .pipeline import validate_geometry
-
     _check_out(Path(args.out))
     width, height = args.size
     validate_geometry(width, height, args.frames)
@@ -82,17 +81,18 @@ def _open_image(path: str):
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
-    from tqdm import tqdm
-
-    from .output import sidecar_path, write_result
-    from .pipeline import Pipeline, Request
-
     _check_generate_args(args)
     out = Path(args.out)
     if args.save_latents and (
         not args.save_latents.endswith(".safetensors") or not Path(args.save_latents).parent.is_dir()
     ):
         raise CliError(f"--save-latents {args.save_latents}: expected a .safetensors path in an existing directory")
+    # The arguments are valid: now the imports that take seconds (PyTorch, diffusers, transformers).
+    from tqdm import tqdm
+
+    from .output import sidecar_path, write_result
+    from .pipeline import Pipeline, Request
+
     width, height = args.size
     image = _open_image(args.image) if args.image else None
     options = _load_options(args.arm)
@@ -141,15 +141,18 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
 
 def cmd_make_tiny(args: argparse.Namespace) -> int:
-    from .tiny import make_tiny
+    from .testing.tiny import make_tiny
 
-    path = make_tiny(args.dir, variant=args.variant, seed=args.seed)
+    try:
+        path = make_tiny(args.dir, variant=args.variant, seed=args.seed)
+    except ValueError as exc:
+        raise CliError(str(exc)) from exc
     print(f"wrote a tiny random-weight {args.variant} checkpoint to {path}")
     return 0
 
 
 def cmd_make_synthetic(args: argparse.Namespace) -> int:
-    from .synthetic import make_synthetic
+    from .testing.synthetic import make_synthetic
 
     try:
         path = make_synthetic(args.dir, preset=args.preset, blocks=args.blocks, seed=args.seed)
@@ -233,7 +236,7 @@ def build_parser() -> argparse.ArgumentParser:
     from .bench.cli import register as register_bench
     from .doctor import register as register_doctor
     from .quality_gate.command import register as register_gate
-    from .quantize import register as register_quantize
+    from .quantize_cli import register as register_quantize
     from .server.cli import register as register_serve
 
     register_serve(sub)
@@ -248,9 +251,9 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     from .allocator import configure_environment
     from .checkpoint import CheckpointError
-    from .dit.residency import ResidencyError
-    from .pipeline import RequestError
+    from .request import RequestError
     from .server.cli import ServeError
+    from .stream.plan import ResidencyError
     from .switches import SwitchError
 
     args = build_parser().parse_args(argv)

@@ -16,16 +16,16 @@ import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from .dit.residency import GiB, activation_estimate, plan_residency, weight_footprint
+from .stream.plan import GiB, activation_estimate, index_footprint, plan_residency
 
 GB = 1e9
 # The Pro DiT in BF16 (60 fused blocks, text blocks, embeddings): the size a user would download.
 PRO_DIT_BF16_BYTES = int(56.14 * GiB)
 # The DiT process's own anonymous memory beside the page cache: text encoders' activations, pinned staging, the
-# decoders (6.2 GiB seen in the full-size acceptance run; a margin on top).
+# decoders (the full-size acceptance run's peak host RSS, measurements/sessions/2026-12-01_acceptance-full, with a
+# margin on top).
 PROCESS_HOST_BYTES = 8 * GiB
 W1_TOKENS = (31 * 30 * 54, 218)  # video, audio tokens of 864x480x121
-_ITEMSIZE = {"BF16": 2, "F16": 2, "F32": 4, "F8_E4M3": 1, "U8": 1, "I8": 1, "I32": 4, "I64": 8}
 
 
 @dataclass
@@ -107,20 +107,12 @@ def measure_read(path: Path, nbytes: int = 512 << 20) -> tuple[float, str]:
 
 def dit_plan(model: Path, budget_bytes: int) -> dict:
     """The residency plan the runtime would make at W1 for this checkpoint and budget (bf16 compute, exact arm)."""
-    from .checkpoint import open_checkpoint, safetensors_header
+    from .checkpoint import open_checkpoint
+    from .safetensors_index import index_safetensors
 
     ckpt = open_checkpoint(model)
-    entries = []
-    for file in ckpt.transformer_files:
-        for name, meta in safetensors_header(file).items():
-            if name != "__metadata__":
-                itemsize = _ITEMSIZE[meta["dtype"]]
-                floating = meta["dtype"] in ("BF16", "F16", "F32", "F8_E4M3")
-                entries.append(
-                    (name, (meta["data_offsets"][1] - meta["data_offsets"][0]) // itemsize, itemsize, floating)
-                )
     cfg = ckpt.dit
-    fixed, block = weight_footprint(entries, cfg.num_visual_blocks, 2)
+    fixed, block = index_footprint(index_safetensors(ckpt.transformer_files), cfg.num_visual_blocks, 2)
     activations = activation_estimate(*W1_TOKENS, cfg.model_dim, cfg.model_dim_a, ff_dim=cfg.ff_dim)
     plan = plan_residency(budget_bytes=budget_bytes, fixed_bytes=fixed, block_bytes=block,
                           num_blocks=cfg.num_visual_blocks, activation_bytes=activations)  # fmt: skip

@@ -34,17 +34,18 @@ __all__ = ["Mp4Info", "prepare_audio", "probe_mp4", "read_mp4", "write_mp4"]
 
 # crf 18 is x264's usual "visually lossless" point. K6 clips are short (5 s at 864x480 is a few MB at crf 18),
 # so size is no concern, and a low crf keeps the quality gate measuring the model rather than the codec.
-# preset medium is x264's default: slower presets save ~5-10 % size at equal quality, faster ones cost quality
-# per bit, and either way encoding a clip is well under a second next to the seconds of generation.
+# preset medium is x264's default: slower presets save a little size at equal quality, faster ones cost quality
+# per bit, and either way encoding is small next to generation (each record's mux phase says how small).
 _CRF = 18
 _PRESET = "medium"
 # x264's bitstream depends on its thread count (frame threads constrain motion search), and "auto" follows the
 # core count, so the same clip would encode differently on different machines. A fixed count makes a file a
-# function of its inputs (and the x264 build). Cost: a busy 121-frame 864x480 clip took 1.3 s on 2 shared cores.
+# function of its inputs (and the x264 build); four threads keep a W1 clip's encode short on small machines.
 _X264_THREADS = 4
 # FFmpeg's native AAC encoder (the wheels carry no libfdk) needs a generous bitrate: at 128 kb/s mono, noise-like
-# content (breath, cymbals) came back with 3x the error of 192 kb/s and the first frame of a full-scale tone
-# overshot to 1.5. 192 kb/s is about 120 KB per 5 s clip, small next to the video.
+# content (breath, cymbals) came back with several times the error of 192 kb/s and the first frame of a full-scale
+# tone overshot full scale (tests/test_media.py holds the encoder to its bounds at 192 kb/s). 192 kb/s mono is a
+# small fraction of the video's bytes.
 _AAC_BIT_RATE = 192_000
 _AAC_FRAME = 1024
 # Sample rates AAC can signal (ISO 14496-3 sampling_frequency_index); others make the encoder fail at open time.

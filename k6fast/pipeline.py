@@ -7,76 +7,38 @@ the device in each phase: the text encoders are loaded for the text phase and dr
 from __future__ import annotations
 
 import logging
-import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
-import PIL.Image
 import torch
 from diffusers.utils.torch_utils import randn_tensor
 
-from .allocator import configure_runtime
+from .allocator import configure_runtime, device_budget, resolve_device
 from .cancel import StopCheck, check_stop
 from .checkpoint import Checkpoint, open_checkpoint
 from .dit.backend import SwitchedBackend, configure_inductor_cache
-from .dit.residency import RESERVE_BYTES
-from .dit.runtime import DiTRuntime, build_dit, device_budget, resolve_device
+from .request import (
+    FPS,
+    SPATIAL_MULTIPLE,
+    TEMPORAL_STRIDE,
+    W1,
+    Request,
+    RequestError,
+    audio_length,
+    resolve_request,
+)
 from .sampler import StepEvent, sample
-from .switches import Options, validate_cache_steps
+from .stream.plan import RESERVE_BYTES
+from .stream.runtime import DiTRuntime, build_dit
+from .switches import Options
 from .telemetry import Telemetry
 from .text import DEFAULT_NEGATIVE_PROMPT, TextConditioning, TextEncoders, encode_prompts
 from .vae import decode_audio, decode_video, encode_image, load_audio_decoder, load_video_vae
 from .video_decode import VideoDecodePlan, decode_video_fast, plan_video_decode
 
 logger = logging.getLogger(__name__)
-
-W1 = (864, 480, 121)  # width, height, frames: the headline workload
-FPS = 24.0
-SPATIAL_MULTIPLE = 16  # VAE 8 x patch 2
-TEMPORAL_STRIDE = 4
-
-
-class RequestError(ValueError):
-    """The request cannot run as asked; the message says what was expected."""
-
-
-def _nearest_multiples(value: int, multiple: int) -> str:
-    low = max(multiple, value // multiple * multiple)
-    high = low + multiple
-    return f"{low} or {high}" if low != value else str(value)
-
-
-def validate_geometry(width: int, height: int, frames: int) -> None:
-    """Sizes must be multiples of 16 and frame counts 4k+1; the error gives the nearest valid values."""
-    problems = []
-    for name, value in (("width", width), ("height", height)):
-        if value < SPATIAL_MULTIPLE or value % SPATIAL_MULTIPLE:
-            problems.append(
-                f"{name} {value} is not a positive multiple of {SPATIAL_MULTIPLE} "
-                f"(nearest valid: {_nearest_multiples(value, SPATIAL_MULTIPLE)})"
-            )
-    if frames < 1 or (frames - 1) % TEMPORAL_STRIDE:
-        low = max(1, (frames - 1) // TEMPORAL_STRIDE * TEMPORAL_STRIDE + 1)
-        problems.append(f"frame count {frames} is not of the form 4k+1 (nearest valid: {low} or {low + 4})")
-    if problems:
-        raise RequestError("; ".join(problems))
-
-
-@dataclass(frozen=True)
-class Request:
-    prompt: str
-    width: int = W1[0]
-    height: int = W1[1]
-    frames: int = W1[2]
-    steps: int | None = None  # None = the checkpoint's default
-    guidance: float | None = None
-    seed: int = 42
-    negative_prompt: str | None = None
-    image: PIL.Image.Image | None = field(default=None, compare=False)
-    audio: bool = True
-    fps: float = FPS
 
 
 @dataclass
@@ -96,37 +58,6 @@ class Result:
 def component_bytes(folder: Path) -> int:
     """Bytes of a component's weight files (its size on the device at the checkpoint's dtype)."""
     return sum(f.stat().st_size for f in folder.glob("*.safetensors"))
-
-
-def audio_length(latent_frames: int, fps: float, sample_rate: int, hop: int) -> int:
-    """Audio latent steps covering the video: ceil(frames / fps * sample_rate / hop)."""
-    return math.ceil(((latent_frames - 1) * TEMPORAL_STRIDE + 1) / fps * sample_rate / hop)
-
-
-def resolve_request(ckpt: Checkpoint, options: Options, request: Request) -> tuple[int, float]:
-    """Validate `request` against a checkpoint and the switches; returns (steps, guidance). Needs only the
-    checkpoint's configs, so a server can check requests where no pipeline is loaded."""
-    validate_geometry(request.width, request.height, request.frames)
-    if not request.prompt or not request.prompt.strip():
-        raise RequestError("the prompt is empty; expected a description of the video and its sound")
-    steps = request.steps if request.steps is not None else ckpt.default_steps
-    guidance = request.guidance if request.guidance is not None else ckpt.default_guidance
-    if steps < 1:
-        raise RequestError(f"steps must be >= 1, found {steps}")
-    if ckpt.distilled and guidance != 1.0:
-        raise RequestError(
-            f"guidance {guidance} is not allowed with a distilled (PiFlow) checkpoint: it was distilled "
-            "without classifier-free guidance, so guidance must be exactly 1.0"
-        )
-    if guidance < 1.0:
-        raise RequestError(f"guidance must be >= 1.0 (1.0 = no CFG), found {guidance}")
-    if request.image is not None and (not ckpt.dit.visual_cond or ckpt.dit.visual_token_type_num_embeddings < 2):
-        raise RequestError("this checkpoint has no image conditioning (visual_cond / token types missing)")
-    try:
-        validate_cache_steps(options.piflow_cache_steps, steps)
-    except ValueError as exc:
-        raise RequestError(str(exc)) from exc
-    return steps, guidance
 
 
 class Pipeline:
@@ -170,9 +101,9 @@ class Pipeline:
             text_bytes = sum(component_bytes(self.ckpt.root / name) for name in ("text_encoder", "text_encoder_2"))
             plan = self.runtime.plan
             self.dit_leaves_for_text = plan.weight_bytes + text_bytes + RESERVE_BYTES > self.budget_bytes
-            # By default the text encoders leave the device before denoising. Reloading Qwen2.5-VL (16.6 GB) costs
-            # seconds per request, so a server may keep them (K6_KEEP_TEXT_ENCODERS) where the budget holds them
-            # beside the DiT and the denoising activations.
+            # By default the text encoders leave the device before denoising. Reloading Qwen2.5-VL (its weights are
+            # over half a 32 GB card) costs seconds per request, so a server may keep them (K6_KEEP_TEXT_ENCODERS)
+            # where the budget holds them beside the DiT and the denoising activations.
             fits = plan.weight_bytes + plan.activation_bytes + text_bytes + RESERVE_BYTES <= self.budget_bytes
             self.text_resident = options.keep_text_encoders and fits
             self._text: TextEncoders | None = None
@@ -200,7 +131,9 @@ class Pipeline:
 
     def _load_dit(self) -> None:
         if self.runtime is None:
-            self.runtime = build_dit(self.ckpt, self.device, self.dtype, **self._dit_args)
+            self.runtime = build_dit(
+                self.ckpt.transformer_files, self.ckpt.dit, self.device, self.dtype, **self._dit_args
+            )
             self.dit = self.runtime.dit
             self.runtime_plan = self.runtime.plan  # kept when the DiT leaves the device (the plan does not change)
 
@@ -269,8 +202,8 @@ class Pipeline:
         shape = tuple(latents.shape[1:4])
         plan = self._plan_decode(shape)
         # What the decode may send away when it needs the room: the DiT's resident blocks (the next request reloads
-        # them, its "dit_load" phase), then text encoders kept resident. `exact` needs the whole clip (W1: ~29 GiB);
-        # `streamed` only needs something to fit.
+        # them, its "dit_load" phase), then text encoders kept resident. `exact` needs the whole clip (most of a 32 GB
+        # card at W1); `streamed` only needs something to fit.
         for release in (self._drop_dit, self._drop_text):
             if plan is not None and (plan.exact or mode == "streamed"):
                 break

@@ -29,7 +29,6 @@ leaves nothing behind. A non-empty DST is refused before any work.
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import shutil
@@ -43,9 +42,9 @@ import torch
 from torch import Tensor
 
 from .dit.config import QUANT_CONFIG_KEY, QUANT_FORMATS, QUANT_VERSION, quantized_layer, quantized_tensors
+from .safetensors_index import ITEMSIZE, TensorLocation, file_tensors
 
 WEIGHT_STEM = "diffusion_pytorch_model"
-_ITEMSIZE = {"F64": 8, "I64": 8, "F32": 4, "I32": 4, "BF16": 2, "F16": 2, "F8_E4M3": 1, "U8": 1, "I8": 1, "BOOL": 1}
 _TORCH_DTYPES = {"BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32}
 COPY_CHUNK = 16 << 20
 
@@ -83,34 +82,8 @@ def _gib(n: int) -> str:
     return f"{n / 2**30:.3f} GiB" if n >= 2**24 else f"{n / 2**20:.3f} MiB"
 
 
-@dataclass(frozen=True)
-class _Source:
-    """One tensor of a source shard."""
-
-    name: str
-    dtype: str  # safetensors dtype string
-    shape: tuple[int, ...]
-    offset: int  # absolute byte offset in the file
-    nbytes: int
-
-
-def _read_header(path: Path) -> tuple[dict, int]:
-    """(header without __metadata__, byte offset of the data section)."""
-    with path.open("rb") as f:
-        (length,) = struct.unpack("<Q", f.read(8))
-        header = json.loads(f.read(length))
-    header.pop("__metadata__", None)
-    return header, 8 + length
-
-
-def _sources(path: Path) -> list[_Source]:
-    header, base = _read_header(path)
-    out = [
-        _Source(name, meta["dtype"], tuple(meta["shape"]), base + meta["data_offsets"][0],
-                meta["data_offsets"][1] - meta["data_offsets"][0])
-        for name, meta in header.items()
-    ]  # fmt: skip
-    return sorted(out, key=lambda s: s.offset)  # sequential reads
+def _sources(path: Path) -> list[TensorLocation]:
+    return sorted(file_tensors(path), key=lambda s: s.offset)  # sequential reads
 
 
 def _pread_exact(fd: int, buf: memoryview, offset: int) -> None:
@@ -166,9 +139,9 @@ def _write_shard(src: Path, dst: Path, fmt: str, device: torch.device, report: Q
         else:
             planned[s.name] = (s.dtype, s.shape)
     offsets, at = {}, 0
-    for name in sorted(planned, key=lambda n: (-_ITEMSIZE[planned[n][0]], n)):
+    for name in sorted(planned, key=lambda n: (-ITEMSIZE[planned[n][0]], n)):
         dtype, shape = planned[name]
-        size = _ITEMSIZE[dtype] * int(torch.Size(shape).numel())
+        size = ITEMSIZE[dtype] * int(torch.Size(shape).numel())
         offsets[name] = (at, at + size)
         at += size
     header = {"__metadata__": {"format": "pt", QUANT_CONFIG_KEY: fmt}}
@@ -304,44 +277,3 @@ def quantize_checkpoint(
         log(line)
     log(f"wrote {dst}")
     return report
-
-
-def _device_arg(text: str) -> str:
-    """--device: cpu, cuda or cuda:N, refused at parse time where CUDA is missing (the command line's own error)."""
-    if text.startswith("cuda") and not torch.cuda.is_available():
-        raise argparse.ArgumentTypeError(f"{text}: CUDA is not available here; use --device cpu")
-    return text
-
-
-def cmd_quantize(args: argparse.Namespace) -> int:
-    quantize_checkpoint(args.src, args.dst, args.format, device=args.device)
-    return 0
-
-
-def register(subparsers) -> argparse.ArgumentParser:
-    """Add `quantize` to the k6fast command line."""
-    p = subparsers.add_parser(
-        "quantize",
-        help="copy a checkpoint with its fused-block linear weights stored fp8, mxfp8 or nvfp4 (lossy; fewer "
-        "streamed bytes)",
-        description="Write DST, a copy of the Diffusers-layout checkpoint SRC whose fused-block linear weights are "
-        "stored quantized (fp8: e4m3 + per-channel scale, 0.5x the bytes; mxfp8: e4m3 + an e8m0 scale per 32, "
-        "0.52x; nvfp4: E2M1 + e4m3 per-16 scales + a global scale, 0.28x). Other files are hard-linked. The runtime "
-        "runs those layers from the stored format whatever K6_GEMM says (fp8: an FP8 GEMM on sm_89+; mxfp8: the "
-        "block-scaled MXFP8 GEMM on sm_100/sm_120; nvfp4: the block-scaled NVFP4 GEMM there with K6_GEMM=nvfp4); "
-        "elsewhere they are dequantized on the GPU, then bf16.",
-    )
-    p.add_argument(
-        "--format",
-        required=True,
-        choices=QUANT_FORMATS,
-        help="fp8 (FP8 GEMM on sm_89+), mxfp8 (block-scaled GEMM on sm_100/sm_120; needs torchao) or nvfp4; each "
-        "dequantized where its GEMM does not run",
-    )
-    p.add_argument("src", help="source checkpoint directory (bf16, Diffusers layout)")
-    p.add_argument("dst", help="output directory (must be missing or empty)")
-    p.add_argument(
-        "--device", default="cpu", type=_device_arg, help="where to quantize: cpu (default) or cuda (faster, same bits)"
-    )
-    p.set_defaults(func=cmd_quantize)
-    return p

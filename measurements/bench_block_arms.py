@@ -34,7 +34,7 @@ from k6fast.dit.config import DiTConfig, fused_block_shapes
 from k6fast.dit.model import flops_per_block
 from k6fast.dit.rope import rope_1d, rope_3d
 from k6fast.switches import Options
-from k6fast.synthetic import transformer_config
+from k6fast.testing.synthetic import transformer_config
 
 VARIANTS = {
     "reference": {},

@@ -16,11 +16,12 @@ import statistics
 import torch
 from bench_common import wall_seconds
 
+from k6fast.allocator import device_budget
 from k6fast.checkpoint import open_checkpoint
 from k6fast.dit.blocks import FusedBlockInputs, fused_block
-from k6fast.dit.residency import GiB
 from k6fast.dit.rope import rope_1d, rope_3d
-from k6fast.dit.runtime import build_dit, device_budget
+from k6fast.stream.plan import GiB
+from k6fast.stream.runtime import build_dit
 
 
 def main() -> None:
@@ -83,7 +84,14 @@ def main() -> None:
     ref = ref_block = None  # free the peer before k6fast loads
     torch.cuda.empty_cache()
 
-    runtime = build_dit(ckpt, device, torch.bfloat16, budget_bytes=device_budget(device, 0), tokens=(n_vid, n_aud))
+    runtime = build_dit(
+        ckpt.transformer_files,
+        ckpt.dit,
+        device,
+        torch.bfloat16,
+        budget_bytes=device_budget(device, 0),
+        tokens=(n_vid, n_aud),
+    )
     weights = runtime.dit.blocks.get(0)
     inp = FusedBlockInputs(text_v, text_a, temb_v, temb_a, rope_v, rope_a, None)
 

@@ -286,7 +286,7 @@ def main(argv: list[str] | None = None) -> int:
         print_table(configs)
         return 0
     if args.smoke:
-        from k6fast.tiny import make_tiny
+        from k6fast.testing.tiny import make_tiny
 
         args.model = str(args.model or make_tiny(Path(tempfile.mkdtemp(prefix="k6-tiny-")) / "tiny", seed=0))
         args.device, args.geometry, args.steps = "cpu", (64, 64, 5), args.steps or 2

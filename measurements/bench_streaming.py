@@ -21,11 +21,12 @@ import time
 
 import torch
 
+from k6fast.allocator import device_budget
 from k6fast.checkpoint import open_checkpoint
 from k6fast.dit.config import DiTConfig, expected_shapes
-from k6fast.dit.residency import GiB, activation_estimate, plan_residency
-from k6fast.dit.runtime import build_dit, device_budget, footprint
 from k6fast.pipeline import FPS, audio_length
+from k6fast.stream.plan import GiB, activation_estimate, plan_residency, weight_footprint
+from k6fast.stream.runtime import build_dit
 from k6fast.telemetry import anon_rss_bytes
 
 
@@ -51,8 +52,8 @@ class AnonSampler:
 def full_depth_resident_fraction(cfg: DiTConfig, full_blocks: int, budget: int, tokens: tuple[int, int]) -> float:
     """The share of fused blocks the planner keeps resident for the full-depth model under this budget."""
     full = DiTConfig.from_dict({**cfg.__dict__, "num_visual_blocks": full_blocks})
-    entries = ((n, math.prod(shape), torch.bfloat16) for n, shape in expected_shapes(full).items())
-    fixed, block = footprint(entries, full_blocks, torch.bfloat16)
+    entries = ((n, math.prod(shape), 2, True) for n, shape in expected_shapes(full).items())  # bf16 stored
+    fixed, block = weight_footprint(entries, full_blocks, 2)
     act = activation_estimate(*tokens, cfg.model_dim, cfg.model_dim_a)
     plan = plan_residency(budget_bytes=budget, fixed_bytes=fixed, block_bytes=block, num_blocks=full_blocks,
                           activation_bytes=act)  # fmt: skip
@@ -120,9 +121,17 @@ def main() -> None:
         torch.cuda.reset_peak_memory_stats()
         if mode == "resident":
             torch.cuda.set_per_process_memory_fraction(1.0, device)
-            runtime = build_dit(ckpt, device, torch.bfloat16, budget_bytes=device_budget(device, 0), tokens=tokens)
+            runtime = build_dit(
+                ckpt.transformer_files,
+                ckpt.dit,
+                device,
+                torch.bfloat16,
+                budget_bytes=device_budget(device, 0),
+                tokens=tokens,
+            )
         else:
-            runtime = build_dit(ckpt, device, torch.bfloat16, budget_bytes=device_budget(device, args.budget_gb),
+            capped = device_budget(device, args.budget_gb)
+            runtime = build_dit(ckpt.transformer_files, ckpt.dit, device, torch.bfloat16, budget_bytes=capped,
                                 tokens=tokens, max_resident=max_resident)  # fmt: skip
         time_forwards(runtime, kwargs, 1)  # warm-up, discarded
         times, stream, out = time_forwards(runtime, kwargs, args.forwards)

@@ -461,7 +461,7 @@ def main(argv: list[str] | None = None) -> dict:
         if model is None:
             if not args.smoke:
                 raise SystemExit("--model is required (only --smoke makes a tiny checkpoint)")
-            from k6fast.tiny import make_tiny
+            from k6fast.testing.tiny import make_tiny
 
             model = make_tiny(work / "tiny", variant="distill", seed=0)
         record = profile(args, model, geometry, device, work)

@@ -29,7 +29,6 @@ from ..checkpoint import open_checkpoint
 from ..switches import Options, load_options, provenance, validate_cache_steps
 from . import GateError
 
-SET_A = Path(__file__).resolve().parent / "setA.json"
 _ID_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*")
 # The runtime's packages: their source decides the pixels. The gate itself (k6fast.quality_gate) does not.
 _RUNTIME_PACKAGES = ("k6fast", "k6fast.kernels", "k6fast.switches")

@@ -5,7 +5,8 @@ runtime, LPIPS and matplotlib load when the command runs.
                 [--prompts quality_gate/setA.json] [--seeds 42] [--size 864x480] [--frames 121] [--steps N]
                 [--out k6fast-gate] [--lpips-backbone PATH|random]
 
-Exit status: 0 every arm passed, 1 an arm failed, 2 the gate could not run (the message says why).
+Exit status: 0 every arm passed, 1 an arm failed, 2 the gate could not run (the message says why), 3 plumbing only:
+the LPIPS backbone was random (`--lpips-backbone random`, for tests), so every stage ran and nothing was judged.
 """
 
 from __future__ import annotations
@@ -17,13 +18,15 @@ from typing import TYPE_CHECKING
 
 from ..cli_args import size_arg
 from . import GateError
+from .config import SET_A, GateConfig, validate_config
 from .thresholds import Thresholds
 
 if TYPE_CHECKING:
-    from .gate import GateConfig
+    from .scoring import ArmResult
 
 DTYPE_NAMES = ("bf16", "fp16", "fp32")
 DEFAULT_OUT = Path("k6fast-gate")
+EXIT_PLUMBING = 3  # the run had no verdict: its LPIPS backbone was random
 
 
 def _seeds(text: str) -> list[int]:
@@ -96,9 +99,6 @@ def _backbone_switch() -> str | None:
 
 
 def config_from_args(args: argparse.Namespace) -> GateConfig:
-    from .clips import SET_A
-    from .gate import GateConfig
-
     thresholds = Thresholds(
         lpips_mean=args.max_lpips_mean,
         lpips_worst=args.max_lpips_worst,
@@ -128,15 +128,27 @@ def config_from_args(args: argparse.Namespace) -> GateConfig:
     )
 
 
+def _line_verdict(plumbing_only: bool, result: ArmResult) -> str:
+    if result.floor:
+        return "FLOOR"
+    if plumbing_only:
+        return "PLUMB"  # the checks ran; with a random backbone they decide nothing
+    return "PASS" if result.passed else "FAIL"
+
+
 def handler(args: argparse.Namespace) -> int:
-    """Run the gate from parsed arguments; print one line per arm; 0 pass, 1 an arm failed, 2 cannot run."""
+    """Run the gate from parsed arguments; print one line per arm; 0 pass, 1 an arm failed, 2 cannot run, 3 plumbing
+    only (random LPIPS backbone, no verdict)."""
     from ..checkpoint import CheckpointError
-    from ..pipeline import RequestError
+    from ..request import RequestError
     from ..switches import SwitchError
-    from .gate import run_gate
 
     try:
-        run = run_gate(config_from_args(args))
+        config = config_from_args(args)
+        validate_config(config)  # before the imports below take their seconds
+        from .gate import run_gate
+
+        run = run_gate(config)
     except (GateError, SwitchError, RequestError, CheckpointError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
@@ -144,7 +156,7 @@ def handler(args: argparse.Namespace) -> int:
         print(f"*** {run.banner} ***")
     for result in ([run.floor] if run.floor else []) + run.arms:
         agg = result.aggregates
-        verdict = "FLOOR" if result.floor else ("PASS" if result.passed else "FAIL")
+        verdict = _line_verdict(run.plumbing_only, result)
         failed = [c.metric for c in result.checks if not c.passed]
         print(
             f"{verdict:<5} {result.label} [{result.arm_hash}]: LPIPS mean {agg['lpips_mean']:.4f} worst "
@@ -152,4 +164,7 @@ def handler(args: argparse.Namespace) -> int:
             f"MR-STFT {agg['mrstft']:.3f}" + (f"; failed: {', '.join(failed)}" if failed else "")
         )
     print(f"report: {Path(args.out) / 'report.md'}")
+    if run.plumbing_only:
+        print(run.verdict)
+        return EXIT_PLUMBING
     return 0 if run.passed else 1

@@ -8,46 +8,21 @@ from __future__ import annotations
 
 import sys
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 
 from ..checkpoint import open_checkpoint
-from ..pipeline import validate_geometry
 from ..switches import SWITCHES_BY_NAME, SwitchError, load_options
 from . import GateError
-from .clips import SET_A, Arm, ClipCache, Geometry, Job, arm_label, check_arms_fit, load_arm, load_prompts, run_jobs
+from .clips import Arm, ClipCache, Geometry, Job, arm_label, check_arms_fit, load_arm, load_prompts, run_jobs
+from .config import GateConfig, validate_config
 from .figures import contact_sheet, lpips_plot
-from .lpips_metric import MIN_SIZE, LpipsScorer
+from .lpips_metric import LpipsScorer
 from .report import GateRun, plot_path, sheet_path, write_report
 from .scoring import ArmResult, ClipScore, judge, read_clip, score_clip
-from .thresholds import Thresholds
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
-
-
-@dataclass(frozen=True)
-class GateConfig:
-    """One gate run. The report lists the `arms` in order, then the `exact` arms."""
-
-    model: str
-    out: Path  # the report and the clip cache
-    arms: list[str] = field(default_factory=list)
-    exact: list[str] = field(default_factory=list)
-    reference: str = "reference"
-    prompts: Path = SET_A
-    seeds: list[int] = field(default_factory=lambda: [42])
-    width: int = 864
-    height: int = 480
-    frames: int = 121
-    steps: int | None = None
-    floor: bool = False
-    thresholds: Thresholds = field(default_factory=Thresholds)
-    backbone: str | None = None  # None: torch hub cache; a path; or "random" (tests only)
-    device: str | None = None
-    dtype: str | None = None
-    regenerate: bool = False
 
 
 def _stderr(message: str) -> None:
@@ -69,20 +44,6 @@ def _arm_result(arm: Arm, reference: Arm, clips: list[ClipScore], floor: bool = 
     )
 
 
-def _validate(config: GateConfig) -> None:
-    if not config.arms and not config.exact and not config.floor:
-        raise GateError("nothing to do: expected at least one --arm, --exact or --floor")
-    if config.thresholds.relative is not None and not config.floor:
-        raise GateError("--relative K compares against the noise floor: add --floor")
-    if not config.seeds:
-        raise GateError("expected at least one seed")
-    validate_geometry(config.width, config.height, config.frames)
-    if min(config.width, config.height) < MIN_SIZE:
-        raise GateError(
-            f"LPIPS (AlexNet) needs frames of at least {MIN_SIZE}x{MIN_SIZE}, found {config.width}x{config.height}"
-        )
-
-
 def _note_ignored_environment(log: Callable[[str], None]) -> None:
     """Say so when the gate's own environment sets switches: arms are built from their files alone."""
     try:
@@ -97,7 +58,7 @@ def _note_ignored_environment(log: Callable[[str], None]) -> None:
 
 def run_gate(config: GateConfig, log: Callable[[str], None] = _stderr) -> GateRun:
     """Generate what is missing, score every arm against the reference, write the report and figures."""
-    _validate(config)
+    validate_config(config)
     _note_ignored_environment(log)
     prompts = load_prompts(config.prompts)
     taken: set[str] = {"floor"}

@@ -22,6 +22,7 @@ import numpy as np
 import torch
 
 from . import GateError
+from .config import MIN_SIZE
 
 ALEXNET_FILE = "alexnet-owt-7be5be79.pth"
 ALEXNET_URL = f"https://download.pytorch.org/models/{ALEXNET_FILE}"
@@ -33,7 +34,6 @@ RANDOM_SEED = 0
 # torchvision's alexnet().features index → the lpips slice holding that layer (lpips keeps the index as its name).
 _FEATURE_SLICES = {0: 1, 3: 2, 6: 3, 8: 4, 10: 5}
 # Conv 11/4, max-pool 3/2, conv 5, max-pool 3/2: below 32 pixels the second pool has nothing left to pool.
-MIN_SIZE = 32
 _BATCH = 8
 
 

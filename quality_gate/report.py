@@ -2,8 +2,9 @@
 sheets and the per-frame plot) for people, both written atomically into the output directory.
 
 Layout under the output directory: `report.json`, `report.md`, `sheets/<arm>/<prompt>-s<seed>.png`,
-`plots/<arm>.png`, and the clip cache `clips/`. A run with the random LPIPS backbone says so at the top of every
-file it writes (RANDOM_LABEL), so its numbers cannot be mistaken for a measurement.
+`plots/<arm>.png`, and the clip cache `clips/`. A run with the random LPIPS backbone checks the gate's plumbing only:
+it gives no verdict (PLUMBING_VERDICT instead of PASS or FAIL) and says so at the top of every file it writes
+(RANDOM_LABEL), so its numbers cannot be mistaken for a measurement.
 """
 
 from __future__ import annotations
@@ -20,6 +21,8 @@ from .thresholds import METRIC_NAMES, Thresholds
 
 REPORT_JSON = "report.json"
 REPORT_MD = "report.md"
+# What a run with the random LPIPS backbone reports instead of PASS or FAIL: every stage ran, nothing was judged.
+PLUMBING_VERDICT = "PLUMBING ONLY (random LPIPS backbone): no quality verdict"
 
 
 def sheet_path(out: Path, arm_label: str, prompt_id: str, seed: int) -> Path:
@@ -53,7 +56,19 @@ class GateRun:
 
     @property
     def passed(self) -> bool:
+        """Every arm within its limits. Meaningful only where `plumbing_only` is False."""
         return all(arm.passed for arm in self.arms)
+
+    @property
+    def plumbing_only(self) -> bool:
+        """The LPIPS backbone was random: the run checked that every stage works and judged nothing."""
+        return self.random_backbone
+
+    @property
+    def verdict(self) -> str:
+        if self.plumbing_only:
+            return PLUMBING_VERDICT
+        return "PASS" if self.passed else "FAIL"
 
     @property
     def banner(self) -> str | None:
@@ -62,8 +77,9 @@ class GateRun:
 
 def to_json(run: GateRun) -> dict[str, Any]:
     return {
-        "verdict": "PASS" if run.passed else "FAIL",
-        "passed": run.passed,
+        "verdict": run.verdict,
+        "passed": None if run.plumbing_only else run.passed,
+        "plumbing_only": run.plumbing_only,
         "warning": run.banner,
         "lpips_backbone": run.lpips_label,
         "random_backbone": run.random_backbone,
@@ -151,8 +167,16 @@ def _clip_table(result: ArmResult) -> list[str]:
     return lines
 
 
+def _arm_verdict(run: GateRun, result: ArmResult) -> str:
+    if result.floor:
+        return "noise floor"
+    if run.plumbing_only:
+        return "no verdict"
+    return "PASS" if result.passed else "**FAIL**"
+
+
 def _arm_section(run: GateRun, result: ArmResult, out: Path) -> list[str]:
-    verdict = "noise floor" if result.floor else ("PASS" if result.passed else "**FAIL**")
+    verdict = _arm_verdict(run, result)
     switches = ", ".join(f"`{k}={v}`" for k, v in result.switches.items()) or "all switches at their defaults"
     lines = [f"## {result.label} [`{result.arm_hash}`]: {verdict}", ""]
     if result.floor:
@@ -190,10 +214,13 @@ def _arm_section(run: GateRun, result: ArmResult, out: Path) -> list[str]:
 
 
 def to_markdown(run: GateRun, out: Path) -> str:
-    verdict = "PASS" if run.passed else "FAIL"
-    lines = [f"# k6fast quality gate: {verdict}", ""]
+    lines = [f"# k6fast quality gate: {run.verdict}", ""]
     if run.banner:
-        lines += [f"> **{run.banner}.** This run checks the gate's plumbing; its LPIPS numbers mean nothing.", ""]
+        lines += [
+            f"> **{run.banner}.** This run checks the gate's plumbing; its LPIPS numbers mean nothing, and the "
+            "checks below are shown only to prove they run.",
+            "",
+        ]
     generated = sum(s.startswith("generated") for s in run.clip_status.values())
     lines += [
         _row(["run", ""]),
@@ -216,7 +243,10 @@ def to_markdown(run: GateRun, out: Path) -> str:
     ]
     for result in ([run.floor] if run.floor else []) + run.arms:
         agg = result.aggregates
-        verdict_cell = "floor" if result.floor else ("pass" if result.passed else "**FAIL**")
+        if result.floor:
+            verdict_cell = "floor"
+        else:
+            verdict_cell = "no verdict" if run.plumbing_only else ("pass" if result.passed else "**FAIL**")
         summary.append(
             _row(
                 [

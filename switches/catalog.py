@@ -167,9 +167,9 @@ FP8_OUTLIER_CHANNELS = Switch(
     default="32",
     choices=("0", "16", "32", "64"),
     doc="with K6_GEMM=fp8 (or mxfp8, nvfp4) on bf16 weights: the input channels (largest activations, chosen per "
-    "call) whose weight rounding 128 extra GEMM columns correct (H200, DiT-like inputs: 2.8-3.0 % vs 3.5-3.7 % rel. "
-    "L2, 1.69-1.82x cuBLAS BF16 vs 1.71-1.76x); mxfp8/nvfp4: 2x this many columns correct both operands' rounding "
-    "(CPU, DiT-like: 3.7 -> 2.2 %, 12.9 -> 10.0 %); 0 = off",
+    "call) whose weight rounding extra GEMM columns correct, lowering the layer's error for little speed "
+    "(measurements/sessions/2026-11-29_fp8-outliers); mxfp8/nvfp4: 2x this many columns correct both operands' "
+    "rounding (bounds in tests/test_blockscaled.py); 0 = off",
     lossy=True,
 )
 FUSED_ELEMENTWISE = Switch(

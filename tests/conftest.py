@@ -9,11 +9,18 @@ import pytest
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+# On a machine without a GPU, PyTorch (and the subprocesses the tests start: bench visits, servers, the CLI) computes
+# on one thread. The tiny models' ops are far too small to gain from a second thread, and on a small machine shared
+# with the tests' own subprocesses OpenMP's threads wait on each other for whole scheduler slices: the same tiny
+# request ran many times slower on two threads than on one with another process busy. Set before torch is imported;
+# an OMP_NUM_THREADS the caller set wins.
+if not Path("/dev/nvidia0").exists():
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 
 @pytest.fixture(scope="session")
 def tiny_checkpoints(tmp_path_factory) -> dict[str, Path]:
-    from k6fast.tiny import make_tiny
+    from k6fast.testing.tiny import make_tiny
 
     root = tmp_path_factory.mktemp("tiny")
     return {variant: make_tiny(root / variant, variant=variant, seed=0) for variant in ("distill", "base")}

@@ -11,9 +11,9 @@ from pathlib import Path
 import pytest
 
 from k6fast.dit.config import DiTConfig
-from k6fast.dit.residency import GiB, activation_estimate
+from k6fast.stream.plan import GiB, activation_estimate
 from k6fast.switches import load_options
-from k6fast.synthetic import transformer_config
+from k6fast.testing.synthetic import transformer_config
 
 RECORD = Path(__file__).resolve().parents[1] / "measurements" / "sessions" / "2026-12-01_acceptance-full"
 W1_PLANNED_TOKENS = (32 * 30 * 54, 218)  # what the pipeline plans W1 for: video tokens with the image tail frame

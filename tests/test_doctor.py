@@ -6,8 +6,8 @@ import stat
 import subprocess
 import sys
 
-from k6fast.dit.residency import GiB
 from k6fast.doctor import GB, Gpu, Report, advise, dit_plan, measure_read, read_gpus, render, run_doctor
+from k6fast.stream.plan import GiB
 
 
 def _fake_smi(tmp_path, line: str) -> str:
@@ -31,19 +31,20 @@ def test_gpus_are_read_from_nvidia_smi(tmp_path) -> None:
     assert read_gpus(str(tmp_path / "absent")) == []
 
 
-def test_plan_from_the_headers_matches_the_runtime_arithmetic(tiny_distill) -> None:
+def test_plan_from_the_headers_matches_the_runtime_plan(tiny_distill) -> None:
     import torch
 
     from k6fast.checkpoint import open_checkpoint
-    from k6fast.dit.runtime import index_footprint
-    from k6fast.dit.weight_stream import index_safetensors
+    from k6fast.doctor import W1_TOKENS
+    from k6fast.stream.runtime import build_dit
 
     plan = dit_plan(tiny_distill, 32 * GiB)
     ckpt = open_checkpoint(tiny_distill)
-    fixed, block = index_footprint(
-        index_safetensors(ckpt.transformer_files), ckpt.dit.num_visual_blocks, torch.bfloat16
-    )
-    assert (plan["fixed_bytes"], plan["block_bytes"]) == (fixed, block)
+    # What the runtime plans for the same budget and geometry, bf16 compute, the exact arm.
+    runtime = build_dit(ckpt.transformer_files, ckpt.dit, torch.device("cpu"), torch.bfloat16,
+                        budget_bytes=32 * GiB, tokens=W1_TOKENS)  # fmt: skip
+    runtime.close()
+    assert {k: plan[k] for k in runtime.plan.as_dict()} == runtime.plan.as_dict()
     assert plan["resident_blocks"] == plan["num_blocks"] == ckpt.dit.num_visual_blocks and plan["slots"] == 0
 
 

@@ -12,7 +12,7 @@ import torch
 
 from k6fast.checkpoint import open_checkpoint
 from k6fast.dit.backend import ExactBackend
-from k6fast.dit.runtime import build_dit
+from k6fast.stream.runtime import build_dit
 
 
 class _FailingBackend(ExactBackend):
@@ -45,7 +45,16 @@ def _inputs(cfg, device, dtype, seed: int = 0):
 
 
 def _runtime(ckpt, device, dtype, backend=None, **kwargs):
-    return build_dit(ckpt, device, dtype, budget_bytes=1 << 40, tokens=(100, 10), backend=backend, **kwargs)
+    return build_dit(
+        ckpt.transformer_files,
+        ckpt.dit,
+        device,
+        dtype,
+        budget_bytes=1 << 40,
+        tokens=(100, 10),
+        backend=backend,
+        **kwargs,
+    )
 
 
 @pytest.mark.parametrize("fail_block", [0, 1])

@@ -3,7 +3,8 @@
 One gate run (module fixture) generates the reference, its noise-floor re-run, a lossless arm (every switch written
 out at its default) and a lossy arm (the PiFlow step cache), scores them and writes the report. A second run on the
 same output directory reuses the cached clips and declares the lossy arm exact, which must fail with exit status 1.
-CPU time: about 30 s (6 tiny generations, the imports, the random LPIPS backbone).
+The first run uses the random LPIPS backbone: it must say it checked the plumbing only and give no verdict (exit
+status 3); the verdicts (0 and 1) come from runs with a backbone file.
 """
 
 from __future__ import annotations
@@ -21,9 +22,11 @@ import PIL.Image
 import pytest
 
 from k6fast.quality_gate import clips
-from k6fast.quality_gate.clips import SET_A, ClipCache, Geometry, Prompt, load_arm
-from k6fast.quality_gate.command import register
+from k6fast.quality_gate.clips import ClipCache, Geometry, Prompt, load_arm
+from k6fast.quality_gate.command import EXIT_PLUMBING, register
+from k6fast.quality_gate.config import SET_A
 from k6fast.quality_gate.lpips_metric import RANDOM_LABEL
+from k6fast.quality_gate.report import PLUMBING_VERDICT
 from k6fast.switches import SWITCHES, Options
 
 PROMPTS = ("a1-portrait-speech", "a3-sprint-start")
@@ -69,9 +72,10 @@ def setup(tiny_distill: Path, tmp_path_factory: pytest.TempPathFactory, pinned_s
     return {"root": root, "out": root / "out", "rc": rc, "report": report, "common": common, "log": log.getvalue()}
 
 
-def test_gate_passes_and_reports_every_arm(setup: dict) -> None:
+def test_gate_runs_every_arm_and_gives_no_verdict_with_the_random_backbone(setup: dict) -> None:
     report = setup["report"]
-    assert setup["rc"] == 0 and report["verdict"] == "PASS"
+    assert setup["rc"] == EXIT_PLUMBING and report["verdict"] == PLUMBING_VERDICT
+    assert report["plumbing_only"] and report["passed"] is None
     assert [a["label"] for a in report["arms"]] == ["step-cache", "all-off"]  # --arm arms first, then --exact
     assert report["prompts"] == list(PROMPTS)
     assert report["random_backbone"] and report["warning"] == RANDOM_LABEL
@@ -124,7 +128,8 @@ def test_lossy_arm_is_scored_not_identical(setup: dict) -> None:
 def test_markdown_sheets_and_plots_are_written(setup: dict) -> None:
     out = setup["out"]
     markdown = (out / "report.md").read_text()
-    assert markdown.startswith("# k6fast quality gate: PASS")
+    assert markdown.startswith(f"# k6fast quality gate: {PLUMBING_VERDICT}")
+    assert "| no verdict |" in markdown and "]: no verdict" in markdown and "PASS" not in markdown
     assert RANDOM_LABEL in markdown.splitlines()[2]
     assert "## step-cache [" in markdown and "## all-off [" in markdown and "## floor [" in markdown
     assert markdown.count("| **set** |") == 3
@@ -142,12 +147,39 @@ def test_markdown_sheets_and_plots_are_written(setup: dict) -> None:
     assert not list(out.rglob(".*.tmp"))
 
 
-def test_lossless_arm_that_differs_fails_with_status_1(setup: dict, capsys: pytest.CaptureFixture) -> None:
-    out = setup["root"] / "exact-fails"
-    shutil.copytree(setup["out"] / "clips", out / "clips")  # the first run's clips, so nothing is generated again
-    argv = list(setup["common"])
+@pytest.fixture(scope="module")
+def backbone_file(setup: dict) -> Path:
+    """AlexNet weights in torchvision's layout (seeded, not ImageNet's): a backbone file, so the gate gives verdicts."""
+    import torch
+    import torchvision
+
+    path = setup["root"] / "alexnet.pth"
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(5)
+        torch.save(torchvision.models.alexnet().state_dict(), path)
+    return path
+
+
+def _rerun(setup: dict, name: str, backbone: Path, *arms: str) -> tuple[int, Path]:
+    """The gate again on the first run's clips (nothing is generated) with a backbone file."""
+    out = setup["root"] / name
+    shutil.copytree(setup["out"] / "clips", out / "clips")
+    argv = [str(backbone) if a == "random" else a for a in setup["common"]]
     argv[argv.index("--out") + 1] = str(out)
-    rc = gate([*argv, "--exact", str(setup["root"] / "step-cache.env")])
+    return gate([*argv, *arms]), out
+
+
+def test_with_a_backbone_file_an_exact_arm_that_is_exact_passes(setup: dict, backbone_file: Path, capsys) -> None:
+    rc, out = _rerun(setup, "exact-passes", backbone_file, "--exact", str(setup["root"] / "all-off.env"))
+    assert rc == 0
+    assert "PASS  all-off" in capsys.readouterr().out
+    report = json.loads((out / "report.json").read_text())
+    assert set(report["clips"].values()) == {"cached"}
+    assert report["verdict"] == "PASS" and report["passed"] and not report["plumbing_only"]
+
+
+def test_lossless_arm_that_differs_fails_with_status_1(setup: dict, backbone_file: Path, capsys) -> None:
+    rc, out = _rerun(setup, "exact-fails", backbone_file, "--exact", str(setup["root"] / "step-cache.env"))
     assert rc == 1
     assert "FAIL  step-cache" in capsys.readouterr().out
     report = json.loads((out / "report.json").read_text())

@@ -50,7 +50,11 @@ def test_default_decode_is_exact_and_equals_diffusers_untiled(pipe) -> None:
 
 
 def test_tiled_mode_is_diffusers_tiled_decode(pipe, monkeypatch) -> None:
-    latents = _latents(pipe, 5, 40, 40)  # 320 px: wider than diffusers' 256 px tiles, so tiling engages
+    # diffusers' tiles shrunk from 256 px (stride 192) to 64 px (stride 48), so a 96 px clip of 9 frames is decoded in
+    # 2x2 spatial tiles: the same tiled code path at a fraction of the pixels the default tiles would need.
+    for name, value in (("min_height", 64), ("min_width", 64), ("stride_height", 48), ("stride_width", 48)):
+        monkeypatch.setattr(pipe.vae, f"tile_sample_{name}", value)
+    latents = _latents(pipe, 3, 12, 12)
     monkeypatch.setattr(pipe, "options", pipe.options.replace(video_decode="tiled"))
     telemetry = Telemetry()
     frames = pipe._decode_video(latents, telemetry)
@@ -64,14 +68,22 @@ def test_tiled_mode_is_diffusers_tiled_decode(pipe, monkeypatch) -> None:
     assert not pipe.vae.use_tiling  # tiling is on for that decode only
 
 
-SMALL, ROOM = 400 << 20, 2 << 30  # at 5x32x32 latents: only a streamed plan fits 400 MiB (256 MiB kept aside)
+# At 5x16x16 latents (128 px) only a streamed plan fits SMALL (the planner keeps 256 MiB aside); ROOM fits the exact
+# decode.
+SHAPE, SMALL, ROOM = (5, 16, 16), 338 << 20, 2 << 30
+
+
+def test_small_fits_a_streamed_plan_only(pipe) -> None:
+    small = plan_video_decode(pipe.vae, SHAPE, budget_bytes=SMALL)
+    assert small.mode == "streamed" and not small.exact
+    assert plan_video_decode(pipe.vae, SHAPE, budget_bytes=ROOM).exact
 
 
 def test_exact_decode_sends_the_dit_away_when_the_budget_needs_it(tiny_distill) -> None:
     pipe = Pipeline(tiny_distill, load_options(environ={}), device="cpu")
     try:
-        latents = _latents(pipe, 5, 32, 32)
-        assert not plan_video_decode(pipe.vae, (5, 32, 32), budget_bytes=SMALL).exact
+        latents = _latents(pipe, *SHAPE)
+        assert not plan_video_decode(pipe.vae, SHAPE, budget_bytes=SMALL).exact
         budgets = iter([SMALL, ROOM])  # too small beside the DiT; room once it has gone
         pipe._free_budget = lambda: next(budgets)
         telemetry = Telemetry()
@@ -91,12 +103,12 @@ def test_exact_decode_sends_the_dit_away_when_the_budget_needs_it(tiny_distill) 
 def test_streamed_mode_keeps_the_dit_when_a_streamed_plan_fits(tiny_distill) -> None:
     pipe = Pipeline(tiny_distill, load_options(environ={}).replace(video_decode="streamed"), device="cpu")
     try:
-        latents = _latents(pipe, 5, 32, 32)
+        latents = _latents(pipe, *SHAPE)
         pipe._free_budget = lambda: SMALL
         telemetry = Telemetry()
         frames = pipe._decode_video(latents, telemetry)
         assert pipe.runtime is not None and telemetry.video_decode.startswith("streamed")
-        plan = plan_video_decode(pipe.vae, (5, 32, 32), budget_bytes=SMALL)
+        plan = plan_video_decode(pipe.vae, SHAPE, budget_bytes=SMALL)
         assert torch.equal(frames, decode_video_fast(pipe.vae, latents, plan=plan))
         budgets = iter([1 << 20, SMALL])  # nothing fits beside the DiT: it leaves, then a streamed plan fits
         pipe._free_budget = lambda: next(budgets)

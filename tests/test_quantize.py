@@ -20,10 +20,11 @@ from k6fast.checkpoint import CheckpointError, open_checkpoint
 from k6fast.dit.backend import SwitchedBackend
 from k6fast.dit.config import QUANT_CONFIG_KEY, quantized_layer
 from k6fast.dit.linear import LinearDispatch, QuantizedWeight
-from k6fast.dit.runtime import build_dit
 from k6fast.kernels.blockscaled import dequantize_mxfp8, quantize_mxfp8
 from k6fast.kernels.nvfp4 import dequantize_nvfp4, quantize_nvfp4
-from k6fast.quantize import quantize_checkpoint, register
+from k6fast.quantize import quantize_checkpoint
+from k6fast.quantize_cli import register
+from k6fast.stream.runtime import build_dit
 from k6fast.switches import Options
 
 FORMATS = ("fp8", "mxfp8", "nvfp4")
@@ -66,7 +67,9 @@ def _inputs(cfg, seed: int = 0, dtype: torch.dtype = torch.float32):
 
 
 def _runtime(ckpt, dtype=torch.float32, **kwargs):
-    return build_dit(ckpt, torch.device("cpu"), dtype, budget_bytes=1 << 40, tokens=(100, 10), **kwargs)
+    return build_dit(
+        ckpt.transformer_files, ckpt.dit, torch.device("cpu"), dtype, budget_bytes=1 << 40, tokens=(100, 10), **kwargs
+    )
 
 
 def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -323,7 +326,10 @@ def test_stored_gemm_runs_on_gpu(quantized, fmt):
     ckpt = open_checkpoint(_written(quantized, fmt))
     kw = dict(budget_bytes=1 << 40, tokens=(100, 10))
     fast = SwitchedBackend(Options().replace(gemm_min_rows=1), torch.device("cuda"))
-    runs = [build_dit(ckpt, torch.device("cuda"), torch.bfloat16, backend=b, **kw) for b in (None, fast)]
+    runs = [
+        build_dit(ckpt.transformer_files, ckpt.dit, torch.device("cuda"), torch.bfloat16, backend=b, **kw)
+        for b in (None, fast)
+    ]
     try:
         inputs = {k: v.cuda() for k, v in _inputs(ckpt.dit, 0, torch.bfloat16).items()}
         dequantized, stored = (rt.dit(**inputs) for rt in runs)

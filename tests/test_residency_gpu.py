@@ -12,8 +12,8 @@ import torch
 
 from k6fast.bench.workload import Geometry, block_inputs
 from k6fast.dit.config import DiTConfig, fused_block_shapes, is_fp32_tensor
-from k6fast.dit.residency import activation_estimate
-from k6fast.synthetic import transformer_config
+from k6fast.stream.plan import activation_estimate
+from k6fast.testing.synthetic import transformer_config
 
 # 864x480 at 17 frames: 5 latent frames, 8,100 video tokens; the audio stream of that clip.
 GEOMETRY = Geometry(864, 480, 17)
@@ -77,7 +77,7 @@ def test_activation_estimate_covers_a_pro_blocks_measured_peak_gpu(arm: str) -> 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_the_whole_card_means_what_is_free_less_what_cuda_adds_gpu(caplog) -> None:
-    from k6fast.dit.runtime import OUTSIDE_ALLOCATOR_BYTES, device_budget
+    from k6fast.allocator import OUTSIDE_ALLOCATOR_BYTES, device_budget
 
     device = torch.device("cuda")
     free, total = torch.cuda.mem_get_info(device)

@@ -75,15 +75,15 @@ def test_size_arguments_say_what_they_expect(size: str, tmp_path: Path) -> None:
 
 
 def test_geometry_rules_agree_with_the_pipeline() -> None:
-    from k6fast import pipeline
+    from k6fast import request
     from k6fast.server import config
 
-    assert (config.SPATIAL_MULTIPLE, config.TEMPORAL_STRIDE) == (pipeline.SPATIAL_MULTIPLE, pipeline.TEMPORAL_STRIDE)
+    assert (config.SPATIAL_MULTIPLE, config.TEMPORAL_STRIDE) == (request.SPATIAL_MULTIPLE, request.TEMPORAL_STRIDE)
     for size in ((64, 64), (65, 64), (0, 16), (16, -16), (1280, 720), (1920, 1080)):
         try:
-            pipeline.validate_geometry(*size, 1)
+            request.validate_geometry(*size, 1)
             valid = True
-        except pipeline.RequestError:
+        except request.RequestError:
             valid = False
         assert (config.size_problem(size) is None) == valid, size
 

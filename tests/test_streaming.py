@@ -7,9 +7,10 @@ import torch
 from safetensors import safe_open
 
 from k6fast.checkpoint import open_checkpoint
-from k6fast.dit.residency import RESERVE_BYTES, GiB, plan_residency
-from k6fast.dit.runtime import build_dit
-from k6fast.dit.weight_stream import FileReader, index_safetensors
+from k6fast.safetensors_index import index_safetensors
+from k6fast.stream.plan import RESERVE_BYTES, GiB, plan_residency
+from k6fast.stream.reader import FileReader, torch_dtype
+from k6fast.stream.runtime import build_dit
 
 
 def _inputs(cfg, seed: int = 0):
@@ -24,7 +25,15 @@ def _inputs(cfg, seed: int = 0):
 
 
 def _runtime(ckpt, **kwargs):
-    return build_dit(ckpt, torch.device("cpu"), torch.float32, budget_bytes=1 << 40, tokens=(100, 10), **kwargs)
+    return build_dit(
+        ckpt.transformer_files,
+        ckpt.dit,
+        torch.device("cpu"),
+        torch.float32,
+        budget_bytes=1 << 40,
+        tokens=(100, 10),
+        **kwargs,
+    )
 
 
 def test_reader_returns_the_file_bytes(tiny_distill) -> None:
@@ -38,7 +47,7 @@ def test_reader_returns_the_file_bytes(tiny_distill) -> None:
                     loc = index[name]
                     buf = torch.empty(loc.nbytes + 16, dtype=torch.uint8)
                     reader.read_into(buf, [(loc, 16)])
-                    got = buf[16:].view(loc.dtype).view(loc.shape)
+                    got = buf[16:].view(torch_dtype(loc)).view(loc.shape)
                     assert torch.equal(got, f.get_tensor(name))
     finally:
         reader.close()
@@ -107,9 +116,9 @@ def test_bf16_streamed_forward_matches_resident_and_fp32(tiny_distill) -> None:
     # The GPU path runs bf16 with fp32 modulation/time/pooled layers; this checks the dtype plumbing on CPU.
     ckpt = open_checkpoint(tiny_distill)
     kw = dict(budget_bytes=1 << 40, tokens=(100, 10))
-    fp32 = build_dit(ckpt, torch.device("cpu"), torch.float32, **kw)
-    bf16 = build_dit(ckpt, torch.device("cpu"), torch.bfloat16, **kw)
-    streamed = build_dit(ckpt, torch.device("cpu"), torch.bfloat16, max_resident=0, **kw)
+    fp32 = build_dit(ckpt.transformer_files, ckpt.dit, torch.device("cpu"), torch.float32, **kw)
+    bf16 = build_dit(ckpt.transformer_files, ckpt.dit, torch.device("cpu"), torch.bfloat16, **kw)
+    streamed = build_dit(ckpt.transformer_files, ckpt.dit, torch.device("cpu"), torch.bfloat16, max_resident=0, **kw)
     try:
         assert bf16.dit.weights["video_time_embeddings.timestep_embedder.linear_1.weight"].dtype == torch.float32
         assert bf16.dit.weights["video_pooled_text_embeddings.in_layer.weight"].dtype == torch.float32
@@ -148,8 +157,8 @@ def test_text_encoders_stay_loaded_when_the_budget_holds_them(tiny_distill, monk
     a, b = roomy.generate(request), roomy.generate(request)
     assert len(loads) == 1 and (a.frames == b.frames).all()
     # A budget that holds the DiT and its activations but not the text encoders beside them: per-request loads.
-    from k6fast.dit.residency import RESERVE_BYTES
     from k6fast.pipeline import component_bytes
+    from k6fast.stream.plan import RESERVE_BYTES
 
     plan = roomy.runtime.plan
     text_bytes = sum(component_bytes(tiny_distill / c) for c in ("text_encoder", "text_encoder_2"))
@@ -164,8 +173,8 @@ def test_text_encoders_stay_loaded_when_the_budget_holds_them(tiny_distill, monk
 
 
 def test_dit_leaves_the_device_for_the_text_phase_when_both_do_not_fit(tiny_distill) -> None:
-    from k6fast.dit.residency import RESERVE_BYTES
     from k6fast.pipeline import Pipeline, Request, component_bytes
+    from k6fast.stream.plan import RESERVE_BYTES
     from k6fast.switches import Options
 
     geometry = (32, 32, 5)
@@ -190,16 +199,16 @@ def test_dit_leaves_the_device_for_the_text_phase_when_both_do_not_fit(tiny_dist
 def test_plan_counts_resident_modulation_layers_in_fp32(tiny_distill) -> None:
     # Resident blocks hold their modulation layers in fp32; the plan must count them so, or a full-depth Pro plan
     # would overrun its budget by ≈ 150 MB per resident block.
-    from k6fast.dit.runtime import index_footprint
+    from k6fast.stream.plan import index_footprint
 
     ckpt = open_checkpoint(tiny_distill)
     index = index_safetensors(ckpt.transformer_files)
     stored = sum(loc.nbytes for name, loc in index.items() if name.startswith("visual_transformer_blocks.0."))
     modulation = sum(
-        loc.nbytes // loc.dtype.itemsize
+        loc.elements
         for name, loc in index.items()
         if name.startswith("visual_transformer_blocks.0.") and "modulation." in name
     )
-    _, block_bf16 = index_footprint(index, ckpt.dit.num_visual_blocks, torch.bfloat16)
+    _, block_bf16 = index_footprint(index, ckpt.dit.num_visual_blocks, torch.bfloat16.itemsize)
     # The tiny checkpoint is stored in fp32: in bf16 every tensor halves except the modulation layers.
     assert block_bf16 == (stored - 4 * modulation) // 2 + 4 * modulation

@@ -14,7 +14,9 @@ import PIL.Image
 import pytest
 import torch
 
-from k6fast.tiny import QWEN_CROP_START, QWEN_SPECIAL_TOKENS, make_tiny, qwen_prompt_prefix
+from k6fast.testing.model_constants import AUDIO_SAMPLE_RATE, AUDIO_VAE_SCALING, FLAGS, N_GRID, VIDEO_LATENT_CHANNELS
+from k6fast.testing.tiny import make_tiny
+from k6fast.testing.tokenizers import QWEN_CROP_START, QWEN_SPECIAL_TOKENS, qwen_prompt_prefix
 
 COMPONENTS = {
     "transformer": ["diffusers", "Kandinsky6Transformer3DModel"],
@@ -30,9 +32,9 @@ SCHEDULERS = {"distill": "PiflowScheduler", "base": "FlowMatchEulerDiscreteSched
 
 
 @pytest.fixture(scope="module")
-def checkpoints(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
-    root = tmp_path_factory.mktemp("tiny")
-    return {variant: make_tiny(root / variant, variant, seed=0) for variant in ("distill", "base")}
+def checkpoints(tiny_checkpoints: dict[str, Path]) -> dict[str, Path]:
+    """The session's tiny checkpoints (conftest.py): `make_tiny(dir, variant, seed=0)` for both variants."""
+    return tiny_checkpoints
 
 
 @pytest.fixture(scope="module")
@@ -95,23 +97,21 @@ def test_configs_agree_across_components(checkpoints: dict[str, Path], variant: 
     clip = _read_json(root / "text_encoder_2" / "config.json")
     scheduler = _read_json(root / "scheduler" / "scheduler_config.json")
 
-    widen = 10 if variant == "distill" else 1
-    assert dit["in_visual_dim"] == vae["latent_channels"] == 16
+    widen = N_GRID if variant == "distill" else 1
+    assert dit["in_visual_dim"] == vae["latent_channels"] == VIDEO_LATENT_CHANNELS
     assert dit["out_visual_dim"] == widen * dit["in_visual_dim"]
     assert dit["in_audio_dim"] == audio_vae["latent_channels"]
     assert dit["out_audio_dim"] == widen * dit["in_audio_dim"]
     assert dit["in_text_dim"] == qwen["text_config"]["hidden_size"]
     assert dit["in_text_dim2"] == clip["hidden_size"]
     assert sum(dit["axes_dims"]) == sum(dit["axes_dims_a"])
-    for flag in ("ca_rope", "cross_gates", "fix_modulation", "text_token_padding", "visual_cond"):
-        assert dit[flag] is True, flag
-    assert dit["visual_token_type_num_embeddings"] == 2
-    assert dit["audio_freqs_scaling"] == pytest.approx(0.144)
+    for flag, value in FLAGS.items():
+        assert dit[flag] == (list(value) if isinstance(value, tuple) else value), flag
     assert (vae["temporal_compression_ratio"], vae["spatial_compression_ratio"]) == (4, 8)
     assert vocoder["num_mels"] == audio_vae["mel_bins"]
     assert math.prod(vocoder["upsample_rates"]) == audio_vae["hop_length"] == 512
-    assert audio_vae["sample_rate"] == 44_100
-    assert audio_vae["scaling_factor"] == pytest.approx(0.417 if variant == "distill" else 0.5302)
+    assert audio_vae["sample_rate"] == AUDIO_SAMPLE_RATE
+    assert audio_vae["scaling_factor"] == pytest.approx(AUDIO_VAE_SCALING[variant])
     text = qwen["text_config"]
     head_dim = text["hidden_size"] // text["num_attention_heads"]
     assert sum(text["rope_parameters"]["mrope_section"]) == head_dim // 2

@@ -24,10 +24,9 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from .acceptance_report import ROWS_FILE, latent_error, render_table, request_summary
+from .acceptance_report import PLAN_FILE, ROWS_FILE, is_peer_arm, latent_error, render_table, request_summary
 from .records import append_jsonl, read_jsonl, write_json
 
-PLAN_FILE = "acceptance.json"
 REFERENCE_ARM = "reference"
 DEFAULT_PROMPT = (
     "A rain-slicked Tokyo alley at night, camera tracking forward past a glowing neon sign that reads OPEN in red "
@@ -52,7 +51,7 @@ class Run:
 
     @property
     def peer(self) -> bool:
-        return self.arm.startswith("diffusers")
+        return is_peer_arm(self.arm)
 
     @property
     def slug(self) -> str:
@@ -122,7 +121,7 @@ class ProcessWatch:
         while not self._stop.wait(self.interval_s):
             self._sample()
             tick += 1
-            if tick % 4 == 0:  # nvidia-smi costs ~50 ms a call: once a second
+            if tick % 4 == 0:  # nvidia-smi is a process start per call: once a second is enough
                 self.peak_smi_mib = max(self.peak_smi_mib, self._smi_used() - self.baseline_smi_mib)
 
     def stop(self) -> dict[str, int]:
@@ -237,7 +236,7 @@ def execute(run: Run, w: Workload, *, work: Path, timeout_s: float, python: str 
     if row["passed"] and not run.peer and reference_latents is not None and latents.is_file():
         row["vs_reference"] = latent_error(latents, reference_latents)
     clip = run_dir / "clip.mp4"
-    if clip.is_file():  # checked, then dropped: a W1 clip of random-weight noise is ~100 MB, the disk is the limit
+    if clip.is_file():  # checked, then dropped: a W1 clip of random-weight noise is large, the disk is the limit
         row["clip_bytes"] = clip.stat().st_size
         clip.unlink()
     return row

@@ -87,7 +87,7 @@ def cmd_acceptance(args: argparse.Namespace) -> int:
     model = Path(args.model)
     made = None
     if args.make_synthetic and not (model / "model_index.json").is_file():
-        from ..synthetic import make_synthetic
+        from ..testing.synthetic import make_synthetic
 
         start = time.perf_counter()
         make_synthetic(model, preset=args.make_synthetic)

@@ -11,7 +11,13 @@ from pathlib import Path
 from typing import Any
 
 ROWS_FILE = "runs.jsonl"
+PLAN_FILE = "acceptance.json"
 GiB = 2**30
+
+
+def is_peer_arm(arm: str) -> bool:
+    """The peer rows of an acceptance run: diffusers' own pipeline (`diffusers`, `diffusers-offload`)."""
+    return arm.startswith("diffusers")
 
 
 def latent_error(latents: Path, reference: Path) -> dict[str, dict[str, float]]:
@@ -102,13 +108,37 @@ def _result(row: dict[str, Any]) -> str:
 
 
 COLUMNS = (
-    "run", "result", "process s", "request s", "text / denoise / decode / mux s", "compile s (graphs)",
-    "peak VRAM alloc / reserved GiB", "denoise peak GiB", "nvidia-smi peak GiB", "peak host RSS GiB",
-    "copies hidden", "final latents vs reference (rel. L2, cosine)",
+    "run", "result", "request vs peer", "process s", "request s", "text / denoise / decode / mux s",
+    "compile s (graphs)", "peak VRAM alloc / reserved GiB", "denoise peak GiB", "nvidia-smi peak GiB",
+    "peak host RSS GiB", "copies hidden", "final latents vs reference (rel. L2, cosine)",
 )  # fmt: skip
+COLUMN_NOTES = (
+    "Columns: request vs peer = the peer row's request seconds over this row's (> 1: faster than the peer); process "
+    "s = the whole `k6fast generate` process (imports, load, request, exit); request s = the sum of the request's "
+    "phases; peak VRAM = the caching allocator's peaks over the request (what the budget caps); denoise peak = "
+    "reserved during denoising alone (what the residency planner's estimate covers); nvidia-smi peak = device memory "
+    "in use above the idle level while the process ran (CUDA context included); peak host RSS = VmRSS sampled every "
+    "0.25 s; copies hidden = share of the streamed weight copies overlapped with compute."
+)
 
 
-def table_row(row: dict[str, Any]) -> str:
+def peer_request_s(rows: list[dict[str, Any]]) -> tuple[str, float] | None:
+    """(arm, request seconds) of the first passing peer row, None without one."""
+    for row in rows:
+        if is_peer_arm(str(row.get("arm", ""))) and row.get("passed") and row.get("request_s"):
+            return str(row["arm"]), float(row["request_s"])
+    return None
+
+
+def _vs_peer(row: dict[str, Any], peer: tuple[str, float] | None) -> str:
+    if is_peer_arm(str(row.get("arm", ""))):
+        return "peer"
+    if peer is None or not row.get("passed") or not row.get("request_s"):
+        return "—"
+    return f"{peer[1] / row['request_s']:.2f}×"
+
+
+def table_row(row: dict[str, Any], peer: tuple[str, float] | None = None) -> str:
     phases = row.get("phases_s") or {}
     split = " / ".join(_s(phases.get(k)) for k in ("text_encode", "denoise", "video_decode", "mux"))
     denoise_peak = (row.get("phase_peaks") or {}).get("denoise", {}).get("reserved")
@@ -117,6 +147,7 @@ def table_row(row: dict[str, Any]) -> str:
     cells = [
         row.get("run", "?"),
         _result(row),
+        _vs_peer(row, peer),
         _s(row.get("process_s")),
         _s(row.get("request_s")) if row.get("request_s") else "—",
         split if phases else "—",
@@ -129,6 +160,12 @@ def table_row(row: dict[str, Any]) -> str:
         _latents(row),
     ]
     return "| " + " | ".join(str(c) for c in cells) + " |"
+
+
+def table_lines(rows: list[dict[str, Any]]) -> list[str]:
+    """The Markdown table of an acceptance run: a header and a row per run, each row's request against the peer's."""
+    peer = peer_request_s(rows)
+    return ["| " + " | ".join(COLUMNS) + " |", "|" + "---|" * len(COLUMNS), *(table_row(r, peer) for r in rows)]
 
 
 def render_table(rows: list[dict[str, Any]], plan: dict[str, Any]) -> str:
@@ -151,16 +188,9 @@ def render_table(rows: list[dict[str, Any]], plan: dict[str, Any]) -> str:
         f"{plan.get('seed')}, prompt: {plan.get('prompt')!r}",
         f"- {passed} of {len(rows)} runs passed",
         "",
-        "| " + " | ".join(COLUMNS) + " |",
-        "|" + "---|" * len(COLUMNS),
-        *(table_row(r) for r in rows),
+        *table_lines(rows),
         "",
-        "Columns: process s = the whole `k6fast generate` process (imports, load, request, exit); request s = the sum "
-        "of the request's phases; peak VRAM = the caching allocator's peaks over the request (what the budget caps); "
-        "denoise peak = reserved during denoising alone (what the residency planner's estimate covers); nvidia-smi "
-        "peak = device memory in use above the idle level while the process ran (CUDA context included); peak host "
-        "RSS = VmRSS sampled every 0.25 s; copies hidden = share of the streamed weight copies overlapped with "
-        "compute.",
+        COLUMN_NOTES,
         "",
     ]
     return "\n".join(lines)

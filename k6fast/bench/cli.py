@@ -1,4 +1,5 @@
-"""`k6fast bench` (run an A/B session) and `k6fast bench report` (render measurements/README.md and the plots).
+"""`k6fast bench` (run an A/B session) and `k6fast bench report` (render measurements/README.md, the plots, and the
+results block of the project README from the records: `readme_results.py`).
 
 Wired into `k6fast/cli.py` by `register(subparsers)`; every handler returns an exit status.
 """
@@ -61,10 +62,15 @@ def register(subparsers) -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_bench)
 
     actions = p.add_subparsers(dest="bench_action", metavar="{report}")
-    r = actions.add_parser("report", help="render measurements/README.md and a PNG per session")
+    r = actions.add_parser("report", help="render measurements/README.md, a PNG per session and README.md's results")
     r.add_argument("--sessions", default=DEFAULT_SESSIONS, help=f"sessions folder (default {DEFAULT_SESSIONS})")
     r.add_argument("--readme", help="README to render (default: README.md beside the sessions folder)")
     r.add_argument("--no-plot", action="store_true", help="skip the PNGs (e.g. where matplotlib is missing)")
+    r.add_argument(
+        "--project-readme",
+        help="README whose results block (between <!-- results:start/end --> markers) is rendered from the records "
+        "(default: README.md two levels above the sessions folder, when it has the markers)",
+    )
     r.set_defaults(func=cmd_report)
     return p
 
@@ -118,13 +124,20 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
 
 def cmd_report(args: argparse.Namespace) -> int:
+    from .readme_results import RESULTS_MARKERS, update_readme
     from .report import render
 
     sessions = Path(args.sessions)
     readme = Path(args.readme) if args.readme else sessions.resolve().parent / "README.md"
+    project = Path(args.project_readme) if args.project_readme else sessions.resolve().parent.parent / "README.md"
     try:
         written = render(sessions, readme, plots=not args.no_plot)
-    except (ValueError, RuntimeError) as exc:
+        if args.project_readme or (project.is_file() and RESULTS_MARKERS[0] in project.read_text(encoding="utf-8")):
+            if update_readme(project, sessions):
+                written.append(project)
+            else:
+                print(f"{project}: results block already current")
+    except (ValueError, RuntimeError, OSError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     for path in written:

@@ -71,7 +71,7 @@ class _Peer:
         self.ckpt = open_checkpoint(spec.model)
         self.budget_gb = peer_budget_gb(spec)
         if self.budget_gb and self.device.type == "cuda":
-            from ..dit.runtime import device_budget
+            from ..allocator import device_budget
 
             device_budget(self.device, self.budget_gb)  # the same allocator cap the k6fast arms run under
         _quiet_diffusers()

@@ -51,7 +51,7 @@ class VisitSpec:
         return Geometry(self.width, self.height, self.frames)
 
     def resolved_device(self) -> torch.device:
-        from ..dit.runtime import resolve_device
+        from ..allocator import resolve_device
 
         return resolve_device(self.device or ("cuda" if torch.cuda.is_available() else "cpu"))
 

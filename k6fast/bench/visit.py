@@ -182,8 +182,9 @@ class K6BlockRunner(_K6Runner):
     def load(self) -> None:
         from ..checkpoint import open_checkpoint
         from ..dit.backend import SwitchedBackend
-        from ..dit.weight_stream import FileReader, index_safetensors, upload
         from ..dit.weights import PrefixView
+        from ..safetensors_index import index_safetensors
+        from ..stream.reader import FileReader, upload
 
         ckpt = open_checkpoint(self.spec.model)
         prefix = "visual_transformer_blocks.0."

@@ -44,7 +44,7 @@ class Geometry:
 
 def parse_geometry(text: str) -> Geometry:
     """`w1`, `smoke` or WIDTHxHEIGHTxFRAMES (multiples of 16, frames 4k+1)."""
-    from ..pipeline import RequestError, validate_geometry
+    from ..request import RequestError, validate_geometry
 
     key = text.strip().lower()
     if key in GEOMETRIES:

@@ -283,7 +283,7 @@ def stays_as_stored(name: str, stored_itemsize: int, floating: bool) -> bool:
 
 
 def held_itemsize(name: str, stored_itemsize: int, floating: bool, compute_itemsize: int) -> int:
-    """Bytes an element of this tensor takes on the device (the rule `weight_stream.target_dtype` applies)."""
+    """Bytes an element of this tensor takes on the device (the rule `k6fast.stream.reader.target_dtype` applies)."""
     if stays_as_stored(name, stored_itemsize, floating):
         return stored_itemsize
     return 4 if is_fp32_tensor(name) else compute_itemsize

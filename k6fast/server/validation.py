@@ -141,7 +141,7 @@ def _bool(fields: Mapping[str, Any], name: str, default: bool) -> bool:
 
 
 def _geometry_problem(width: int, height: int, frames: int) -> str | None:
-    from ..pipeline import RequestError, validate_geometry
+    from ..request import RequestError, validate_geometry
 
     try:
         validate_geometry(width, height, frames)

@@ -1,118 +1,25 @@
-"""Weights from safetensors files to the device without a full host copy, and fused blocks streamed one ahead.
+"""Fused blocks streamed through a few device slots, one or more ahead of the block computing.
 
-Read path: each tensor's bytes are located from the safetensors headers and read with `os.preadv` (from the page
-cache or disk; the page cache is the kernel's and can be dropped, unlike anonymous memory) straight into a small
-ring of pinned staging buffers allocated once; a copy stream moves them into device slots. A reader thread runs
-ahead of compute; CUDA events order everything on the GPU (slot ready → compute; compute done → slot reusable), so
-the compute thread never synchronises the device per block.
-
-On a CPU "device" (tests) the same code runs with plain buffers and no streams.
+A reader thread runs ahead of compute: it reads the next streamed block's tensors (`FileReader`) into one of two
+pinned staging buffers, and a copy stream moves them into a device slot. CUDA events order everything on the GPU (slot
+ready → compute; compute done → slot reusable), so the compute thread never synchronises the device per block. On a
+CPU "device" (tests) the same code runs with plain buffers and no streams.
 """
 
 from __future__ import annotations
 
-import json
-import os
-import struct
 import threading
-from collections.abc import Iterator, Mapping
-from concurrent.futures import ThreadPoolExecutor
+from collections.abc import Mapping
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
 from torch import Tensor
 
-from .config import is_fp32_tensor, stays_as_stored
-from .linear import bind_quantized
+from ..dit.linear import bind_quantized
+from ..safetensors_index import TensorLocation
+from .reader import FileReader, as_tensor
 
-_DTYPES = {
-    "BF16": torch.bfloat16,
-    "F16": torch.float16,
-    "F32": torch.float32,
-    "F8_E4M3": torch.float8_e4m3fn,
-    "U8": torch.uint8,
-    "I8": torch.int8,
-    "I32": torch.int32,
-    "I64": torch.int64,
-}
 ALIGN = 256  # device slot offsets: every tensor view starts on a 256-byte boundary
-# Parallel preads in chunks: one thread's copy out of the page cache tops out far below PCIe speed (≈ 16 GB/s with
-# 4 threads reading whole tensors, measured on the H200 host), and a 134 MB feed-forward matrix read by one
-# thread would serialise the block behind it.
-READ_THREADS = max(2, min(8, os.cpu_count() or 2))
-READ_CHUNK = 16 << 20
-
-
-@dataclass(frozen=True)
-class TensorLocation:
-    name: str
-    file: Path
-    offset: int  # absolute byte offset in the file
-    nbytes: int
-    dtype: torch.dtype
-    shape: tuple[int, ...]
-
-
-def index_safetensors(files: list[Path] | tuple[Path, ...]) -> dict[str, TensorLocation]:
-    """Where every tensor's bytes are, from the files' headers alone."""
-    index: dict[str, TensorLocation] = {}
-    for file in files:
-        with open(file, "rb") as f:
-            (header_len,) = struct.unpack("<Q", f.read(8))
-            header = json.loads(f.read(header_len))
-        base = 8 + header_len
-        for name, meta in header.items():
-            if name == "__metadata__":
-                continue
-            if meta["dtype"] not in _DTYPES:
-                raise ValueError(f"{file}: tensor {name} has dtype {meta['dtype']}, expected one of {sorted(_DTYPES)}")
-            start, end = meta["data_offsets"]
-            index[name] = TensorLocation(name, Path(file), base + start, end - start, _DTYPES[meta["dtype"]],
-                                         tuple(meta["shape"]))  # fmt: skip
-    return index
-
-
-def target_dtype(name: str, stored: torch.dtype, compute: torch.dtype) -> torch.dtype:
-    """Modulation and time-embedding layers run in fp32, other floating tensors in the compute dtype. Quantized
-    weights (e4m3, packed uint8) and their scales stay as stored: the stored form is what their GEMM reads."""
-    if stays_as_stored(name, stored.itemsize, stored.is_floating_point):
-        return stored
-    return torch.float32 if is_fp32_tensor(name) else compute
-
-
-class FileReader:
-    """Positional reads from a set of files into host buffers, on a small thread pool (preadv releases the GIL)."""
-
-    def __init__(self, files: set[Path]):
-        self._fds = {f: os.open(f, os.O_RDONLY) for f in files}
-        self._pool = ThreadPoolExecutor(READ_THREADS, thread_name_prefix="k6-read")
-
-    def read_into(self, buffer: Tensor, pieces: list[tuple[TensorLocation, int]]) -> None:
-        """buffer: uint8 host tensor; pieces: (location, offset in buffer). Blocks until every piece is read."""
-        view = memoryview(buffer.numpy())
-
-        def read(loc: TensorLocation, at: int, start: int, end: int) -> None:
-            done = start
-            while done < end:
-                n = os.preadv(self._fds[loc.file], [view[at + done : at + end]], loc.offset + done)
-                if n <= 0:
-                    raise OSError(f"{loc.file}: short read of {loc.name} at byte {loc.offset + done}")
-                done += n
-
-        futures = [
-            self._pool.submit(read, loc, at, start, min(start + READ_CHUNK, loc.nbytes))
-            for loc, at in pieces
-            for start in range(0, max(loc.nbytes, 1), READ_CHUNK)
-        ]
-        for future in futures:
-            future.result()
-
-    def close(self) -> None:
-        self._pool.shutdown(wait=True)
-        for fd in self._fds.values():
-            os.close(fd)
-        self._fds.clear()
 
 
 @dataclass(frozen=True)
@@ -137,43 +44,8 @@ class BlockLayout:
         quantized weights become QuantizedWeights over the slot's bytes."""
         out = {}
         for name, loc, at in self.pieces:
-            t = slot[at : at + loc.nbytes].view(loc.dtype).view(loc.shape)
-            want = target_dtype(name, loc.dtype, compute)
-            out[name] = t if want == loc.dtype else t.to(want)
+            out[name] = as_tensor(slot[at : at + loc.nbytes], loc, compute)
         return bind_quantized(out, compute)
-
-
-def upload(
-    reader: FileReader, locations: list[TensorLocation], device: torch.device, compute: torch.dtype
-) -> dict[str, Tensor]:
-    """Resident tensors: each read into one of two pinned staging buffers and copied to the device while the next is
-    read (no full host copy of the weights ever exists). Quantized weights come back as QuantizedWeights (see
-    `bind_quantized`)."""
-    out: dict[str, Tensor] = {}
-    cuda = device.type == "cuda"
-    if cuda:
-        # Two staging buffers: the next tensor is read from the file while the previous one crosses PCIe.
-        size = max((loc.nbytes for loc in locations), default=0)
-        staging = [torch.empty(size, dtype=torch.uint8, pin_memory=True) for _ in range(2)]
-        copied = [torch.cuda.Event(), torch.cuda.Event()]
-        stream = torch.cuda.current_stream(device)
-    for i, loc in enumerate(locations):
-        if cuda:
-            buf = staging[i % 2]
-            copied[i % 2].synchronize()  # the copy that last read this buffer has finished
-            reader.read_into(buf, [(loc, 0)])
-            dev = torch.empty(loc.nbytes, dtype=torch.uint8, device=device)
-            dev.copy_(buf[: loc.nbytes], non_blocking=True)
-            copied[i % 2].record(stream)
-        else:
-            dev = torch.empty(loc.nbytes, dtype=torch.uint8)
-            reader.read_into(dev, [(loc, 0)])
-        t = dev.view(loc.dtype).view(loc.shape)
-        want = target_dtype(loc.name, loc.dtype, compute)
-        out[loc.name] = t if want == loc.dtype else t.to(want)
-    if cuda:
-        stream.synchronize()  # the staging buffers are freed on return
-    return bind_quantized(out, compute)
 
 
 @dataclass
@@ -363,5 +235,26 @@ class BlockStreamer:
             self._copy_stream.synchronize()
 
 
-def iter_prefix(index: Mapping[str, TensorLocation], prefixes: tuple[str, ...]) -> Iterator[TensorLocation]:
-    return (loc for name, loc in sorted(index.items()) if name.startswith(prefixes))
+class MixedBlocks:
+    """Blocks below `resident` from device memory, the others from the streamer."""
+
+    def __init__(self, resident: dict[int, Mapping[str, Tensor]], streamer: BlockStreamer | None):
+        self.resident = resident
+        self.streamer = streamer
+
+    def begin_forward(self) -> None:
+        if self.streamer is not None:
+            self.streamer.begin_forward()
+
+    def get(self, block: int) -> Mapping[str, Tensor]:
+        if block in self.resident:
+            return self.resident[block]
+        return self.streamer.get(block)
+
+    def release(self, block: int) -> None:
+        if block not in self.resident:
+            self.streamer.release(block)
+
+    def abort_forward(self) -> None:
+        if self.streamer is not None:
+            self.streamer.abort_forward()

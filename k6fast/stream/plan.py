@@ -1,11 +1,15 @@
-"""The residency planner: from the VRAM budget and the geometry, what stays on the device and what streams."""
+"""The residency planner: from the VRAM budget and the geometry, what stays on the device and what streams.
+
+Arithmetic on the safetensors index alone (no PyTorch), so `k6fast doctor` plans exactly as the runtime does.
+"""
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
-from .config import held_itemsize
+from ..dit.config import held_itemsize
+from ..safetensors_index import TensorLocation
 
 BLOCK_PREFIX = "visual_transformer_blocks."
 
@@ -102,6 +106,12 @@ def weight_footprint(
         else:
             blocks[b] += held
     return fixed, max(blocks)
+
+
+def index_footprint(index: Mapping[str, TensorLocation], num_blocks: int, compute_itemsize: int) -> tuple[int, int]:
+    """`weight_footprint` of a checkpoint's transformer, from its safetensors index."""
+    entries = ((name, loc.elements, loc.itemsize, loc.floating) for name, loc in index.items())
+    return weight_footprint(entries, num_blocks, compute_itemsize)
 
 
 def activation_estimate(

@@ -13,70 +13,67 @@ from __future__ import annotations
 import json
 import math
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-import torch
-from safetensors.torch import save_file
+from ..atomic import build_dir_atomically
+from ..dit.config import DiTConfig, expected_shapes
+from .model_constants import (
+    AUDIO_LATENT_CHANNELS,
+    AUDIO_VAE_SCALING,
+    CLIP_HIDDEN,
+    FLAGS,
+    FLOW_MATCH_SCHEDULER,
+    N_GRID,
+    PIFLOW_SCHEDULER,
+    QWEN_HIDDEN,
+    SIZES,
+    VIDEO_LATENT_CHANNELS,
+)
 
-from .atomic import build_dir_atomically
-from .dit.config import DiTConfig, expected_shapes
+if TYPE_CHECKING:
+    import torch
 
-PRESETS: dict[str, dict] = {
-    "pro-distill": dict(
-        model_dim=4096, ff_dim=16384, time_dim=1024, num_text_blocks=4, num_visual_blocks=60,
-        axes_dims=(32, 48, 48), model_dim_a=2048, ff_dim_a=7168, time_dim_a=1024, n_grid=10,
-    ),
-    "pro": dict(
-        model_dim=4096, ff_dim=16384, time_dim=1024, num_text_blocks=4, num_visual_blocks=60,
-        axes_dims=(32, 48, 48), model_dim_a=2048, ff_dim_a=7168, time_dim_a=1024, n_grid=1,
-    ),
-    "lite-distill": dict(
-        model_dim=1792, ff_dim=7168, time_dim=512, num_text_blocks=2, num_visual_blocks=32,
-        axes_dims=(16, 24, 24), model_dim_a=896, ff_dim_a=3584, time_dim_a=512, n_grid=10,
-    ),
-    "lite": dict(
-        model_dim=1792, ff_dim=7168, time_dim=512, num_text_blocks=2, num_visual_blocks=32,
-        axes_dims=(16, 24, 24), model_dim_a=896, ff_dim_a=3584, time_dim_a=512, n_grid=1,
-    ),
-}  # fmt: skip
+# preset → (the release's size, distilled)
+PRESETS: dict[str, tuple[str, bool]] = {
+    "pro-distill": ("pro", True),
+    "pro": ("pro", False),
+    "lite-distill": ("lite", True),
+    "lite": ("lite", False),
+}
 SHARD_BYTES = 5 * 2**30
-QWEN_HIDDEN, CLIP_HIDDEN = 3584, 768
 
 
 def transformer_config(preset: str, blocks: int | None) -> dict:
     if preset not in PRESETS:
         raise ValueError(f"unknown preset {preset!r}; expected one of {sorted(PRESETS)}")
-    p = dict(PRESETS[preset])
-    n_grid = p.pop("n_grid")
+    size, distilled = PRESETS[preset]
+    p = dict(SIZES[size])
+    n_grid = N_GRID if distilled else 1
     if blocks is not None:
         if not 1 <= blocks <= p["num_visual_blocks"]:
             raise ValueError(f"--blocks must be in 1..{p['num_visual_blocks']} for {preset}, found {blocks}")
         p["num_visual_blocks"] = blocks
-    return {
+    config = {
         "_class_name": "Kandinsky6Transformer3DModel",
         "_diffusers_version": "0.42.1",
-        "in_visual_dim": 16,
-        "out_visual_dim": 16 * n_grid,
-        "in_audio_dim": 40,
-        "out_audio_dim": 40 * n_grid,
+        "in_visual_dim": VIDEO_LATENT_CHANNELS,
+        "out_visual_dim": VIDEO_LATENT_CHANNELS * n_grid,
+        "in_audio_dim": AUDIO_LATENT_CHANNELS,
+        "out_audio_dim": AUDIO_LATENT_CHANNELS * n_grid,
         "in_text_dim": QWEN_HIDDEN,
         "in_text_dim2": CLIP_HIDDEN,
-        "patch_size": [1, 2, 2],
         "axes_dims_a": None,
-        "audio_freqs_scaling": 0.144,
-        "scale_factor": [1.0, 2.0, 2.0],
-        "visual_cond": True,
-        "text_token_padding": True,
-        "ca_rope": True,
-        "cross_gates": True,
-        "fix_modulation": True,
-        "visual_token_type_num_embeddings": 2,
-        **{k: list(v) if isinstance(v, tuple) else v for k, v in p.items()},
+        **FLAGS,
+        **p,
     }
+    return {k: list(v) if isinstance(v, tuple) else v for k, v in config.items()}
 
 
 def _init_tensor(name: str, shape: tuple[int, ...], generator: torch.Generator, device: str) -> torch.Tensor:
     """Values at the scale of a freshly initialised model: nn.Linear's uniform(±1/sqrt(fan_in)) as a normal with
     the same variance, zero biases, unit norm weights, small embeddings."""
+    import torch
+
     if name.endswith(".bias"):
         return torch.zeros(shape, dtype=torch.bfloat16)
     if "norm" in name:
@@ -87,6 +84,9 @@ def _init_tensor(name: str, shape: tuple[int, ...], generator: torch.Generator, 
 
 
 def _write_transformer(folder: Path, config: dict, seed: int) -> int:
+    import torch
+    from safetensors.torch import save_file
+
     folder.mkdir(parents=True)
     (folder / "config.json").write_text(json.dumps(config, indent=2) + "\n")
     shapes = expected_shapes(DiTConfig.from_dict(config))
@@ -116,6 +116,7 @@ def _write_transformer(folder: Path, config: dict, seed: int) -> int:
 
 
 def _write_small_components(root: Path, distilled: bool, seed: int) -> None:
+    import torch
     from diffusers import (
         AutoencoderKLHunyuanVideo,
         FlowMatchEulerDiscreteScheduler,
@@ -125,7 +126,7 @@ def _write_small_components(root: Path, distilled: bool, seed: int) -> None:
     )
     from transformers import CLIPTextConfig, CLIPTextModel, Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
 
-    from .tiny import QWEN_SPECIAL_TOKENS, build_clip_tokenizer, build_qwen_processor
+    from .tokenizers import QWEN_SPECIAL_TOKENS, build_clip_tokenizer, build_qwen_processor
 
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
@@ -162,16 +163,19 @@ def _write_small_components(root: Path, distilled: bool, seed: int) -> None:
         )  # fmt: skip
         clip.to(torch.bfloat16).save_pretrained(root / "text_encoder_2")
         AutoencoderKLHunyuanVideo().to(torch.bfloat16).save_pretrained(root / "vae")
-        MMAudioVAE(scaling_factor=0.417 if distilled else 0.5302).to(torch.bfloat16).save_pretrained(root / "audio_vae")
+        scaling = AUDIO_VAE_SCALING["distill" if distilled else "base"]
+        MMAudioVAE(scaling_factor=scaling).to(torch.bfloat16).save_pretrained(root / "audio_vae")
         MMAudioVocoder().to(torch.bfloat16).save_pretrained(root / "vocoder")
-    scheduler = PiflowScheduler() if distilled else FlowMatchEulerDiscreteScheduler(shift=5.0)
+    scheduler = (
+        PiflowScheduler(**PIFLOW_SCHEDULER) if distilled else FlowMatchEulerDiscreteScheduler(**FLOW_MATCH_SCHEDULER)
+    )
     scheduler.save_pretrained(root / "scheduler")
 
 
 def make_synthetic(out_dir: str | Path, preset: str = "pro-distill", blocks: int | None = None, seed: int = 0) -> Path:
     """Write the synthetic checkpoint to `out_dir` (built beside it, then renamed; a non-empty dir is refused)."""
     config = transformer_config(preset, blocks)
-    distilled = preset.endswith("distill")
+    distilled = PRESETS[preset][1]
 
     def build(tmp: Path) -> None:
         total = _write_transformer(tmp / "transformer", config, seed)
@@ -194,7 +198,7 @@ def make_synthetic(out_dir: str | Path, preset: str = "pro-distill", blocks: int
             "synthetic": True,
             "preset": preset,
             "num_visual_blocks": config["num_visual_blocks"],
-            "full_depth_blocks": PRESETS[preset]["num_visual_blocks"],
+            "full_depth_blocks": SIZES[PRESETS[preset][0]]["num_visual_blocks"],
             "transformer_bytes": total,
             "seed": seed,
             "text_encoders": "real output widths, one layer each: not representative of the text phase's cost",

@@ -1,0 +1,93 @@
+"""What a request is and whether it can run: the geometry rules, the `Request` itself and its check against a
+checkpoint and the switches. No PyTorch: the command line and the server check requests with it before any model
+code loads."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+from .switches import Options, validate_cache_steps
+
+if TYPE_CHECKING:
+    import PIL.Image
+
+    from .checkpoint import Checkpoint
+
+W1 = (864, 480, 121)  # width, height, frames: the headline workload
+FPS = 24.0
+SPATIAL_MULTIPLE = 16  # VAE 8 x patch 2
+TEMPORAL_STRIDE = 4
+
+
+class RequestError(ValueError):
+    """The request cannot run as asked; the message says what was expected."""
+
+
+def _nearest_multiples(value: int, multiple: int) -> str:
+    low = max(multiple, value // multiple * multiple)
+    high = low + multiple
+    return f"{low} or {high}" if low != value else str(value)
+
+
+def validate_geometry(width: int, height: int, frames: int) -> None:
+    """Sizes must be multiples of 16 and frame counts 4k+1; the error gives the nearest valid values."""
+    problems = []
+    for name, value in (("width", width), ("height", height)):
+        if value < SPATIAL_MULTIPLE or value % SPATIAL_MULTIPLE:
+            problems.append(
+                f"{name} {value} is not a positive multiple of {SPATIAL_MULTIPLE} "
+                f"(nearest valid: {_nearest_multiples(value, SPATIAL_MULTIPLE)})"
+            )
+    if frames < 1 or (frames - 1) % TEMPORAL_STRIDE:
+        low = max(1, (frames - 1) // TEMPORAL_STRIDE * TEMPORAL_STRIDE + 1)
+        problems.append(f"frame count {frames} is not of the form 4k+1 (nearest valid: {low} or {low + 4})")
+    if problems:
+        raise RequestError("; ".join(problems))
+
+
+@dataclass(frozen=True)
+class Request:
+    prompt: str
+    width: int = W1[0]
+    height: int = W1[1]
+    frames: int = W1[2]
+    steps: int | None = None  # None = the checkpoint's default
+    guidance: float | None = None
+    seed: int = 42
+    negative_prompt: str | None = None
+    image: PIL.Image.Image | None = field(default=None, compare=False)
+    audio: bool = True
+    fps: float = FPS
+
+
+def audio_length(latent_frames: int, fps: float, sample_rate: int, hop: int) -> int:
+    """Audio latent steps covering the video: ceil(frames / fps * sample_rate / hop)."""
+    return math.ceil(((latent_frames - 1) * TEMPORAL_STRIDE + 1) / fps * sample_rate / hop)
+
+
+def resolve_request(ckpt: Checkpoint, options: Options, request: Request) -> tuple[int, float]:
+    """Validate `request` against a checkpoint and the switches; returns (steps, guidance). Needs only the
+    checkpoint's configs, so a server can check requests where no pipeline is loaded."""
+    validate_geometry(request.width, request.height, request.frames)
+    if not request.prompt or not request.prompt.strip():
+        raise RequestError("the prompt is empty; expected a description of the video and its sound")
+    steps = request.steps if request.steps is not None else ckpt.default_steps
+    guidance = request.guidance if request.guidance is not None else ckpt.default_guidance
+    if steps < 1:
+        raise RequestError(f"steps must be >= 1, found {steps}")
+    if ckpt.distilled and guidance != 1.0:
+        raise RequestError(
+            f"guidance {guidance} is not allowed with a distilled (PiFlow) checkpoint: it was distilled "
+            "without classifier-free guidance, so guidance must be exactly 1.0"
+        )
+    if guidance < 1.0:
+        raise RequestError(f"guidance must be >= 1.0 (1.0 = no CFG), found {guidance}")
+    if request.image is not None and (not ckpt.dit.visual_cond or ckpt.dit.visual_token_type_num_embeddings < 2):
+        raise RequestError("this checkpoint has no image conditioning (visual_cond / token types missing)")
+    try:
+        validate_cache_steps(options.piflow_cache_steps, steps)
+    except ValueError as exc:
+        raise RequestError(str(exc)) from exc
+    return steps, guidance

@@ -1,0 +1,127 @@
+"""README.md's results block is what `k6fast bench report` renders from the records, never typed by hand: the newest
+full-size acceptance record's table (each run's request time against the peer's, computed) and one line per other
+record, from the record's own files."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from k6fast.bench.acceptance_report import PLAN_FILE, ROWS_FILE
+from k6fast.bench.cli import main
+from k6fast.bench.readme_results import (
+    RESULTS_MARKERS,
+    newest_full_size,
+    readme_block,
+    record_line,
+    replace_results,
+    results_block,
+)
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def test_readme_results_block_is_what_the_records_render() -> None:
+    expected = results_block(ROOT / "measurements" / "sessions", ROOT)
+    found = readme_block((ROOT / "README.md").read_text(encoding="utf-8"))
+    assert found == expected.strip(), "README.md's results block is stale: run `k6fast bench report --no-plot`"
+
+
+def _note(blocks: int, full: int) -> str:
+    marker = {"synthetic": True, "preset": "pro-distill", "num_visual_blocks": blocks, "full_depth_blocks": full}
+    return f"/tmp/syn (synthetic random weights, real shapes: {json.dumps(marker, indent=2)[:300]})"
+
+
+def _row(arm: str, request_s: float, passed: bool = True) -> dict:
+    return {"run": f"{arm} @ 32 GiB, cold", "arm": arm, "passed": passed, "request_s": request_s,
+            "phases_s": {"denoise": request_s}, "gpu_name": "NVIDIA H200"}  # fmt: skip
+
+
+def _acceptance(root: Path, name: str, started: str, geometry: str, note: str, rows: list[dict]) -> Path:
+    folder = root / name
+    folder.mkdir(parents=True)
+    plan = {"geometry": geometry, "steps": 10, "started": started, "checkpoint_note": note, "versions": {}}
+    (folder / PLAN_FILE).write_text(json.dumps(plan))
+    (folder / ROWS_FILE).write_text("".join(json.dumps(r) + "\n" for r in rows))
+    (folder / "README.md").write_text(f"# {name} — an acceptance run\n")
+    return folder
+
+
+@pytest.fixture
+def sessions(tmp_path: Path) -> Path:
+    root = tmp_path / "measurements" / "sessions"
+    rows = [_row("reference", 100.0), _row("final", 80.0), _row("fast", 50.0, passed=False),
+            _row("diffusers-offload", 120.0)]  # fmt: skip
+    _acceptance(root, "2026-01-01_acceptance", "2026-01-01T10:00", "864x480x121", _note(60, 60), rows)
+    # Newer, but not full size: a reduced-depth checkpoint, and a small geometry.
+    _acceptance(root, "2026-01-02_acceptance-12", "2026-01-02T10:00", "864x480x121", _note(12, 60), rows[:1])
+    _acceptance(root, "2026-01-03_acceptance-tiny", "2026-01-03T10:00", "64x64x5", "/tmp/tiny", rows[:1])
+    (root / "2026-01-01_kernels").mkdir()
+    (root / "2026-01-01_kernels" / "README.md").write_text("# 2026-01-01 (late) — the GEMM kernels against cuBLAS\n")
+    (root / "2026-01-01_gate").mkdir()
+    (root / "2026-01-01_gate" / "COMMAND.md").write_text("intro\n# Gate of the arms on a tiny model\n")
+    (root / "2026-01-01_bench").mkdir()
+    session = {"plan": {"component": "dit", "geometry": "864x480x121", "arms": ["reference", "arms/final.env"],
+                        "switches": {"K6_VRAM_BUDGET_GB": "32"}}}  # fmt: skip
+    (root / "2026-01-01_bench" / "session.json").write_text(json.dumps(session))
+    (root / "2026-01-01_scratch").mkdir()  # holds no record: no line
+    return root
+
+
+def test_the_newest_full_size_acceptance_record_is_shown_with_ratios_to_the_peer(sessions: Path) -> None:
+    assert newest_full_size(sessions).name == "2026-01-01_acceptance"
+    block = results_block(sessions, sessions.parent.parent)
+    assert "([record](measurements/sessions/2026-01-01_acceptance/README.md))" in block
+    assert "60 of 60 fused blocks" in block and "3 of 4 runs passed" in block
+    table = {line.split(" | ")[0].lstrip("| "): line.split(" | ") for line in block.splitlines() if " @ " in line}
+    assert table["reference @ 32 GiB, cold"][2] == "1.20×"  # 120 s / 100 s
+    assert table["final @ 32 GiB, cold"][2] == "1.50×"
+    assert table["fast @ 32 GiB, cold"][2] == "—"  # a failed run has no ratio
+    assert table["diffusers-offload @ 32 GiB, cold"][2] == "peer"
+
+
+def test_every_other_record_gets_one_line_from_its_own_files(sessions: Path) -> None:
+    block = results_block(sessions, sessions.parent.parent)
+    others = block.split("### Other records (newest first)")[1].strip().splitlines()
+    assert others == [
+        "- [2026-01-03_acceptance-tiny](measurements/sessions/2026-01-03_acceptance-tiny/README.md): an acceptance run",
+        "- [2026-01-02_acceptance-12](measurements/sessions/2026-01-02_acceptance-12/README.md): an acceptance run",
+        "- [2026-01-01_kernels](measurements/sessions/2026-01-01_kernels/README.md): the GEMM kernels against cuBLAS",
+        "- [2026-01-01_gate](measurements/sessions/2026-01-01_gate/COMMAND.md): Gate of the arms on a tiny model",
+        "- [2026-01-01_bench](measurements/README.md#2026-01-01_bench): `k6fast bench` session, dit at 864x480x121, "
+        "arms `reference`, `final.env`; K6_VRAM_BUDGET_GB=32",
+    ]
+    assert record_line(sessions / "2026-01-01_scratch", "x", "y") is None
+
+
+def test_without_a_full_size_record_the_block_says_so(tmp_path: Path) -> None:
+    (tmp_path / "sessions").mkdir()
+    block = results_block(tmp_path / "sessions", tmp_path)
+    assert "No full-size acceptance record yet" in block and "None yet." in block
+
+
+def test_bench_report_rewrites_the_block_and_leaves_the_rest(sessions: Path, capsys) -> None:
+    root = sessions.parent.parent
+    start, end = RESULTS_MARKERS
+    (root / "README.md").write_text(f"# k6fast\n\nIntro.\n\n{start}\n| typed | by hand |\n{end}\n\nMore.\n")
+    argv = ["bench", "report", "--sessions", str(sessions), "--no-plot"]
+    assert main(argv) == 0
+    text = (root / "README.md").read_text()
+    assert text.startswith("# k6fast\n\nIntro.\n\n") and text.endswith(f"{end}\n\nMore.\n")
+    assert readme_block(text) == results_block(sessions, root).strip() and "typed" not in text
+    assert (root / "measurements" / "README.md").is_file()
+    assert main(argv) == 0
+    assert "results block already current" in capsys.readouterr().out
+    (root / "other.md").write_text("no markers\n")
+    assert main([*argv, "--project-readme", str(root / "other.md")]) == 2
+    assert "must hold the results between one" in capsys.readouterr().err
+
+
+def test_replace_results_needs_one_pair_of_markers_in_order() -> None:
+    start, end = RESULTS_MARKERS
+    assert replace_results(f"a\n{start}\nold\n{end}\nb\n", "new") == f"a\n{start}\nnew\n{end}\nb\n"
+    for broken in ("no markers", f"{end}\n{start}\n", f"{start}\n{start}\n{end}\n"):
+        with pytest.raises(ValueError, match="must hold the results"):
+            replace_results(broken, "new")
