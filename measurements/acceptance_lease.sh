@@ -5,6 +5,11 @@
 #   bash measurements/acceptance_lease.sh start          # the whole session in the background (setsid); returns at once
 #   bash measurements/acceptance_lease.sh status OUT     # progress; copies the record so far into OUT
 #
+# Wheels the GPU machine lacks (python 3.12): diffusers, av, importlib_metadata, and for flash-attn-4 its wheel,
+# nvidia-cutlass-dsl (+ -libs-base, -libs-core, -libs-cu13), apache-tvm-ffi, torch-c-dlpack-ext, quack-kernels. The
+# cu13 libraries (92 MB) exceed one call's carry: split them, carry the parts in two calls, `cat` them back, install
+# that one wheel with `install`, then `touch /tmp/lease/fa4.ready` (the run waits for it up to 5 minutes).
+#
 # The session: the GPU test suite beside the 57 GB checkpoint's write, then the attention benchmarks (once
 # flash-attn-4 is installed: `touch /tmp/lease/fa4.ready`), then `k6fast acceptance` in parts, most important first
 # (each part continues the same record), and last a compile diagnostic of the `fast` block.
@@ -28,9 +33,11 @@ acceptance() {  # the slugs to run, comma-separated
 case "${1:?expected install, start, run or status}" in
 install)
   mkdir -p $W $SITE
-  self=(); [ "${3:-}" = --self ] && self=("$repo")
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-build-isolation --target $SITE "${self[@]}" \
-    "${2:?wheel dir}"/*.whl
+  [ "${3:-}" = --self ] && python3 -m pip install -q --no-index --no-deps --no-compile --no-build-isolation \
+    --target $SITE "$repo"
+  # Wheels are unpacked rather than pip-installed: `pip --target` refuses to merge a wheel into a package folder
+  # another wheel made (the CuTe DSL's cu13 libraries go into nvidia_cutlass_dsl/, which libs-base created).
+  for wheel in "${2:?wheel dir}"/*.whl; do python3 -m zipfile -e "$wheel" $SITE; done
   ;;
 start)
   mkdir -p $W
