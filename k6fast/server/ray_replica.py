@@ -15,7 +15,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import gc
-import io
 import logging
 import os
 import tempfile
@@ -27,10 +26,10 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from .config import ServerConfig
-from .jobs import JobFiles, JobSpec, write_image
+from .jobs import JobFiles, write_image
 from .ray_messages import ClipFiles, Finished, JobPayload, ModelCard, Progress, ReplicaIdentity, Started
 from .ray_settings import RaySettings
-from .worker import STAGES, InputUnreadable, classify_failure, load_pipeline
+from .worker import STAGES, classify_failure, load_pipeline, request_from_spec
 
 if TYPE_CHECKING:
     from ..pipeline import Pipeline, Request, Result
@@ -42,36 +41,6 @@ CALLER_CHECK_S = 2.0  # how often a running job looks up whether its ingress is 
 CANCELLED_CODE = "cancelled"
 
 PipelineLoader = Callable[[ServerConfig, "Options"], "Pipeline"]
-
-
-def request_from_spec(spec: JobSpec, image_png: bytes | None) -> Request:
-    """The pipeline request of a stored job (the input reference as the PNG the ingress stored; InputUnreadable
-    when it is missing or cannot be decoded)."""
-    from ..pipeline import Request
-
-    image = None
-    if spec.image:
-        if image_png is None:
-            raise InputUnreadable()
-        import PIL.Image
-
-        try:
-            with PIL.Image.open(io.BytesIO(image_png), formats=["PNG"]) as stored:
-                image = stored.convert("RGB")
-        except Exception as exc:
-            raise InputUnreadable() from exc
-    return Request(
-        prompt=spec.prompt,
-        width=spec.width,
-        height=spec.height,
-        frames=spec.frames,
-        steps=spec.steps,
-        guidance=spec.guidance,
-        seed=spec.seed,
-        negative_prompt=spec.negative_prompt,
-        image=image,
-        audio=spec.audio,
-    )
 
 
 def ensure_logging() -> None:

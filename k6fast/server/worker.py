@@ -13,13 +13,14 @@ from __future__ import annotations
 
 import contextlib
 import gc
+import io
 import logging
 import threading
 import time
 from typing import TYPE_CHECKING, Any
 
 from .config import ServerConfig
-from .jobs import Job, JobFiles, JobStore, write_image
+from .jobs import Job, JobFiles, JobSpec, JobStore, write_image
 from .metrics import Metrics
 
 if TYPE_CHECKING:
@@ -188,30 +189,8 @@ class Worker:
                 self._free_memory()
 
     def _request(self, job: Job) -> Request:
-        from ..pipeline import Request
-
-        spec = job.spec
-        image = None
-        if spec.image:
-            import PIL.Image
-
-            try:
-                with PIL.Image.open(self.files.input_image(job.id), formats=["PNG"]) as stored:
-                    image = stored.convert("RGB")
-            except Exception as exc:  # missing or damaged on disk since it was accepted
-                raise InputUnreadable() from exc
-        return Request(
-            prompt=spec.prompt,
-            width=spec.width,
-            height=spec.height,
-            frames=spec.frames,
-            steps=spec.steps,
-            guidance=spec.guidance,
-            seed=spec.seed,
-            negative_prompt=spec.negative_prompt,
-            image=image,
-            audio=spec.audio,
-        )
+        path = self.files.input_image(job.id)
+        return request_from_spec(job.spec, path.read_bytes() if job.spec.image and path.is_file() else None)
 
     def _execute(self, job: Job) -> None:
         from ..cancel import Cancelled
@@ -303,3 +282,33 @@ class Worker:
 
             with contextlib.suppress(RuntimeError):
                 torch.cuda.empty_cache()
+
+
+def request_from_spec(spec: JobSpec, image_png: bytes | None) -> Request:
+    """The pipeline request of a stored job (the input reference as the PNG the ingress stored; InputUnreadable
+    when it is missing or cannot be decoded)."""
+    from ..pipeline import Request
+
+    image = None
+    if spec.image:
+        if image_png is None:
+            raise InputUnreadable()
+        import PIL.Image
+
+        try:
+            with PIL.Image.open(io.BytesIO(image_png), formats=["PNG"]) as stored:
+                image = stored.convert("RGB")
+        except Exception as exc:
+            raise InputUnreadable() from exc
+    return Request(
+        prompt=spec.prompt,
+        width=spec.width,
+        height=spec.height,
+        frames=spec.frames,
+        steps=spec.steps,
+        guidance=spec.guidance,
+        seed=spec.seed,
+        negative_prompt=spec.negative_prompt,
+        image=image,
+        audio=spec.audio,
+    )
