@@ -5,7 +5,8 @@
 #   bash measurements/acceptance_lease.sh start          # the whole session in the background (setsid); returns at once
 #   bash measurements/acceptance_lease.sh status OUT     # progress; copies the record so far into OUT
 #
-# Wheels the GPU machine lacks (python 3.12): diffusers, av, importlib_metadata, and for flash-attn-4 its wheel,
+# Wheels the GPU machine lacks (python 3.12): diffusers, av, importlib_metadata, torchao (the block-scaled GEMM tests),
+# and for flash-attn-4 its wheel,
 # nvidia-cutlass-dsl (+ -libs-base, -libs-core, -libs-cu13), apache-tvm-ffi, torch-c-dlpack-ext, quack-kernels. The
 # cu13 libraries (92 MB) exceed one call's carry: split them, carry the parts in two calls, `cat` them back, install
 # that one wheel with `install`, then `touch /tmp/lease/fa4.ready` (the run waits for it up to 5 minutes).

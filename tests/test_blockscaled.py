@@ -237,15 +237,13 @@ def test_cpu_runs_the_reference_and_says_so(caplog):
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# GPU: the block-scaled GEMM itself (sm_100 / sm_120 only)
+# GPU: the block-scaled GEMM itself on sm_100 / sm_120; on other GPUs the same call takes the reference, as the arm
+# says it does there (torchao must be installed on the GPU machine: measurements/acceptance_lease.sh lists the wheels)
 # ---------------------------------------------------------------------------------------------------------------
 
 
 @pytest.mark.gpu
-@pytest.mark.skipif(
-    not (torch.cuda.is_available() and torch.cuda.get_device_capability() >= (10, 0)),
-    reason="needs block-scaled tensor cores (sm_100 or newer)",
-)
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("fmt", bs.FORMATS)
 @pytest.mark.parametrize(("m", "k", "n"), [(50220, 4096, 4096), (50220, 16384, 4096), (37, 160, 48)])
 def test_scaled_mm_matches_the_reference_gpu(fmt, m, k, n):
@@ -254,7 +252,7 @@ def test_scaled_mm_matches_the_reference_gpu(fmt, m, k, n):
     xq = bs.quantize_activations(x.bfloat16(), fmt)
     y = bs.blockscaled_linear(fmt, xq, wq, bias.bfloat16())
     ref = bs.blockscaled_linear_ref(fmt, xq, wq, bias.bfloat16(), out_dtype=torch.float32)
-    assert rel_l2(y, ref) <= 5e-3  # fp32 accumulation in another order, bf16 output
+    assert rel_l2(y, ref) <= 5e-3  # cuBLASLt: fp32 accumulation in another order; elsewhere the reference; bf16 out
     assert rel_l2(y.float(), x @ w.t() + bias) <= LAYER_BOUND[fmt]
 
 

@@ -121,13 +121,14 @@ def test_kernel_interpreted(m, k, n, with_bias):
 @needs_cuda
 @pytest.mark.parametrize(("k", "n"), [(4096, 4096), (16384, 4096)])
 def test_fp8_fp16acc_gpu(k, n):
-    if torch.cuda.get_device_capability() < (8, 9):
-        pytest.skip("needs FP8 tensor cores (sm_89 or newer)")
     x, w, bias = dit_like(4096, k, n)
     x, w, bias = x.cuda().bfloat16(), w.cuda().bfloat16(), bias.cuda()
     (xq, xs), wq, ws = quantized(x, w)
     y = fp8_fp16acc_linear((xq, xs), wq, ws, bias, out_dtype=torch.float32)
     emulated = fp8_fp16acc_linear_ref(xq, xs, wq, ws, bias, out_dtype=torch.float32)
+    if torch.cuda.get_device_capability() < (8, 9):  # no FP8 tensor cores: the reference runs, and says so once
+        assert torch.equal(y, emulated)
+        return
     fp32_acc = fp8_linear_ref((xq, xs), wq, ws, bias, out_dtype=torch.float32)
     assert torch.isfinite(y).all()
     assert rel_l2(y, fp32_acc) <= 2e-3 and rel_l2(y, emulated) <= 2e-3

@@ -113,11 +113,10 @@ def test_new_kinds_take_bf16_on_the_cpu():
 
 
 @pytest.mark.gpu
-@pytest.mark.skipif(
-    not (torch.cuda.is_available() and torch.cuda.get_device_capability() >= (8, 9)), reason="needs FP8 MMA"
-)
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_fp8_fp16acc_kind_runs_the_fp16_chunk_gemm_gpu():
-    # Runs wherever Triton has FP8 MMA (an H200 too), so the kernel's numerics can be checked before a GeForce card.
+    # The kernel wherever Triton has FP8 MMA (an H200 too), so its numerics are checked before a GeForce card; older
+    # GPUs run its reference emulation, held to the same bound.
     from k6fast.kernels.fp8_fp16acc import fp8_fp16acc_linear_ref
 
     g = torch.Generator(device="cuda").manual_seed(0)

@@ -8,8 +8,9 @@ refactor that changes a single bit of either output fails here; a change meant t
 
 Run on one thread: PyTorch's CPU kernels split reductions by thread count (four threads give other bits than one or
 two on the machine the reference was made on), and the reference must not depend on the machine's core count. The
-file names the PyTorch version it was made with; another version's CPU kernels may round differently, so there the
-test is skipped with a message saying so (the CI machine runs the version the file was made with).
+file names the PyTorch version and machine it was made with; another version's CPU kernels may round differently,
+so there every output is held to its shape and dtype and its stored sample to within float rounding of a short
+float32 chain instead of bit for bit (the CI machine runs the version the file was made with: bit for bit there).
 """
 
 from __future__ import annotations
@@ -108,14 +109,15 @@ def _made_with() -> dict[str, str]:
     return {"torch": torch.__version__.split("+")[0], "machine": platform.machine()}
 
 
+# Where the PyTorch version differs from the file's: how far a sampled value may move (outputs lie in [0, 1] for
+# frames and about [-1, 1] for the waveform; another version's CPU kernels round a few float32 ulps differently,
+# compounded over the sampling steps).
+OTHER_VERSION_ATOL = 1e-3
+
+
 @pytest.fixture(scope="module")
 def golden() -> dict:
-    golden = json.loads(GOLDEN.read_text())
-    here = _made_with()
-    if golden["made_with"] != here:
-        pytest.skip(f"the golden set was made with {golden['made_with']}, this is {here}: CPU kernels may round "
-                    "differently; regenerate it here (python tests/test_golden.py --write) to compare")  # fmt: skip
-    return golden
+    return json.loads(GOLDEN.read_text())
 
 
 @pytest.mark.parametrize("case", ["distill-text", "base-image"])
@@ -123,7 +125,12 @@ def golden() -> dict:
 def test_outputs_are_bit_identical_to_the_golden_set(golden, outputs, case: str, stream: str) -> None:
     expected, array = golden[case][stream], outputs[case][stream]
     found = describe(array)
-    assert found["sha256"] == expected["sha256"], f"{case} {stream}: {_difference(expected, array)}"
+    assert (found["shape"], found["dtype"]) == (expected["shape"], expected["dtype"])
+    if golden["made_with"] == _made_with():
+        assert found["sha256"] == expected["sha256"], f"{case} {stream}: {_difference(expected, array)}"
+    else:  # another PyTorch: the same outputs up to its kernels' rounding
+        sample = np.asarray(found["sample"])
+        assert np.allclose(sample, expected["sample"], rtol=0, atol=OTHER_VERSION_ATOL), _difference(expected, array)
     # A reference of a flat clip would prove little.
     assert float(np.std(array)) > 1e-5
 

@@ -254,12 +254,15 @@ def _gpu_case(shape, seed, density):
 @pytest.mark.parametrize("density", [1.0, 0.25])
 @pytest.mark.parametrize("shape", GPU_SHAPES, ids=lambda s: "x".join(map(str, s)))
 def test_gpu_kernels_by_the_flash_attention_rule(shape, density, impl):
+    q, k, v, idx, cnt = _gpu_case(shape, seed=20, density=density)
     if impl == "fa4":
         from k6fast.kernels.fa4_attention import fa4_block_sparse_runs_on
 
-        if not fa4_block_sparse_runs_on(torch.device("cuda")):
-            pytest.skip("flash-attn-4 block sparsity needs the package and sm_90")
-    q, k, v, idx, cnt = _gpu_case(shape, seed=20, density=density)
+        if not fa4_block_sparse_runs_on(torch.device("cuda")):  # not sm_90 or not installed: refused, with why
+            with pytest.raises(ValueError, match="fa4_block_sparse_attention: expected"):
+                sa.sparse_attention(q, k, v, idx, cnt, impl=impl)
+            assert sa.implementation_for(torch.device("cuda"), q.dtype, q.shape[-1]) == "triton"
+            return
     out = sa.sparse_attention(q, k, v, idx, cnt, impl=impl)
     assert out.shape == q.shape and out.dtype == q.dtype and torch.isfinite(out).all()
     exact = sa.sparse_attention_ref(q, k, v, idx, cnt, out_dtype=torch.float32)
