@@ -10,6 +10,7 @@ from collections.abc import Callable
 
 from k6fast.cancel import Cancelled
 from k6fast.pipeline import Pipeline
+from k6fast.server.config import ServerConfig
 
 DEADLINE_S = 60.0
 
@@ -40,6 +41,22 @@ class GatedPipeline:
         if request.prompt in self.fail_with:
             raise self.fail_with[request.prompt]
         return self.real.generate(request, on_step=on_step, should_stop=should_stop)
+
+
+def tiny_server_config(data_dir, **changes) -> ServerConfig:
+    """A server over the tiny checkpoint with limits small enough for tests to reach; `changes` override them."""
+    values = dict(
+        model="tiny",
+        served_model_name="k6-tiny",
+        data_dir=data_dir,
+        max_queue=2,
+        max_size=(128, 96),
+        max_frames=33,
+        max_steps=8,
+        default_size=(64, 64),
+        default_seconds="0.167",
+    )
+    return ServerConfig(**(values | changes))
 
 
 def until(check: Callable[[], object], what: str, timeout: float = DEADLINE_S) -> object:

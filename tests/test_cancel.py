@@ -11,13 +11,13 @@ from __future__ import annotations
 import gc
 import logging
 import threading
-import time
 import weakref
 from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 import torch
+from server_testing import until
 
 from k6fast import media
 from k6fast.cancel import Cancelled
@@ -168,16 +168,6 @@ class Pause:
         return unit
 
 
-def _until(check: Callable[[], object], what: str) -> object:
-    deadline = time.monotonic() + DEADLINE_S
-    while time.monotonic() < deadline:
-        value = check()
-        if value:
-            return value
-        time.sleep(0.02)
-    raise AssertionError(f"timed out waiting for {what}")
-
-
 @pytest.mark.parametrize("phase", ["denoise", "video_decode", "mux"])
 def test_delete_stops_the_running_job_in_every_phase(
     phase: str, pipe: Pipeline, tmp_path: Path, monkeypatch, caplog
@@ -200,19 +190,19 @@ def test_delete_stops_the_running_job_in_every_phase(
     config = ServerConfig(model="tiny", served_model_name="tiny", data_dir=tmp_path / "data", default_size=(64, 64))
     fields = {"prompt": "a gong", "size": "64x64", "num_frames": "9", "num_inference_steps": "3"}
     with TestClient(create_app(config, Options(), load=lambda: pipe)) as client:
-        _until(lambda: client.get("/health").status_code == 200, "the server to be ready")
+        until(lambda: client.get("/health").status_code == 200, "the server to be ready")
         video_id = client.post("/v1/videos", data=fields).json()["id"]
         assert pause.reached.wait(DEADLINE_S), f"the job never reached {phase}"
         assert client.delete(f"/v1/videos/{video_id}").json()["deleted"] is True
         pause.proceed.set()
         state = client.app.state.k6
-        _until(lambda: state.worker.current_job_id is None, "the worker to drop the deleted job")
+        until(lambda: state.worker.current_job_id is None, "the worker to drop the deleted job")
         assert pause.after == 0, f"{pause.after} unit(s) of {phase} ran after the DELETE"
         stopped = [r.getMessage() for r in caplog.records if r.getMessage().startswith(f"job {video_id}: cancelled")]
         assert len(stopped) == 1 and f"cancelled (deleted) during {phase} (" in stopped[0], stopped
         assert not state.files.folder(video_id).exists()
         after = client.post("/v1/videos", data=fields).json()["id"]
-        done = _until(
+        done = until(
             lambda: (v := client.get(f"/v1/videos/{after}").json())["status"] in ("completed", "failed") and v,
             "the next job",
         )

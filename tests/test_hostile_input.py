@@ -27,7 +27,7 @@ import pytest
 pytest.importorskip("fastapi")  # the server's extra (k6fast[serve]); a GPU machine without it skips this file
 from fastapi.testclient import TestClient  # noqa: E402
 from hostile_cases import AUTH, CASES, KEY, MAX_UPLOAD, form, image_bytes, upload
-from server_testing import DEADLINE_S, GatedPipeline, check_error_body, internals_in, until
+from server_testing import DEADLINE_S, GatedPipeline, check_error_body, internals_in, tiny_server_config, until
 
 from k6fast.pipeline import Pipeline
 from k6fast.server import app as app_module
@@ -41,21 +41,7 @@ from k6fast.switches import Options
 
 
 def _config(data_dir: Path, **changes) -> ServerConfig:
-    values = dict(
-        model="tiny",
-        served_model_name="k6-tiny",
-        data_dir=data_dir,
-        max_queue=2,
-        max_size=(128, 96),
-        max_frames=33,
-        max_steps=8,
-        default_size=(64, 64),
-        default_seconds="0.167",
-        max_upload_bytes=MAX_UPLOAD,
-        body_timeout_s=1.0,
-    )
-    values.update(changes)
-    return ServerConfig(**values)
+    return tiny_server_config(data_dir, **({"max_upload_bytes": MAX_UPLOAD, "body_timeout_s": 1.0} | changes))
 
 
 @pytest.fixture(scope="module")

@@ -19,12 +19,13 @@ import subprocess
 import sys
 import time
 import urllib.request
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import pytest
+from server_testing import until
 
 from k6fast.media import probe_mp4
 from k6fast.server.config import ServerConfig
@@ -78,16 +79,6 @@ def _free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return sock.getsockname()[1]
-
-
-def _until(check: Callable[[], Any], what: str, timeout: float = DEADLINE_S) -> Any:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = check()
-        if value:
-            return value
-        time.sleep(0.05)
-    raise AssertionError(f"timed out after {timeout:.0f} s waiting for {what}")
 
 
 @dataclass
@@ -179,7 +170,7 @@ def app(cluster: Cluster, tiny_distill: Path, tmp_path_factory: pytest.TempPathF
     handle = cluster.serve.run(
         build_app(config, options, settings, load=faulty_load), name=settings.app_name, route_prefix="/"
     )
-    _until(cluster.healthy, "the ingress to report healthy")
+    until(cluster.healthy, "the ingress to report healthy")
     try:
         yield App(cluster, handle, data_dir)
     finally:
@@ -191,7 +182,7 @@ def _finished(client: OpenAI, video_id: str, timeout: float = DEADLINE_S) -> ope
         video = client.videos.retrieve(video_id)
         return video if video.status in ("completed", "failed") else None
 
-    return _until(done, f"{video_id} to finish", timeout)
+    return until(done, f"{video_id} to finish", timeout)
 
 
 def _running_on(app: App, video_id: str, timeout: float = DEADLINE_S) -> dict[str, Any]:
@@ -201,7 +192,7 @@ def _running_on(app: App, video_id: str, timeout: float = DEADLINE_S) -> dict[st
         replica = app.running().get(video_id)
         return replica if replica and app.client().videos.retrieve(video_id).progress > 0 else None
 
-    return _until(started, f"{video_id} to run on a replica", timeout)
+    return until(started, f"{video_id} to run on a replica", timeout)
 
 
 def _check_clip(client: OpenAI, video_id: str, path: Path, frames: int) -> None:
@@ -282,7 +273,7 @@ def test_full_queue_answers_429_with_retry_after(app: App) -> None:
     assert "queue is full" in info.value.message
     for video in running + queued:
         client.videos.delete(video.id)
-    _until(lambda: not app.running(), "both replicas to be free again")
+    until(lambda: not app.running(), "both replicas to be free again")
 
 
 def _metric(app: App, name: str) -> float:
@@ -303,7 +294,7 @@ def test_delete_stops_the_running_job_at_a_step_boundary(app: App) -> None:
     )
     _running_on(app, slow.id)
     assert client.videos.delete(slow.id).deleted
-    _until(lambda: slow.id not in app.running(), "the deleted job to stop")
+    until(lambda: slow.id not in app.running(), "the deleted job to stop")
     assert _metric(app, cancelled) == cancelled_before + 1
     steps_run = _metric(app, "k6fast_step_seconds_count") - steps_before
     assert steps_run < 1000, f"the job ran {steps_run} steps: it was not stopped at its next check"
@@ -327,7 +318,7 @@ def test_replica_killed_mid_job_is_retried_on_another(app: App, tmp_path: Path) 
     assert "ActorDiedError" in ray_record["lost"][0]["error"] or "Unavailable" in ray_record["lost"][0]["error"]
     assert ray_record["replica"]["replica"] != victim["replica"], "the retry ran on a live replica"
     # Serve replaces the dead replica: two again, the victim not among them.
-    _until(lambda: len(_replica_actors(app.cluster, "Generator")) == 2, "Serve to replace the killed replica")
+    until(lambda: len(_replica_actors(app.cluster, "Generator")) == 2, "Serve to replace the killed replica")
     assert victim["actor"] not in _replica_actors(app.cluster, "Generator")
 
 
@@ -344,8 +335,8 @@ def test_ingress_killed_and_restarted_loses_no_job(app: App) -> None:
     # The new ingress re-queues the running jobs from the store and runs them again. It needs free replicas: they
     # drop the dead ingress's calls (ray_replica.CallerWatch); otherwise nothing below happens for minutes.
     deadline = time.monotonic() + RESTART_S
-    _until(lambda: _replica_actors(app.cluster, "Ingress") - {ingress}, "a new ingress", deadline - time.monotonic())
-    _until(app.cluster.healthy, "the new ingress to report healthy", deadline - time.monotonic())
+    until(lambda: _replica_actors(app.cluster, "Ingress") - {ingress}, "a new ingress", deadline - time.monotonic())
+    until(app.cluster.healthy, "the new ingress to report healthy", deadline - time.monotonic())
     client = app.client()
     for video in running:
         _running_on(app, video.id, deadline - time.monotonic())
@@ -370,7 +361,7 @@ def test_caller_watch_sees_a_dead_ingress(cluster: Cluster) -> None:
     watch = CallerWatch(("k6fast-test", "k6fast-test-caller"), interval=0.0)
     assert not watch(), "a live caller"
     cluster.ray.kill(actor)
-    _until(watch, "the watch to see the killed caller")
+    until(watch, "the watch to see the killed caller")
     assert CallerWatch(None, interval=0.0)() is False, "a job without a caller is never stopped by the watch"
 
 
@@ -387,14 +378,14 @@ def test_cli_serves_on_an_existing_cluster(cluster: Cluster, tiny_distill: Path,
     with open(log_path, "wb") as log:
         proc = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, env=env)
     try:
-        _until(lambda: proc.poll() is not None or cluster.healthy(), "the CLI's application to be healthy")
+        until(lambda: proc.poll() is not None or cluster.healthy(), "the CLI's application to be healthy")
         assert proc.poll() is None, log_path.read_text()[-4000:]
         client = cluster.client(api_key="unused")  # no K6_API_KEY in the CLI's environment
         video = client.videos.create(prompt="a bell rings once", **SMALL)
         assert _finished(client, video.id).status == "completed"
         _check_clip(client, video.id, tmp_path / "cli.mp4", frames=5)
         running = client.videos.create(prompt="a long hum", **LONG)
-        _until(lambda: client.videos.retrieve(running.id).progress > 0, "the long job to make progress")
+        until(lambda: client.videos.retrieve(running.id).progress > 0, "the long job to make progress")
         proc.send_signal(signal.SIGINT)
         assert proc.wait(timeout=60) == 0, log_path.read_text()[-4000:]
         assert "k6fast" not in cluster.serve.status().applications, "the CLI deletes its application on exit"

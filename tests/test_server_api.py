@@ -12,7 +12,7 @@ import base64
 import io
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
@@ -22,7 +22,7 @@ import torch
 
 pytest.importorskip("fastapi")  # the server's extra (k6fast[serve]); a GPU machine without it skips this file
 from fastapi.testclient import TestClient  # noqa: E402
-from server_testing import DEADLINE_S, GatedPipeline, internals_in
+from server_testing import DEADLINE_S, GatedPipeline, internals_in, tiny_server_config, until
 
 from k6fast.media import probe_mp4
 from k6fast.pipeline import Pipeline
@@ -50,31 +50,7 @@ def real_pipeline(tiny_distill: Path) -> Pipeline:
 
 
 def _config(tmp_path: Path, **changes) -> ServerConfig:
-    values = dict(
-        model="tiny",
-        served_model_name="k6-tiny",
-        data_dir=tmp_path / "data",
-        max_queue=2,
-        max_size=(128, 96),
-        max_frames=33,
-        max_steps=8,
-        default_size=(64, 64),
-        default_seconds="0.167",
-        max_upload_bytes=64 * 1024,
-        poll_after_ms=50,
-    )
-    values.update(changes)
-    return ServerConfig(**values)
-
-
-def _until(check: Callable[[], object], what: str, timeout: float = DEADLINE_S) -> object:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = check()
-        if value:
-            return value
-        time.sleep(0.02)
-    raise AssertionError(f"timed out after {timeout} s waiting for {what}")
+    return tiny_server_config(tmp_path / "data", **({"max_upload_bytes": 64 * 1024, "poll_after_ms": 50} | changes))
 
 
 class Server:
@@ -93,7 +69,7 @@ class Server:
         return response.json()
 
     def wait_status(self, video_id: str, *statuses: str) -> dict:
-        return _until(lambda: (v := self.get(video_id))["status"] in statuses and v, f"{video_id} in {statuses}")
+        return until(lambda: (v := self.get(video_id))["status"] in statuses and v, f"{video_id} in {statuses}")
 
 
 @pytest.fixture
@@ -102,7 +78,7 @@ def server(tmp_path: Path, real_pipeline: Pipeline) -> Iterator[Server]:
     gated, clock = GatedPipeline(real_pipeline), Clock()
     app = create_app(_config(tmp_path, reap_interval_s=0.05), options, load=lambda: gated, clock=clock)
     with TestClient(app) as client:
-        _until(lambda: client.get("/health").status_code == 200, "the server to become ready")
+        until(lambda: client.get("/health").status_code == 200, "the server to become ready")
         yield Server(client, gated, clock)
         gated.gate.set()
 
@@ -131,7 +107,7 @@ def test_health_is_503_until_loaded_and_jobs_are_refused_meanwhile(tmp_path: Pat
         assert refused.headers["retry-after"]
         assert client.get("/v1/videos").json()["data"] == [], "the store answers while the model loads"
         release.set()
-        _until(lambda: client.get("/health").status_code == 200, "ready")
+        until(lambda: client.get("/health").status_code == 200, "ready")
         assert client.get("/health").json()["variant"] == "custom-distill"
 
 
@@ -143,7 +119,7 @@ def test_load_failure_is_reported_by_health_and_logged(tmp_path: Path, caplog) -
 
     app = create_app(_config(tmp_path), Options(), load=broken, on_load_error=seen.append)
     with TestClient(app) as client:
-        body = _until(lambda: (r := client.get("/health")).json().get("status") == "failed" and r.json(), "failure")
+        body = until(lambda: (r := client.get("/health")).json().get("status") == "failed" and r.json(), "failure")
         assert body == {"status": "failed", "error": "the model failed to load; the server log says why"}
         assert len(seen) == 1
         refused = client.post("/v1/videos", data=FAST).json()["error"]
@@ -308,7 +284,7 @@ def test_delete_queued_and_running_jobs(server: Server) -> None:
         assert server.client.get(f"/v1/videos/{video['id']}", headers=AUTH).status_code == 404
         assert not server.state.files.folder(video["id"]).exists()
     # The running job stops at its next boundary and the worker is free for the next job.
-    _until(lambda: server.state.worker.current_job_id is None, "the worker to drop the deleted job")
+    until(lambda: server.state.worker.current_job_id is None, "the worker to drop the deleted job")
     assert 'k6fast_jobs_finished_total{outcome="cancelled"} 1' in server.client.get("/metrics", headers=AUTH).text
     server.pipeline.gate.set()
     after = server.create(**FAST).json()
@@ -345,9 +321,9 @@ def test_finished_jobs_expire_with_their_files(server: Server) -> None:
     time.sleep(0.2)  # several reaper rounds: not yet due
     assert server.get(video["id"])["status"] == "completed"
     server.clock.now = done["expires_at"]
-    _until(lambda: server.client.get(f"/v1/videos/{video['id']}", headers=AUTH).status_code == 404, "expiry")
+    until(lambda: server.client.get(f"/v1/videos/{video['id']}", headers=AUTH).status_code == 404, "expiry")
     # The record goes first, the files right after it (a crash in between leaves files that the next start sweeps).
-    _until(lambda: not server.state.files.folder(video["id"]).exists(), "the expired job's files to go")
+    until(lambda: not server.state.files.folder(video["id"]).exists(), "the expired job's files to go")
 
 
 def test_list_pages_through_all_jobs(server: Server) -> None:
@@ -371,7 +347,7 @@ def test_shutdown_puts_the_running_job_back_and_the_next_start_runs_it(tmp_path:
     gated.gate.clear()
     config = _config(tmp_path)
     with TestClient(create_app(config, Options(), load=lambda: gated)) as client:
-        _until(lambda: client.get("/health").status_code == 200, "ready")
+        until(lambda: client.get("/health").status_code == 200, "ready")
         video_id = client.post("/v1/videos", files=[(k, (None, v)) for k, v in FAST.items()]).json()["id"]
         assert gated.waiting.wait(DEADLINE_S)
     store = JobStore(config.jobs_db)
@@ -380,7 +356,7 @@ def test_shutdown_puts_the_running_job_back_and_the_next_start_runs_it(tmp_path:
     assert (job.status, job.attempts) == ("queued", 0), "a shutdown is not the job's fault"
     gated.gate.set()
     with TestClient(create_app(config, Options(), load=lambda: gated)) as client:
-        done = _until(lambda: (v := client.get(f"/v1/videos/{video_id}").json())["status"] == "completed" and v, "run")
+        done = until(lambda: (v := client.get(f"/v1/videos/{video_id}").json())["status"] == "completed" and v, "run")
         assert done["progress"] == 100
 
 

@@ -14,21 +14,17 @@ import PIL.Image
 import pytest
 import torch
 
-from k6fast.testing.model_constants import AUDIO_SAMPLE_RATE, AUDIO_VAE_SCALING, FLAGS, N_GRID, VIDEO_LATENT_CHANNELS
+from k6fast.testing.model_constants import (
+    AUDIO_SAMPLE_RATE,
+    AUDIO_VAE_SCALING,
+    FLAGS,
+    N_GRID,
+    PIPELINE_COMPONENTS,
+    SCHEDULERS,
+    VIDEO_LATENT_CHANNELS,
+)
 from k6fast.testing.tiny import make_tiny
 from k6fast.testing.tokenizers import QWEN_CROP_START, QWEN_SPECIAL_TOKENS, qwen_prompt_prefix
-
-COMPONENTS = {
-    "transformer": ["diffusers", "Kandinsky6Transformer3DModel"],
-    "vae": ["diffusers", "AutoencoderKLHunyuanVideo"],
-    "text_encoder": ["transformers", "Qwen2_5_VLForConditionalGeneration"],
-    "tokenizer": ["transformers", "Qwen2_5_VLProcessor"],
-    "text_encoder_2": ["transformers", "CLIPTextModel"],
-    "tokenizer_2": ["transformers", "CLIPTokenizer"],
-    "audio_vae": ["diffusers", "MMAudioVAE"],
-    "vocoder": ["diffusers", "MMAudioVocoder"],
-}
-SCHEDULERS = {"distill": "PiflowScheduler", "base": "FlowMatchEulerDiscreteScheduler"}
 
 
 @pytest.fixture(scope="module")
@@ -58,10 +54,10 @@ def test_layout_matches_a_diffusers_checkpoint(checkpoints: dict[str, Path], var
     index = _read_json(root / "model_index.json")
     assert index["_class_name"] == "Kandinsky6TI2VAPipeline"
     assert {k: v for k, v in index.items() if not k.startswith("_")} == {
-        **COMPONENTS,
+        **PIPELINE_COMPONENTS,
         "scheduler": ["diffusers", SCHEDULERS[variant]],
     }
-    for name in [*COMPONENTS, "scheduler"]:
+    for name in [*PIPELINE_COMPONENTS, "scheduler"]:
         assert (root / name).is_dir(), name
     assert not any(p.name.startswith(".") for p in root.parent.iterdir()), "a temporary build folder was left behind"
 

@@ -34,6 +34,22 @@ FLAGS: dict[str, Any] = {
     "visual_token_type_num_embeddings": 2,
 }
 
+# The pipeline's components as model_index.json names them (class per folder), the scheduler aside: distilled
+# checkpoints sample with PiFlow, base ones with flow-matching Euler. What diffusers' save_pretrained writes for the
+# tiny pipeline and the synthetic factory writes by hand.
+PIPELINE_COMPONENTS: dict[str, list[str]] = {
+    "transformer": ["diffusers", "Kandinsky6Transformer3DModel"],
+    "vae": ["diffusers", "AutoencoderKLHunyuanVideo"],
+    "text_encoder": ["transformers", "Qwen2_5_VLForConditionalGeneration"],
+    "tokenizer": ["transformers", "Qwen2_5_VLProcessor"],
+    "text_encoder_2": ["transformers", "CLIPTextModel"],
+    "tokenizer_2": ["transformers", "CLIPTokenizer"],
+    "audio_vae": ["diffusers", "MMAudioVAE"],
+    "vocoder": ["diffusers", "MMAudioVocoder"],
+}
+
+SCHEDULERS = {"distill": "PiflowScheduler", "base": "FlowMatchEulerDiscreteScheduler"}
+
 VIDEO_LATENT_CHANNELS = 16  # the video VAE's latent channels (in_visual_dim)
 AUDIO_LATENT_CHANNELS = 40  # the audio VAE's latent channels (in_audio_dim)
 QWEN_HIDDEN = 3584  # Qwen2.5-VL-7B's hidden width (in_text_dim)

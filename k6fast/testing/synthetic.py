@@ -25,7 +25,9 @@ from .model_constants import (
     FLOW_MATCH_SCHEDULER,
     N_GRID,
     PIFLOW_SCHEDULER,
+    PIPELINE_COMPONENTS,
     QWEN_HIDDEN,
+    SCHEDULERS,
     SIZES,
     VIDEO_LATENT_CHANNELS,
 )
@@ -180,18 +182,12 @@ def make_synthetic(out_dir: str | Path, preset: str = "pro-distill", blocks: int
     def build(tmp: Path) -> None:
         total = _write_transformer(tmp / "transformer", config, seed)
         _write_small_components(tmp, distilled, seed)
+        scheduler = SCHEDULERS["distill" if distilled else "base"]
         model_index = {
             "_class_name": "Kandinsky6TI2VAPipeline",
             "_diffusers_version": "0.42.1",
-            "transformer": ["diffusers", "Kandinsky6Transformer3DModel"],
-            "vae": ["diffusers", "AutoencoderKLHunyuanVideo"],
-            "text_encoder": ["transformers", "Qwen2_5_VLForConditionalGeneration"],
-            "tokenizer": ["transformers", "Qwen2_5_VLProcessor"],
-            "text_encoder_2": ["transformers", "CLIPTextModel"],
-            "tokenizer_2": ["transformers", "CLIPTokenizer"],
-            "scheduler": ["diffusers", "PiflowScheduler" if distilled else "FlowMatchEulerDiscreteScheduler"],
-            "audio_vae": ["diffusers", "MMAudioVAE"],
-            "vocoder": ["diffusers", "MMAudioVocoder"],
+            **PIPELINE_COMPONENTS,
+            "scheduler": ["diffusers", scheduler],
         }
         (tmp / "model_index.json").write_text(json.dumps(model_index, indent=2) + "\n")
         note = {
