@@ -15,6 +15,14 @@ def size_arg(text: str) -> tuple[int, int]:
     return width, height
 
 
+def comma_list(text: str, example: str = "reference,final") -> tuple[str, ...]:
+    """`a, b,c` → ("a", "b", "c"); an argparse type refusing an empty list."""
+    names = tuple(n.strip() for n in text.split(",") if n.strip())
+    if not names:
+        raise argparse.ArgumentTypeError(f"expected comma-separated names such as {example}; found {text!r}")
+    return names
+
+
 SEED_MAX = 2**63 - 1  # the server's bound too: a seed that works in one works in the other
 
 

@@ -8,19 +8,19 @@ import sys
 import time
 from pathlib import Path
 
+from ..cli_args import comma_list
+
 DEFAULT_ARMS = "reference,step-cache,final,fast"
 
 
-def _names(text: str) -> list[str]:
-    names = [n.strip() for n in text.split(",") if n.strip()]
-    if not names:
-        raise argparse.ArgumentTypeError(f"expected comma-separated names, found {text!r}")
-    return names
+def list_of(text: str) -> list[str]:
+    """Comma-separated names as a list (the plan builder takes lists)."""
+    return list(comma_list(text))
 
 
 def _budgets(text: str) -> list[float]:
     try:
-        budgets = [float(v) for v in _names(text)]
+        budgets = [float(v) for v in list_of(text)]
     except ValueError:
         raise argparse.ArgumentTypeError(f"expected GiB figures such as 32,31, found {text!r}") from None
     if any(b <= 0 for b in budgets):
@@ -37,9 +37,9 @@ def register(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--model", required=True, help="checkpoint directory (with --make-synthetic: where to write one)")
     p.add_argument("--make-synthetic", metavar="PRESET", help="write a full-depth synthetic checkpoint of this "
                    "preset (pro-distill, pro, lite-distill, lite) at --model first, unless one is there")  # fmt: skip
-    p.add_argument("--arms", type=_names, default=_names(DEFAULT_ARMS), help=f"default {DEFAULT_ARMS}")
+    p.add_argument("--arms", type=list_of, default=list_of(DEFAULT_ARMS), help=f"default {DEFAULT_ARMS}")
     p.add_argument("--budgets", type=_budgets, default=[32.0, 31.0], help="K6_VRAM_BUDGET_GB values (default 32,31)")
-    p.add_argument("--ballast-arms", type=_names, default=["reference", "final"], help="arms also run beside a "
+    p.add_argument("--ballast-arms", type=list_of, default=["reference", "final"], help="arms also run beside a "
                    "host-memory ballast (default reference,final)")  # fmt: skip
     p.add_argument("--host-ram-gb", type=float, default=60.0, help="host memory the ballast leaves, GB (0 = none)")
     p.add_argument("--peer", default="diffusers-offload", help="peer row (diffusers, diffusers-offload, or none)")
@@ -51,7 +51,7 @@ def register(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--out", help="record folder (default measurements/sessions/<date>_acceptance)")
     p.add_argument("--work", default="/tmp/k6fast-acceptance", help="clips, latents, logs, caches")
     p.add_argument("--timeout", type=float, default=1200.0, help="seconds before a run is killed (default 1200)")
-    p.add_argument("--only", type=_names, help="run only these runs of the plan (their slugs, e.g. fast-32-cold)")
+    p.add_argument("--only", type=list_of, help="run only these runs of the plan (their slugs, e.g. fast-32-cold)")
     p.set_defaults(func=cmd_acceptance)
     return p
 

@@ -10,14 +10,9 @@ import argparse
 import sys
 from pathlib import Path
 
+from ..cli_args import comma_list
+
 DEFAULT_SESSIONS = "measurements/sessions"
-
-
-def _arms(text: str) -> tuple[str, ...]:
-    arms = tuple(a.strip() for a in text.split(",") if a.strip())
-    if not arms:
-        raise argparse.ArgumentTypeError(f"expected comma-separated arms such as reference,final; found {text!r}")
-    return arms
 
 
 def register(subparsers) -> argparse.ArgumentParser:
@@ -30,7 +25,7 @@ def register(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--model", help="checkpoint directory or Hub id (required unless running `bench report`)")
     p.add_argument(
         "--arms",
-        type=_arms,
+        type=comma_list,
         help="comma-separated arms: names or .env paths of k6fast arms, or the peers diffusers / diffusers-offload; "
         "the first is the control",
     )
