@@ -16,15 +16,9 @@ import os
 import signal
 import sys
 
+from ..doctor import meminfo
+
 CHUNK = 1 << 30
-
-
-def mem_total_bytes(meminfo: str = "/proc/meminfo") -> int:
-    with open(meminfo) as f:
-        for line in f:
-            if line.startswith("MemTotal:"):
-                return int(line.split()[1]) * 1024
-    raise RuntimeError(f"{meminfo}: no MemTotal line")
 
 
 def bytes_to_hold(total: int, leave_gb: float) -> int:
@@ -54,7 +48,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m k6fast.bench.ballast", description=__doc__.splitlines()[0])
     parser.add_argument("--leave-gb", type=float, required=True, help="host memory to leave, in GB (10^9 bytes)")
     args = parser.parse_args(argv)
-    total = mem_total_bytes()
+    total, _ = meminfo()
     nbytes = bytes_to_hold(total, args.leave_gb)
     maps, how = hold(nbytes)
     print(f"held {nbytes} bytes of {total} ({how}) in {len(maps)} chunks, leaving {args.leave_gb:g} GB", flush=True)
