@@ -24,6 +24,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+from ..atomic import write_bytes_atomic
 from .acceptance_report import PLAN_FILE, ROWS_FILE, is_peer_arm, latent_error, render_table, request_summary
 from .records import append_jsonl, read_jsonl, write_json
 
@@ -248,7 +249,7 @@ def run_acceptance(
 ) -> Path:  # fmt: skip
     """Run the plan; rows go to `out/runs.jsonl` as they end, the table to `out/README.md` after each run. A record
     folder that already holds rows of the same workload is continued (a session run in several parts): its first
-    passing reference run stays the one every arm is held against."""
+    passing reference run stays the one every arm is held against, the rows run before it included."""
     out.mkdir(parents=True, exist_ok=True)
     work.mkdir(parents=True, exist_ok=True)
     now = lambda: dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds")  # noqa: E731
@@ -268,10 +269,13 @@ def run_acceptance(
         log(f"acceptance: run {i}/{len(runs)}: {run.name}")
         row = execute(run, w, work=work, timeout_s=timeout_s, reference_latents=reference)
         latents = work / "runs" / run.slug / "latents.safetensors"
-        if run.arm == REFERENCE_ARM and reference is None and row["passed"] and latents.is_file():
-            reference = latents  # the first reference run that passed is what every later arm is held against
+        first_reference = run.arm == REFERENCE_ARM and reference is None and row["passed"] and latents.is_file()
+        if first_reference:
+            reference = latents  # the first reference run that passed is what every arm is held against
             row["vs_reference"] = latent_error(latents, latents)
         append_jsonl(out / ROWS_FILE, row)
+        if first_reference:
+            hold_earlier_rows(out / ROWS_FILE, work, reference)
         verdict = "PASS" if row["passed"] else f"FAIL ({row.get('error', '')[:200]})"
         log(f"acceptance:   {verdict} in {row['process_s']:.1f} s")
         (out / "README.md").write_text(render_table(read_jsonl(out / ROWS_FILE), plan))
@@ -279,3 +283,18 @@ def run_acceptance(
     write_json(out / PLAN_FILE, plan)
     (out / "README.md").write_text(render_table(read_jsonl(out / ROWS_FILE), plan))
     return out
+
+
+def hold_earlier_rows(rows_file: Path, work: Path, reference: Path) -> None:
+    """Compare the rows that ran before the session's first passing reference (a lease orders runs by what the
+    machine's state allows, not by what they are compared with) against it, where their latents are still on disk."""
+    rows = read_jsonl(rows_file)
+    changed = False
+    for row in rows:
+        latents = work / "runs" / row["slug"] / "latents.safetensors"
+        if row.get("passed") and not is_peer_arm(row["arm"]) and "vs_reference" not in row and latents.is_file():
+            row["vs_reference"] = latent_error(latents, reference)
+            changed = True
+    if changed:
+        text = "".join(json.dumps(row, sort_keys=True) + "\n" for row in rows)
+        write_bytes_atomic(rows_file, text.encode("utf-8"))
