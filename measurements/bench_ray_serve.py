@@ -2,11 +2,12 @@
 `openai` SDK and Serve's HTTP proxy, as a client sees it.
 
 Each configuration (`--configs 1x1,2x0.5` = 1 replica with a whole GPU, then 2 replicas with half a GPU each)
-deploys the application on a local Ray cluster, warms every replica with one untimed request of the measured
-geometry (the `final` arm compiles its blocks on its first request), then submits --requests requests at once and
-polls until all are done. Reported per configuration: wall time from the first submit to the last completion,
-requests per hour, each job's replica and time, and per replica its peak VRAM (the pipeline's telemetry; also
-nvidia-smi's per-process memory where the GPU's process ids are visible), peak host RSS and job count.
+deploys the application on a local Ray cluster, warms every replica with --warmup untimed requests of the measured
+geometry (the `final` arm compiles its blocks on its first request; 0 where K6_INDUCTOR_CACHE_DIR holds a warm cache),
+then submits --requests requests at once and polls until all are done. Reported per configuration: wall time from
+the first submit to the last completion, requests per hour, each job's replica and time, and per replica its peak
+VRAM (the pipeline's telemetry; also nvidia-smi's per-process memory where the GPU's process ids are visible), peak
+host RSS and job count.
 
 Run (an H200; a synthetic checkpoint; one configuration per command, so that each stays inside a 10-minute limit;
 the time is about load + warm-up compile + N x one request's time / the replicas' speed-up, not measured yet):
@@ -173,9 +174,10 @@ def run_config(args: argparse.Namespace, options: Any, replicas: int, share: flo
     client = OpenAI(base_url=f"{url}/v1", api_key=options.api_key or "unused", max_retries=2, timeout=60.0)
     try:
         with GpuMemorySampler() as sampler:
-            warm_s, _ = _run_requests(
-                client, [f"warm-up {i}" for i in range(replicas)], args.geometry, args.steps, args.timeout_s
-            )
+            warm_s = 0.0
+            if args.warmup:
+                warm = [f"warm-up {i}" for i in range(replicas * args.warmup)]
+                warm_s, _ = _run_requests(client, warm, args.geometry, args.steps, args.timeout_s)
             prompts = [f"request {i}: a fox runs through snow, wind howling" for i in range(args.requests)]
             wall_s, jobs = _run_requests(client, prompts, args.geometry, args.steps, args.timeout_s)
     finally:
@@ -215,6 +217,7 @@ def run_config(args: argparse.Namespace, options: Any, replicas: int, share: flo
         "geometry": list(args.geometry),
         "steps": args.steps,
         "load_s": round(load_s, 3),
+        "warmup_requests": replicas * args.warmup,
         "warmup_s": round(warm_s, 3),
         "wall_s": round(wall_s, 3),
         "requests_per_hour": round(args.requests / wall_s * 3600, 2),
@@ -269,6 +272,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--set", action="append", default=[], metavar="K6_X=V", help="another switch for the replicas")
     p.add_argument("--requests", type=int, default=8, help="timed requests per configuration")
     p.add_argument("--configs", default="1x1,2x0.5", help="REPLICASxGPU_SHARE, comma-separated")
+    p.add_argument("--warmup", type=int, default=1, help="untimed requests per replica first (default 1; 0 when the "
+                   "compile caches are warm and the first request's own start-up belongs in the figure)")  # fmt: skip
     p.add_argument("--geometry", type=parse_geometry, default=W1, help="w1 or WIDTHxHEIGHTxFRAMES")
     p.add_argument("--steps", type=int, help="denoising steps (default: the checkpoint's)")
     p.add_argument("--device", help="replica device (default: cuda)")
