@@ -18,6 +18,7 @@ from k6fast.bench.readme_results import (
     record_line,
     replace_results,
     results_block,
+    shown_records,
 )
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -80,6 +81,23 @@ def test_the_newest_full_size_acceptance_record_is_shown_with_ratios_to_the_peer
     assert table["final @ 32 GiB, cold"][2] == "1.50×"
     assert table["fast @ 32 GiB, cold"][2] == "—"  # a failed run has no ratio
     assert table["diffusers-offload @ 32 GiB, cold"][2] == "peer"
+
+
+def test_a_later_full_size_session_without_a_peer_is_shown_below_the_headline(sessions: Path) -> None:
+    # A session that ran only what the headline record lacked (a ballast run, say): its table follows, without
+    # ratios; an older full-size record stays a one-line entry.
+    _acceptance(sessions, "2025-12-01_acceptance", "2025-12-01T10:00", "864x480x121", _note(60, 60),
+                [_row("reference", 90.0), _row("diffusers-offload", 100.0)])  # fmt: skip
+    _acceptance(sessions, "2026-01-04_acceptance-rest", "2026-01-04T10:00", "864x480x121", _note(60, 60),
+                [_row("reference", 101.0), _row("step-cache", 95.0)])  # fmt: skip
+    assert [r.name for r in shown_records(sessions)] == ["2026-01-01_acceptance", "2026-01-04_acceptance-rest"]
+    block = results_block(sessions, sessions.parent.parent)
+    headline, later = block.split("### Full-size acceptance, a later session")
+    assert "2026-01-01_acceptance/README.md" in headline and "2026-01-04_acceptance-rest/README.md" in later
+    rows = {line.split(" | ")[0].lstrip("| "): line.split(" | ") for line in later.splitlines() if " @ " in line}
+    assert rows["step-cache @ 32 GiB, cold"][2] == "—" and "no peer ran in this session" in later
+    others = block.split("### Other records (newest first)")[1]
+    assert "2025-12-01_acceptance/README.md" in others and "2026-01-04_acceptance-rest" not in others
 
 
 def test_every_other_record_gets_one_line_from_its_own_files(sessions: Path) -> None:

@@ -1,9 +1,10 @@
 """The project README's results section, generated from the records under `measurements/sessions/` by `k6fast bench
 report`, so that no figure in the README is typed by hand.
 
-The block between RESULTS_MARKERS holds (a) the newest full-size acceptance record (a folder named `*acceptance*`
-with `runs.jsonl` and `acceptance.json`, run at W1 on a checkpoint at its full depth): its table as
-`acceptance_report.py` renders it, each run's request time against the peer row's computed there; and (b) every
+The block between RESULTS_MARKERS holds (a) the newest full-size acceptance record with a peer row (a folder named
+`*acceptance*` with `runs.jsonl` and `acceptance.json`, run at W1 on a checkpoint at its full depth): its table as
+`acceptance_report.py` renders it, each run's request time against the peer row's computed there, followed by the
+tables of any later full-size records (sessions that ran what it lacked, without ratios); and (b) every
 other record, one line each saying what it measures: the title of its README (or COMMAND.md), or for a `k6fast bench`
 session its component, geometry and arms. A CPU test holds README.md's block equal to what this module renders.
 """
@@ -17,7 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from .acceptance_report import COLUMN_NOTES, PLAN_FILE, ROWS_FILE, table_lines
+from .acceptance_report import COLUMN_NOTES, PLAN_FILE, ROWS_FILE, is_peer_arm, table_lines
 from .records import SESSION_FILE, read_jsonl
 
 RESULTS_MARKERS = ("<!-- results:start -->", "<!-- results:end -->")
@@ -72,6 +73,17 @@ def newest_full_size(sessions_root: Path) -> AcceptanceRecord | None:
     return full[-1] if full else None
 
 
+def shown_records(sessions_root: Path) -> list[AcceptanceRecord]:
+    """The full-size acceptance records the README shows in full: the newest one with a peer row (the headline: its
+    ratios were measured side by side in one session) and every full-size record after it (later sessions that ran
+    what it lacked; their rows carry no ratio). Without a peer row anywhere, the newest full-size record alone."""
+    full = [r for r in acceptance_records(sessions_root) if is_full_size(r)]
+    with_peer = [i for i, r in enumerate(full) if any(is_peer_arm(str(row.get("arm", ""))) for row in r.rows)]
+    if with_peer:
+        return full[with_peer[-1] :]
+    return full[-1:]
+
+
 def _checkpoint(plan: dict[str, Any]) -> str:
     preset, blocks, full = _synthetic_depth(plan)
     if "synthetic" in str(plan.get("checkpoint_note", "")):
@@ -80,20 +92,26 @@ def _checkpoint(plan: dict[str, Any]) -> str:
     return f"`{plan.get('model')}`"
 
 
-def acceptance_section(record: AcceptanceRecord, link_prefix: str) -> list[str]:
+def acceptance_section(record: AcceptanceRecord, link_prefix: str, later: bool = False) -> list[str]:
     plan, rows = record.plan, record.rows
     gpus = sorted({r["gpu_name"] for r in rows if r.get("gpu_name")})
     versions = plan.get("versions") or {}
     shown = ", ".join(f"{k} {versions[k]}" for k in ("torch", "triton", "diffusers") if versions.get(k))
     passed = sum(1 for r in rows if r.get("passed"))
+    title = "Full-size acceptance, a later session" if later else "Full-size acceptance"
+    peer = (
+        "no peer ran in this session, so its rows have no ratio; each arm's latents are held against this "
+        "session's own reference run."
+        if later
+        else "the peer is diffusers' own pipeline in the same session."
+    )
     return [
-        f"### Full-size acceptance: {plan.get('geometry')}, {plan.get('steps')} steps, {', '.join(gpus) or 'no GPU'} "
+        f"### {title}: {plan.get('geometry')}, {plan.get('steps')} steps, {', '.join(gpus) or 'no GPU'} "
         f"([record]({link_prefix}/{record.name}/README.md))",
         "",
         f"Checkpoint: {_checkpoint(plan)}. Started {plan.get('started')}; {shown}. {passed} of {len(rows)} runs "
         "passed. Each run is a fresh `k6fast generate --arm ARM` process under `K6_VRAM_BUDGET_GB` (cold: empty "
-        "compile caches; warm: the caches the arm's cold run left); the peer is diffusers' own pipeline in the same "
-        "session.",
+        f"compile caches; warm: the caches the arm's cold run left); {peer}",
         "",
         *table_lines(rows),
         "",
@@ -133,15 +151,15 @@ def results_block(sessions_root: Path, readme_dir: Path) -> str:
     link_prefix = Path(os.path.relpath(sessions_root.resolve(), Path(readme_dir).resolve())).as_posix()
     bench_readme = Path(os.path.relpath(sessions_root.resolve().parent / "README.md", Path(readme_dir).resolve()))
     lines = [GENERATED_NOTE, ""]
-    newest = newest_full_size(sessions_root)
-    if newest is None:
+    shown = shown_records(sessions_root)
+    if not shown:
         lines += ["No full-size acceptance record yet (`k6fast acceptance` writes one).", ""]
-    else:
-        lines += [*acceptance_section(newest, link_prefix), ""]
+    for i, record in enumerate(shown):
+        lines += [*acceptance_section(record, link_prefix, later=i > 0), ""]
     others = [
         line
         for folder in sorted(sessions_root.iterdir(), reverse=True)
-        if folder.is_dir() and (newest is None or folder != newest.path)
+        if folder.is_dir() and folder not in {r.path for r in shown}
         if (line := record_line(folder, link_prefix, bench_readme.as_posix()))
     ]
     lines += ["### Other records (newest first)", "", *(others or ["None yet."])]
