@@ -1,19 +1,26 @@
 #!/usr/bin/env bash
-# The full-size acceptance session on one H200 lease, unattended. Run from the repository root on the GPU machine.
+# One unattended H200 lease: the GPU test suite, `k6fast acceptance`, the benchmarks. Run from the repository root on
+# the GPU machine.
 #
 #   bash measurements/acceptance_lease.sh install DIR [--self]  # the wheels in DIR (and this tree) into /tmp/site
-#   bash measurements/acceptance_lease.sh start          # the whole session in the background (setsid); returns at once
-#   bash measurements/acceptance_lease.sh status OUT     # progress; copies the record so far into OUT
+#   bash measurements/acceptance_lease.sh join NAME READY       # cat $W/NAME.part* into NAME.whl, install, touch READY
+#   bash measurements/acceptance_lease.sh start STEP...         # the steps in order, in the background (setsid)
+#   bash measurements/acceptance_lease.sh status OUT            # progress; copies the records so far into OUT
 #
-# Wheels the GPU machine lacks (python 3.12): diffusers, av, importlib_metadata, torchao (the block-scaled GEMM tests),
-# and for flash-attn-4 its wheel,
-# nvidia-cutlass-dsl (+ -libs-base, -libs-core, -libs-cu13), apache-tvm-ffi, torch-c-dlpack-ext, quack-kernels. The
-# cu13 libraries (92 MB) exceed one call's carry: split them, carry the parts in two calls, `cat` them back, install
-# that one wheel with `install`, then `touch /tmp/lease/fa4.ready` (the run waits for it up to 5 minutes).
+# Steps (each waits for what it needs; the 57 GB checkpoint is written in the background from the start):
+#   gpu-tests          `pytest -m gpu` in three concurrent shards, then the tests that read the card's free memory
+#   attention          exact attention kernels at W1 and the Lite shape, sparse attention per density
+#   acceptance:SLUGS   `k6fast acceptance --only SLUGS` (each part continues the same record)
+#   page-cache         read the checkpoint once (after a ballast run evicted it from the page cache)
+#   ray:CONFIG:N       measurements/bench_ray_serve.py, CONFIG (1x1, 2x0.5) with N requests, the `final` arm's cache
+#   block              one Pro block: exact attention kernels under fused+compile
+#   compile-diag       the `fast` block compiled, recompiles and graph breaks logged
 #
-# The session: the GPU test suite beside the 57 GB checkpoint's write, then the attention benchmarks (once
-# flash-attn-4 is installed: `touch /tmp/lease/fa4.ready`), then `k6fast acceptance` in parts, most important first
-# (each part continues the same record), and last a compile diagnostic of the `fast` block.
+# Wheels the GPU machine lacks (python 3.12): diffusers, av, importlib_metadata, torchao (the block-scaled GEMM tests);
+# flash-attn-4 with nvidia-cutlass-dsl (+ -libs-base, -libs-core, -libs-cu13), apache-tvm-ffi, torch-c-dlpack-ext,
+# quack-kernels; for the Ray step ray[serve] and openai with their dependencies. A wheel larger than one call's carry
+# (cutlass's cu13 libraries, ray) is split (`split -b 45m W.whl NAME.part`), its parts carried in consecutive calls
+# into $W, and `join` puts it together. The steps wait for `$W/fa4.ready` and `$W/ray.ready` (5 minutes at most).
 set -uo pipefail
 # Overridable for a dry run on a small checkpoint (e.g. BLOCKS=2 PRESET=lite-distill GEOMETRY=64x64x5 on a CPU).
 PRESET=${PRESET:-pro-distill}
@@ -21,81 +28,151 @@ BLOCKS=${BLOCKS:-}
 GEOMETRY=${GEOMETRY:-w1}
 W=${LEASE_DIR:-/tmp/lease}
 REC=$W/record
-SITE=/tmp/site
+SITE=${LEASE_SITE:-/tmp/site}
 export PYTHONPATH=$SITE:$SITE/nvidia_cutlass_dsl/dsl_packages HF_HUB_OFFLINE=1 PYTHONUNBUFFERED=1
 repo=$(pwd)
 k6() { (cd /tmp && python3 -m k6fast.cli "$@"); }  # the installed copy, not the source tree
 step() { echo; echo "=== $* ($(date +%T))"; }
-
-acceptance() {  # the slugs to run, comma-separated
-  k6 acceptance --model $W/syn --geometry "$GEOMETRY" --out $REC --work $W/work --timeout 420 --only "$1"
+wait_for() {  # a marker file, polled every 5 s
+  for _ in $(seq "${READY_POLLS:-60}"); do [ -f "$W/$1" ] && return 0; sleep 5; done
+  echo "$1 never arrived"; return 1
+}
+checkpoint() {  # wait for the background writer
+  while [ ! -f $W/synthetic.done ]; do sleep 2; done
+  tail -2 $W/synthetic.log
 }
 
-case "${1:?expected install, start, run or status}" in
-install)
-  mkdir -p $W $SITE
-  [ "${3:-}" = --self ] && python3 -m pip install -q --no-index --no-deps --no-compile --no-build-isolation \
-    --target $SITE "$repo"
-  # Wheels are unpacked rather than pip-installed: `pip --target` refuses to merge a wheel into a package folder
-  # another wheel made (the CuTe DSL's cu13 libraries go into nvidia_cutlass_dsl/, which libs-base created).
-  for wheel in "${2:?wheel dir}"/*.whl; do python3 -m zipfile -e "$wheel" $SITE; done
-  ;;
-start)
-  mkdir -p $W
-  setsid nohup bash "$repo/measurements/acceptance_lease.sh" run > $W/run.log 2>&1 < /dev/null &
-  echo "started $!"
-  ;;
-run)
-  mkdir -p $W
-  step gpu tests beside the checkpoint write
-  (cd /tmp && timeout 1500 python3 -m k6fast.cli make-synthetic $W/syn --preset "$PRESET" ${BLOCKS:+--blocks $BLOCKS} \
-    > $W/synthetic.log 2>&1) &
-  writer=$!
-  for _ in $(seq "${FA4_WAIT_POLLS:-60}"); do [ -f $W/fa4.ready ] && break; sleep 5; done
-  ls $W/fa4.ready 2>/dev/null || echo "flash-attn-4 never arrived"
-  (cd "$repo" && timeout 330 python3 -P -m pytest -m "${PYTEST_MARK:-gpu}" -q -p no:cacheprovider -rs \
-    > $W/pytest_gpu.log 2>&1)
-  echo "pytest exit $?"; tail -3 $W/pytest_gpu.log
-  wait $writer; echo "checkpoint exit $?"; tail -2 $W/synthetic.log
-  step smoke: the fast arm, 2 steps at 256x256x9 on the full checkpoint, its kernels falling back if they fail
-  arms=$SITE/k6fast/switches/arms
-  smoke() {
-    (cd /tmp && K6_VRAM_BUDGET_GB=32 K6_PIFLOW_CACHE_STEPS= timeout 300 python3 -m k6fast.cli generate --model $W/syn \
-      --arm fast --size 256x256 --frames 9 --steps 2 --prompt smoke --out $W/smoke.mp4 >> $W/smoke.log 2>&1)
-  }
-  if ! smoke; then
-    echo "PATCHED: fast's K6_SPARSE_ATTN off after a failed smoke run" | tee -a $W/patches.log
-    sed -i 's/^K6_SPARSE_ATTN=.*/K6_SPARSE_ATTN=0.0/' $arms/fast.env
-    if ! smoke; then
-      echo "PATCHED: exact attention back on k6's Gluon kernel in fast and final" | tee -a $W/patches.log
-      sed -i 's/^K6_EXACT_ATTN_KERNEL=fa4/K6_EXACT_ATTN_KERNEL=k6/' $arms/fast.env $arms/final.env
-      smoke || echo "fast still fails its smoke run" | tee -a $W/patches.log
-    fi
-  fi
-  tail -4 $W/smoke.log
-  step acceptance 1: the shipped arms under 32 and 31 GiB, cold and warm
-  acceptance reference-32-cold,final-32-cold,fast-32-cold,final-32-warm,fast-32-warm,reference-31-warm,final-31-warm,fast-31-warm
-  step attention: exact kernels at W1 and the Lite shape, sparse attention per density
+gpu_tests() {
+  wait_for fa4.ready
+  cd "$repo" || return 1
+  # Files whose tests read the card's free memory run alone; the rest in three shards, balanced by test count.
+  python3 - "$W" <<'EOF'
+import collections, subprocess, sys
+out = subprocess.run([sys.executable, "-P", "-m", "pytest", "-m", "gpu", "--collect-only", "-q", "-p", "no:cacheprovider"],
+                     capture_output=True, text=True).stdout
+count = collections.Counter(line.split("::")[0] for line in out.splitlines() if "::" in line)
+alone = {f for f in count if f.endswith("test_residency_gpu.py")}
+shards = [[], [], []]
+for f, n in count.most_common():
+    if f not in alone:
+        min(shards, key=lambda s: sum(count[x] for x in s)).append(f)
+for i, files in enumerate([*shards, sorted(alone)]):
+    open(f"{sys.argv[1]}/shard{i}.txt", "w").write("\n".join(files) + "\n")
+print({i: sum(count[f] for f in s) for i, s in enumerate(shards)}, "alone:", sorted(alone))
+EOF
+  pids=()
+  for i in 0 1 2; do
+    timeout 900 python3 -P -m pytest -m gpu -q -p no:cacheprovider -rs --durations=15 $(cat $W/shard$i.txt) \
+      > $W/pytest_gpu_$i.log 2>&1 &
+    pids+=($!)
+  done
+  for p in "${pids[@]}"; do wait "$p"; echo "shard exit $?"; done
+  timeout 300 python3 -P -m pytest -m gpu -q -p no:cacheprovider -rs $(cat $W/shard3.txt) > $W/pytest_gpu_3.log 2>&1
+  echo "alone exit $?"
+  for i in 0 1 2 3; do tail -1 $W/pytest_gpu_$i.log; done
+  cd - > /dev/null || return 1
+}
+
+attention() {
   (cd "$repo" && timeout 300 python3 measurements/bench_flash_attention.py --rep-ms 300 --out $W/exact_attention.json \
     > $W/exact_attention.log 2>&1); tail -12 $W/exact_attention.log
   (cd "$repo" && timeout 300 python3 measurements/bench_sparse_attention.py --out $W/sparse_attention.json \
     > $W/sparse_attention.log 2>&1); tail -12 $W/sparse_attention.log
-  step acceptance 2: the diffusers peer
-  acceptance diffusers-offload-32-cold
-  step acceptance 3: beside a ballast that leaves 60 GB of host memory
-  acceptance reference-32-warm-host60,final-32-warm-host60
-  step acceptance 4: the step-cache arm
-  acceptance step-cache-32-cold,step-cache-31-warm
-  step one Pro block: exact attention kernels under fused+compile
-  (cd "$repo" && timeout 300 python3 measurements/bench_block_arms.py --no-diffusers --repeats 4 \
-    --variants fused+compile,fused+compile+k6exact,fused+compile+fa4exact --out $W/block_arms.json \
-    > $W/block_arms.log 2>&1); tail -8 $W/block_arms.log
-  step compile diagnostic of the fast block
-  sed 's/^K6_COMPILE=0$/K6_COMPILE=1/' "$repo/switches/arms/fast.env" > $W/fast-compiled.env
-  (cd /tmp && TORCH_LOGS=recompiles,graph_breaks K6_INDUCTOR_CACHE_DIR=$W/diag-cache K6_VRAM_BUDGET_GB=32 \
-    K6_PIFLOW_CACHE_STEPS= timeout 240 python3 -m k6fast.cli generate --model $W/syn --arm $W/fast-compiled.env \
-    --prompt "a diagnostic" --size 256x256 --frames 9 --steps 3 --out $W/diag.mp4) > $W/diag_compile.log 2>&1
-  echo "diagnostic exit $?"; grep -c "Recompiling" $W/diag_compile.log
+}
+
+acceptance() {  # the slugs to run, comma-separated
+  checkpoint
+  [ -f "$repo/LEASE_COMMIT" ] && mkdir -p $REC && cp "$repo/LEASE_COMMIT" $REC/commit.txt
+  k6 acceptance --model $W/syn --geometry "$GEOMETRY" --out $REC --work $W/work --timeout 420 --only "$1"
+}
+
+ray_bench() {  # CONFIG N
+  wait_for ray.ready || return 1
+  checkpoint
+  local out=$W/ray_$1.json
+  (cd "$repo" && timeout 560 python3 measurements/bench_ray_serve.py --model $W/syn --arm final --budget-gb 32 \
+    --geometry "$GEOMETRY" --requests "$2" --warmup 0 --configs "$1" --set K6_INDUCTOR_CACHE_DIR=$W/work/cache/final \
+    --timeout-s 540 --out "$out" > $W/ray_$1.log 2>&1)
+  echo "ray $1 exit $?"; tail -4 $W/ray_$1.log
+  local done_=($W/ray_*.json)
+  (cd "$repo" && python3 measurements/bench_ray_serve.py --report "${done_[@]}" --out $W/ray_serve.json) | tail -6
+}
+
+case "${1:?expected install, join, start, run or status}" in
+install)
+  mkdir -p $W $SITE
+  [ "${3:-}" = --self ] && python3 -m pip install -q --no-index --no-deps --no-compile --no-build-isolation \
+    --target $SITE "$repo"
+  # Wheels are unpacked rather than pip-installed: `pip --target` refuses to merge a wheel into a folder another wheel
+  # made (the CuTe DSL's cu13 libraries go into nvidia_cutlass_dsl/, protobuf and google-auth share google/). The
+  # unpacking keeps executable bits (ray's raylet) and moves a wheel's .data/purelib and platlib into place.
+  shopt -s nullglob
+  python3 - $SITE "${2:?wheel dir}"/*.whl <<'PY'
+import os, shutil, sys, zipfile
+site = sys.argv[1]
+for wheel in sys.argv[2:]:
+    with zipfile.ZipFile(wheel) as z:
+        for info in z.infolist():
+            parts = info.filename.split("/")
+            if parts[0].endswith(".data"):
+                if len(parts) < 3 or parts[1] not in ("purelib", "platlib"):
+                    continue  # scripts, headers, data: nothing the runtime imports
+                parts = parts[2:]
+            dest = os.path.join(site, *parts)
+            if info.is_dir():
+                os.makedirs(dest, exist_ok=True)
+                continue
+            os.makedirs(os.path.dirname(dest), exist_ok=True)
+            with z.open(info) as src, open(dest, "wb") as dst:
+                shutil.copyfileobj(src, dst)
+            mode = (info.external_attr >> 16) & 0o777
+            if mode:
+                os.chmod(dest, mode)
+    print("unpacked", os.path.basename(wheel))
+PY
+  ;;
+join)
+  name=${2:?wheel name}
+  cat $W/"$name".part* > "$W/$name"
+  mkdir -p $W/joined && mv "$W/$name" $W/joined/ && bash "$0" install $W/joined && rm -rf $W/joined
+  touch "$W/${3:?ready marker}"
+  ;;
+start)
+  shift
+  mkdir -p $W
+  setsid nohup bash "$repo/measurements/acceptance_lease.sh" run "$@" > $W/run.log 2>&1 < /dev/null &
+  echo "started $!"
+  ;;
+run)
+  shift
+  mkdir -p $W
+  if [ ! -f $W/synthetic.done ]; then
+    (cd /tmp && timeout 1500 python3 -m k6fast.cli make-synthetic $W/syn --preset "$PRESET" \
+      ${BLOCKS:+--blocks $BLOCKS} > $W/synthetic.log 2>&1; echo "checkpoint exit $?" >> $W/synthetic.log
+      touch $W/synthetic.done) &
+  fi
+  for s in "$@"; do
+    step "$s"
+    case "$s" in
+    gpu-tests) gpu_tests ;;
+    attention) attention ;;
+    acceptance:*) acceptance "${s#acceptance:}" ;;
+    page-cache) checkpoint; time cat $W/syn/*/*.safetensors $W/syn/*.safetensors > /dev/null 2>&1 ;;
+    ray:*) IFS=: read -r _ config n <<< "$s"; ray_bench "$config" "$n" ;;
+    block)
+      (cd "$repo" && timeout 300 python3 measurements/bench_block_arms.py --no-diffusers --repeats 4 \
+        --variants fused+compile,fused+compile+k6exact,fused+compile+fa4exact --out $W/block_arms.json \
+        > $W/block_arms.log 2>&1); tail -8 $W/block_arms.log ;;
+    compile-diag)
+      checkpoint
+      sed 's/^K6_COMPILE=0$/K6_COMPILE=1/' "$repo/switches/arms/fast.env" > $W/fast-compiled.env
+      (cd /tmp && TORCH_LOGS=recompiles,graph_breaks K6_INDUCTOR_CACHE_DIR=$W/diag-cache K6_VRAM_BUDGET_GB=32 \
+        K6_PIFLOW_CACHE_STEPS= timeout 240 python3 -m k6fast.cli generate --model $W/syn --arm $W/fast-compiled.env \
+        --prompt "a diagnostic" --size 256x256 --frames 9 --steps 3 --out $W/diag.mp4) > $W/diag_compile.log 2>&1
+      echo "diagnostic exit $?"; grep -c "Recompiling" $W/diag_compile.log ;;
+    *) echo "unknown step $s" ;;
+    esac
+  done
   step done
   touch $W/done
   ;;
@@ -103,17 +180,15 @@ status)
   out=${2:?output folder}
   tail -25 $W/run.log
   for f in $REC/runs.jsonl $REC/README.md $REC/acceptance.json $W/exact_attention.json $W/sparse_attention.json \
-    $W/block_arms.json; do
+    $W/block_arms.json $W/ray_serve.json; do
     [ -f "$f" ] && cp "$f" "$out/"
   done
   (cd $W && tar czf "$out/logs.tgz" $(ls run.log pytest_gpu*.log synthetic.log diag_compile.log *_attention.log \
-    smoke.log patches.log \
-    block_arms.log \
-    work/runs/*/stderr.log work/runs/*/*.json 2>/dev/null))
+    block_arms.log ray_*.log ray_*.json record/commit.txt work/runs/*/stderr.log work/runs/*/*.json 2>/dev/null))
   ls $W/done 2>/dev/null && echo "session finished"
   ;;
 *)
-  echo "expected install, start, run or status" >&2
+  echo "expected install, join, start, run or status" >&2
   exit 2
   ;;
 esac
