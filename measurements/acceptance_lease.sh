@@ -8,7 +8,7 @@
 #   bash measurements/acceptance_lease.sh status OUT            # progress; copies the records so far into OUT
 #
 # Steps (each waits for what it needs; the 57 GB checkpoint is written in the background from the start):
-#   gpu-tests          `pytest -m gpu` in three concurrent shards, then the tests that read the card's free memory
+#   gpu-tests          `pytest -m gpu` in four concurrent shards, then the tests that read the card's free memory
 #   attention          exact attention kernels at W1 and the Lite shape, sparse attention per density
 #   acceptance:SLUGS   `k6fast acceptance --only SLUGS` (each part continues the same record)
 #   page-cache         read the checkpoint once (after a ballast run evicted it from the page cache)
@@ -45,39 +45,40 @@ checkpoint() {  # wait for the background writer
 gpu_tests() {
   wait_for fa4.ready
   cd "$repo" || return 1
-  # Files whose tests read the card's free memory run alone; the rest in three shards, balanced by test count.
+  # Files whose tests read the card's free memory run alone; the rest in four shards, balanced by test count.
   python3 - "$W" <<'EOF'
 import collections, subprocess, sys
 out = subprocess.run([sys.executable, "-P", "-m", "pytest", "-m", "gpu", "--collect-only", "-q", "-p", "no:cacheprovider"],
                      capture_output=True, text=True).stdout
 count = collections.Counter(line.split("::")[0] for line in out.splitlines() if "::" in line)
 alone = {f for f in count if f.endswith("test_residency_gpu.py")}
-shards = [[], [], []]
+shards = [[], [], [], []]
 for f, n in count.most_common():
     if f not in alone:
         min(shards, key=lambda s: sum(count[x] for x in s)).append(f)
-for i, files in enumerate([*shards, sorted(alone)]):
+for i, files in enumerate([*shards, sorted(alone)]):  # shard4: alone
     open(f"{sys.argv[1]}/shard{i}.txt", "w").write("\n".join(files) + "\n")
 print({i: sum(count[f] for f in s) for i, s in enumerate(shards)}, "alone:", sorted(alone))
 EOF
   pids=()
-  for i in 0 1 2; do
+  for i in 0 1 2 3; do
+    [ -n "$(cat $W/shard$i.txt)" ] || continue  # no files would mean every test
     timeout 900 python3 -P -m pytest -m gpu -q -p no:cacheprovider -rs --durations=15 $(cat $W/shard$i.txt) \
       > $W/pytest_gpu_$i.log 2>&1 &
     pids+=($!)
   done
   for p in "${pids[@]}"; do wait "$p"; echo "shard exit $?"; done
-  timeout 300 python3 -P -m pytest -m gpu -q -p no:cacheprovider -rs $(cat $W/shard3.txt) > $W/pytest_gpu_3.log 2>&1
+  timeout 300 python3 -P -m pytest -m gpu -q -p no:cacheprovider -rs $(cat $W/shard4.txt) > $W/pytest_gpu_4.log 2>&1
   echo "alone exit $?"
-  for i in 0 1 2 3; do tail -1 $W/pytest_gpu_$i.log; done
+  for i in 0 1 2 3 4; do tail -1 $W/pytest_gpu_$i.log; done
   cd - > /dev/null || return 1
 }
 
-attention() {
-  (cd "$repo" && timeout 300 python3 measurements/bench_flash_attention.py --rep-ms 300 --out $W/exact_attention.json \
-    > $W/exact_attention.log 2>&1); tail -12 $W/exact_attention.log
+attention() {  # sparse first: its per-density record is what the sparse arm rests on
   (cd "$repo" && timeout 300 python3 measurements/bench_sparse_attention.py --out $W/sparse_attention.json \
     > $W/sparse_attention.log 2>&1); tail -12 $W/sparse_attention.log
+  (cd "$repo" && timeout 300 python3 measurements/bench_flash_attention.py --rep-ms 300 --out $W/exact_attention.json \
+    > $W/exact_attention.log 2>&1); tail -12 $W/exact_attention.log
 }
 
 acceptance() {  # the slugs to run, comma-separated
@@ -88,6 +89,7 @@ acceptance() {  # the slugs to run, comma-separated
 
 ray_bench() {  # CONFIG N
   wait_for ray.ready || return 1
+  export RAY_USAGE_STATS_ENABLED=0
   checkpoint
   local out=$W/ray_$1.json
   (cd "$repo" && timeout 560 python3 measurements/bench_ray_serve.py --model $W/syn --arm final --budget-gb 32 \
