@@ -21,6 +21,11 @@ SUPPORTED_DTYPES = (torch.bfloat16, torch.float16)
 
 LOG2E = 1.4426950408889634
 FP8_MAX = 448.0  # largest finite float8 e4m3fn
+# FP16-accumulate P·V (GeForce): each 32-key chunk's P·V is one FP8 MMA (m16n8k32) summed into an FP16 accumulator,
+# so V is quantized to ±2.25 instead of ±448: a chunk's partial sums stay within 32 · 448 · 2.25 = 32,256 < 65,504
+# (P·448 <= 448 after the saturating e4m3 conversion), whatever the data. SageAttention2++ (arXiv 2505.21136) bound.
+PV_CHUNK = 32
+V_FP16_ACC_MAX = 2.25
 
 # An int32 x with |x| < 2**22 plus the bits of 1.5 * 2**23 is the fp32 1.5 * 2**23 + x exactly. This replaces the
 # int32 -> fp32 conversion (I2F runs at 16/clk/SM on sm_90, as slow as exp2) by an integer add. |Q·Kᵀ| <= 127² · 128

@@ -27,8 +27,10 @@ The scheme (SageAttention 2, Zhang et al. 2024):
    removed and added back to O, exact because each row of P sums to 1 after normalisation, together with a
    correction for the mean rounding error of the quantized V, see ``QuantizedQKV.v_offset``), scaled per
    (b, h, channel) by absmax / 448; P (in [0, 1]) scaled by 448 (folded into exp2's argument); each key tile's
-   FP8 product summed into the FP32 accumulator. Elsewhere P and V in FP16 (V unsmoothed: FP16 keeps 11 significant
-   bits whatever the offset).
+   FP8 product summed into the FP32 accumulator. On GeForce (sm_89, sm_12x), where FP8 MMAs with an FP32
+   accumulator run at half rate, V is scaled to ±2.25 instead and each 32 keys' product is summed in FP16 (the
+   full-rate form; 32 · 448 · 2.25 < 65504, so it cannot overflow), then into FP32 (SageAttention2++).
+   Elsewhere P and V in FP16 (V unsmoothed: FP16 keeps 11 significant bits whatever the offset).
 
 Accuracy: the INT8 Q·Kᵀ costs little next to the FP8 rounding of P and of V (e4m3's 3-bit mantissa: no scale choice
 helps, the error is relative), which makes FP8 P·V the lossier path; when V carries per-channel offsets, as DiT values
@@ -41,7 +43,7 @@ Implementations by architecture (see ``_select_implementation``):
 | device                       | implementation                                          | P·V default              |
 |------------------------------|---------------------------------------------------------|--------------------------|
 | CUDA sm_90, head_dim 64, 128 | Triton prologue + Gluon core (quant_attention_wgmma.py) | FP8                      |
-| CUDA sm_89 and newer         | Triton kernels                                          | FP8                      |
+| CUDA sm_89 and newer         | Triton kernels                                          | FP8 (FP16 acc: sm_89/12x)|
 | CUDA sm_80 .. sm_87          | Triton kernels                                          | FP16                     |
 | CUDA older than sm_80        | reference (logged once)                                 | FP16                     |
 | any, Triton interpreter on   | Triton kernels, interpreted                             | FP16 (FP8 refused there) |
@@ -134,7 +136,9 @@ def quant_attention(
         return quant_attention_ref(q, k, v, pv_fp8=pv_fp8, sm_scale=sm_scale)
     pv_fp8 = _resolve_pv_fp8(pv_fp8, q.device)
     if pv_fp8 and _gluon_core_runs(q.device, q.shape[3]):
-        qkv = quantize_qkv(q, k, v, pv_fp8=True, sm_scale=sm_scale, k_block=GLUON_K_BLOCK, v_key_perm=True)
+        qkv = quantize_qkv(
+            q, k, v, pv_fp8=True, sm_scale=sm_scale, k_block=GLUON_K_BLOCK, v_key_perm=True, pv_fp16_acc=False
+        )
         return attention_quantized_wgmma(qkv)
     cfg = _config_for(q.device, q.shape[3], pv_fp8)
     qkv = quantize_qkv(q, k, v, pv_fp8=pv_fp8, sm_scale=sm_scale, k_block=cfg.block_n)

@@ -1,5 +1,7 @@
 """The Triton attention core of k6fast's quantized attention (kernels/quant_attention.py): INT8 Q·Kᵀ, online
-softmax in FP32, FP8 (or FP16) P·V, on the operands the prologue (quant_attention_prologue.py) made.
+softmax in FP32, FP8 (or FP16) P·V, on the operands the prologue (quant_attention_prologue.py) made. FP8 P·V sums
+each key tile in FP32 or, on a ``QuantizedQKV`` with pv_fp16_acc (the default on GeForce sm_89/sm_12x), each 32 keys
+in FP16 and those in FP32 (see ``_tile_pv``).
 
 - ``attention_quantized(qkv, *, config)``: the core on a ``QuantizedQKV`` (steps 3 and 4 of the scheme).
 - ``attention_quantized_ref``: the kernel's online softmax step by step in PyTorch (FP32; the same key tile per
@@ -18,7 +20,17 @@ import torch
 import triton
 import triton.language as tl
 
-from .attention_constants import FP8_MAX, K_BLOCK, K_BLOCKS, LOG2_FP8_MAX, MAGIC_F, MAGIC_I, Q_BLOCK, on_device
+from .attention_constants import (
+    FP8_MAX,
+    K_BLOCK,
+    K_BLOCKS,
+    LOG2_FP8_MAX,
+    MAGIC_F,
+    MAGIC_I,
+    PV_CHUNK,
+    Q_BLOCK,
+    on_device,
+)
 from .quant_attention_prologue import QuantizedQKV, _interpreted, _require_triton, v_token_order
 
 # 2**f on [-0.5, 0.5], relative error 7.6e-5 (near-minimax, degree 3).
@@ -130,6 +142,8 @@ def attention_quantized(qkv: QuantizedQKV, *, config: QuantAttentionConfig | Non
         )
     if qkv.v_key_perm:
         raise ValueError("attention_quantized: expected vt in token order (v_key_perm=False), the Gluon core's is not")
+    if qkv.pv_fp16_acc and not qkv.pv_fp8:
+        raise ValueError("attention_quantized: pv_fp16_acc=True expects pv_fp8=True (an FP8 V in ±2.25), found FP16 V")
     _require_triton(qkv.q8.device)
     cfg = config
     if qkv.pv_fp8 and _interpreted():
@@ -148,7 +162,7 @@ def _launch_attention(qkv: QuantizedQKV, cfg: QuantAttentionConfig) -> torch.Ten
         *out.stride(), h, qkv.num_q, qkv.num_kv, m_pad, n_pad,
         HEAD_DIM=d, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, Q_BLK=Q_BLOCK,
         PV_FP8=qkv.pv_fp8, FP8_NO_FOLD=_fp8_no_fold(qkv.q8.device), UNROLL=cfg.unroll, EXP2_POLY=cfg.exp2_poly,
-        PIPELINE=cfg.pipeline, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        PIPELINE=cfg.pipeline, PV_FP16_ACC=qkv.pv_fp16_acc, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         **({} if cfg.maxnreg is None else {"maxnreg": cfg.maxnreg}),
     )  # fmt: skip
     return out
@@ -164,9 +178,20 @@ def _p_to_fp8_ref(p448: torch.Tensor) -> torch.Tensor:
     return p448.clamp_max(FP8_MAX).to(torch.float8_e4m3fn).float()
 
 
+def _pv_fp16_chunks_ref(p_q: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """[BH, M, kb] x [BH, kb, D] e4m3 values -> the FP16-accumulate P·V of one tile as the kernel sums it: per
+    32-key chunk (one m16n8k32 MMA) the exact sum of its products rounded once to FP16, the chunks added in FP32.
+    Sums in float64, where 32 products of two e4m3 values are exact."""
+    pv = torch.zeros((p_q.shape[0], p_q.shape[1], v.shape[2]), device=p_q.device)
+    for c in range(0, p_q.shape[2], PV_CHUNK):
+        chunk = torch.matmul(p_q[:, :, c : c + PV_CHUNK].double(), v[:, c : c + PV_CHUNK].double())
+        pv += chunk.to(torch.float16).float()
+    return pv
+
+
 def attention_quantized_ref(qkv: QuantizedQKV) -> torch.Tensor:
     """PyTorch reference of ``attention_quantized``: the kernel's online softmax, qkv.k_block keys per update, in
-    FP32.
+    FP32; with qkv.pv_fp16_acc, P·V in FP16 per 32 keys (``_pv_fp16_chunks_ref``).
 
     The INT8 products and FP8/FP16 operands are exact in FP32 (and in TF32), so the matmuls are exact per product
     whatever the float32 matmul precision.
@@ -193,7 +218,8 @@ def attention_quantized_ref(qkv: QuantizedQKV) -> torch.Tensor:
         p = torch.exp2(s - m_new[:, :, None])
         l_i = l_i * alpha + p.sum(dim=2)
         p_q = _p_to_fp8_ref(p * FP8_MAX) if qkv.pv_fp8 else p.to(torch.float16).float()
-        acc = acc * alpha[:, :, None] + torch.matmul(p_q, v[:, cols])
+        pv = _pv_fp16_chunks_ref(p_q, v[:, cols]) if qkv.pv_fp16_acc else torch.matmul(p_q, v[:, cols])
+        acc = acc * alpha[:, :, None] + pv
         m_i = m_new
     out = acc / l_i[:, :, None]
     if qkv.pv_fp8:
@@ -231,14 +257,14 @@ def _tile_scores(q, k_ptrs, start_n, HEAD_DIM: tl.constexpr):
 def _attend_tile(
     acc, l_i, m_i, q, q_scale, k_ptrs, vt_ptrs, ks_ptr, start_n, N,
     HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, PV_FP8: tl.constexpr, FP8_NO_FOLD: tl.constexpr,
-    MASK: tl.constexpr, POLY: tl.constexpr,
+    PV_FP16_ACC: tl.constexpr, MASK: tl.constexpr, POLY: tl.constexpr,
 ):  # fmt: skip
     # One BLOCK_N-key tile: S = q8·k8ᵀ (int32, exact), online-softmax update, acc += P·V.
     qk = _tile_scores(q, k_ptrs, start_n, HEAD_DIM)
     p, l_i, m_new, alpha = _tile_probs(l_i, m_i, qk, q_scale, ks_ptr, start_n, N, BLOCK_N, PV_FP8, MASK, POLY)
     acc = acc * alpha[:, None]
     if PV_FP8:
-        acc = acc + _tile_pv(p, vt_ptrs, start_n, BLOCK_N, PV_FP8, FP8_NO_FOLD)
+        acc = acc + _tile_pv(p, vt_ptrs, start_n, BLOCK_N, PV_FP8, FP8_NO_FOLD, PV_FP16_ACC)
     else:
         acc = tl.dot(p.to(tl.float16), tl.trans(tl.load(vt_ptrs + start_n)), acc)
     return acc, l_i, m_new
@@ -271,10 +297,28 @@ def _tile_probs(
 
 
 @triton.jit
-def _tile_pv(p, vt_ptrs, start_n, BLOCK_N: tl.constexpr, PV_FP8: tl.constexpr, FP8_NO_FOLD: tl.constexpr):
+def _tile_pv(
+    p, vt_ptrs, start_n, BLOCK_N: tl.constexpr, PV_FP8: tl.constexpr, FP8_NO_FOLD: tl.constexpr,
+    PV_FP16_ACC: tl.constexpr,
+):  # fmt: skip
     # One tile's P·V from zero, in FP32 (the caller adds it to the accumulator).
     vt = tl.load(vt_ptrs + start_n)  # [D, BLOCK_N], tokens contiguous: tl.trans makes a K-major B operand
-    if PV_FP8:
+    if PV_FP16_ACC:
+        # GeForce (sm_89, sm_12x): the FP8 MMA with an FP16 accumulator (QMMA.16832.F16.E4M3.E4M3) runs at twice the
+        # rate of the FP32-accumulator form there. Each 32-key chunk is one MMA deep (m16n8k32) from zero, so its
+        # FP16 sum is bounded by 32 · 448 · V_FP16_ACC_MAX = 32,256 < 65,504 (the prologue quantized V to ±2.25 for
+        # it); the chunks are added in FP32. SageAttention2++'s scheme. Splitting the tile into chunks costs no data
+        # movement: the halves are register bits of both P's accumulator layout and Vᵀ's load layout (the SASS has
+        # the same shared-memory traffic as the unsplit FP32 form); what it adds is an FP16 -> FP32 conversion and an
+        # FP32 add per chunk and accumulator element. Speed: not measured on a GeForce card.
+        p8 = p.to(tl.float8e4nv)  # saturating (cvt.rn.satfinite): P·448 <= 448
+        if BLOCK_N == 128:
+            p_lo, p_hi = _key_halves(p8)
+            v_lo, v_hi = _key_halves(vt)
+            pv = _pv_fp16_chunks64(p_lo, v_lo) + _pv_fp16_chunks64(p_hi, v_hi)
+        else:
+            pv = _pv_fp16_chunks64(p8, vt)
+    elif PV_FP8:
         # FP8 MMAs keep only ~14 significant bits when they add into their accumulator (DeepSeek-V3 report on
         # sm_90; SageAttention 2 saw the same on sm_89), a loss that grows with the number of keys summed there.
         # Each tile's P·V therefore starts from zero and is added to acc in FP32 (SageAttention 2's two-level
@@ -294,13 +338,32 @@ def _tile_pv(p, vt_ptrs, start_n, BLOCK_N: tl.constexpr, PV_FP8: tl.constexpr, F
 
 
 @triton.jit
+def _key_halves(x):
+    # [R, 2K] -> ([R, K], [R, K]): keys [0, K) and [K, 2K) (tl.split takes a trailing dimension of 2).
+    R: tl.constexpr = x.shape[0]
+    K: tl.constexpr = x.shape[1] // 2
+    return tl.split(tl.permute(tl.reshape(x, [R, 2, K]), [0, 2, 1]))
+
+
+@triton.jit
+def _pv_fp16_chunks64(p8, vt):
+    # P·V of 64 keys as two 32-key FP8 MMAs, each from zero with an FP16 accumulator, added in FP32. Converting
+    # before the add keeps Triton from chaining the second MMA onto the first's FP16 accumulator.
+    p0, p1 = _key_halves(p8)
+    v0, v1 = _key_halves(vt)
+    c0 = tl.dot(p0, tl.trans(v0), out_dtype=tl.float16)
+    c1 = tl.dot(p1, tl.trans(v1), out_dtype=tl.float16)
+    return c0.to(tl.float32) + c1.to(tl.float32)
+
+
+@triton.jit
 def _quant_attention_kernel(
     Q8, QS, K8, KS, VT, VS, VO, Out,  # see QuantizedQKV (VO: v_offset); out: [B, H, M, D] q.dtype; VS, VO: PV_FP8 only
     stride_ob, stride_oh, stride_om, stride_od,
     H, M, N, M_PAD, N_PAD,
     HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, Q_BLK: tl.constexpr,
     PV_FP8: tl.constexpr, FP8_NO_FOLD: tl.constexpr, UNROLL: tl.constexpr, EXP2_POLY: tl.constexpr,
-    PIPELINE: tl.constexpr,
+    PIPELINE: tl.constexpr, PV_FP16_ACC: tl.constexpr,
 ):  # fmt: skip
     pid_m = tl.program_id(0)  # fastest: neighbouring programs share one head's K/V in L2
     bh = tl.program_id(1)
@@ -323,16 +386,16 @@ def _quant_attention_kernel(
         for start_n in range(0, (n_full // 2) * 2 * BLOCK_N, 2 * BLOCK_N):
             acc, l_i, m_i = _attend_tile(
                 acc, l_i, m_i, q, q_scale, k_ptrs, vt_ptrs, ks_ptr, start_n, N,
-                HEAD_DIM, BLOCK_N, PV_FP8, FP8_NO_FOLD, False, False,
+                HEAD_DIM, BLOCK_N, PV_FP8, FP8_NO_FOLD, PV_FP16_ACC, False, False,
             )  # fmt: skip
             acc, l_i, m_i = _attend_tile(
                 acc, l_i, m_i, q, q_scale, k_ptrs, vt_ptrs, ks_ptr, start_n + BLOCK_N, N,
-                HEAD_DIM, BLOCK_N, PV_FP8, FP8_NO_FOLD, False, EXP2_POLY,
+                HEAD_DIM, BLOCK_N, PV_FP8, FP8_NO_FOLD, PV_FP16_ACC, False, EXP2_POLY,
             )  # fmt: skip
         if n_full % 2 == 1:
             acc, l_i, m_i = _attend_tile(
                 acc, l_i, m_i, q, q_scale, k_ptrs, vt_ptrs, ks_ptr, (n_full - 1) * BLOCK_N, N,
-                HEAD_DIM, BLOCK_N, PV_FP8, FP8_NO_FOLD, False, False,
+                HEAD_DIM, BLOCK_N, PV_FP8, FP8_NO_FOLD, PV_FP16_ACC, False, False,
             )  # fmt: skip
     elif PIPELINE:
         # Software-pipelined by hand so that each tile's softmax runs while the tensor cores do the previous tile's
@@ -350,22 +413,22 @@ def _quant_attention_kernel(
                 )  # fmt: skip
                 qk = _tile_scores(q, k_ptrs, start_n + BLOCK_N, HEAD_DIM)
                 acc = acc * alpha_pv[:, None] + pv
-                pv = _tile_pv(p, vt_ptrs, start_n, BLOCK_N, PV_FP8, FP8_NO_FOLD)
+                pv = _tile_pv(p, vt_ptrs, start_n, BLOCK_N, PV_FP8, FP8_NO_FOLD, PV_FP16_ACC)
                 alpha_pv = alpha
             start_n = (n_full - 1) * BLOCK_N
             p, l_i, m_i, alpha = _tile_probs(l_i, m_i, qk, q_scale, ks_ptr, start_n, N, BLOCK_N, PV_FP8, False, False)
             acc = acc * alpha_pv[:, None] + pv
-            acc = acc * alpha[:, None] + _tile_pv(p, vt_ptrs, start_n, BLOCK_N, PV_FP8, FP8_NO_FOLD)
+            acc = acc * alpha[:, None] + _tile_pv(p, vt_ptrs, start_n, BLOCK_N, PV_FP8, FP8_NO_FOLD, PV_FP16_ACC)
     else:
         for start_n in range(0, n_full * BLOCK_N, BLOCK_N):
             acc, l_i, m_i = _attend_tile(
                 acc, l_i, m_i, q, q_scale, k_ptrs, vt_ptrs, ks_ptr, start_n, N,
-                HEAD_DIM, BLOCK_N, PV_FP8, FP8_NO_FOLD, False, False,
+                HEAD_DIM, BLOCK_N, PV_FP8, FP8_NO_FOLD, PV_FP16_ACC, False, False,
             )  # fmt: skip
     if N % BLOCK_N != 0:  # the ragged last tile is the only one that pays for the key mask
         acc, l_i, m_i = _attend_tile(
             acc, l_i, m_i, q, q_scale, k_ptrs, vt_ptrs, ks_ptr, n_full * BLOCK_N, N,
-            HEAD_DIM, BLOCK_N, PV_FP8, FP8_NO_FOLD, True, False,
+            HEAD_DIM, BLOCK_N, PV_FP8, FP8_NO_FOLD, PV_FP16_ACC, True, False,
         )  # fmt: skip
 
     out = acc / l_i[:, None]  # with FP8, P's factor 448 is in both acc and l

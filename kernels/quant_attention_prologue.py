@@ -1,9 +1,10 @@
 """The quantization prologue of k6fast's quantized attention (kernels/quant_attention.py): Q, K and V to the INT8 /
 FP8 (or FP16) operands of the attention cores, with their scales, in three Triton passes.
 
-- ``quantize_qkv(q, k, v, *, pv_fp8, sm_scale, k_block, v_key_perm)``: Q to INT8 per 128 query rows; K smoothed
-  (its per-(b, h, channel) mean removed) and to INT8 per k_block key rows; V transposed, and with FP8 P·V smoothed,
-  scaled per channel and to e4m3 (steps 1, 2 and 4 of the scheme in quant_attention.py). Returns a ``QuantizedQKV``.
+- ``quantize_qkv(q, k, v, *, pv_fp8, sm_scale, k_block, v_key_perm, pv_fp16_acc)``: Q to INT8 per 128 query rows;
+  K smoothed (its per-(b, h, channel) mean removed) and to INT8 per k_block key rows; V transposed, and with FP8 P·V
+  smoothed, scaled per channel to ±448 (or to ±2.25 for the FP16-accumulate P·V, ``pv_fp16_acc_on``) and to e4m3
+  (steps 1, 2 and 4 of the scheme in quant_attention.py). Returns a ``QuantizedQKV``.
 - ``quantize_qkv_ref``: the same in PyTorch, bit for bit (IEEE division and ties-away rounding as the kernels do).
 - The input checks and the device rules (which devices run the Triton kernels, where FP8 P·V may run) that the
   cores and the dispatch share.
@@ -27,6 +28,7 @@ from .attention_constants import (
     Q_BLOCK,
     SUPPORTED_DTYPES,
     SUPPORTED_HEAD_DIMS,
+    V_FP16_ACC_MAX,
     on_device,
 )
 
@@ -42,7 +44,6 @@ _STATS_CHUNK = 512
 _STATS_ROWS = 16
 _KV_QUANT_ROWS = 128
 _KV_QUANT_WARPS = 4
-_FP8_MAX = tl.constexpr(448.0)
 
 
 @dataclass(frozen=True)
@@ -56,7 +57,8 @@ class QuantizedQKV:
     vt: [B, H, D, N_pad] V transposed (tokens contiguous, so V is K-major as the B operand of P·V, which sm_90's
       FP8 wgmma requires): float8_e4m3fn V_q = (V - mean(V)) / v_scale when pv_fp8, else fp16 (V as is). Keys in
       token order, or in ``v_key_order`` when v_key_perm (only the Gluon core reads that).
-    v_scale: [B, H, D] fp32 absmax(V - mean(V)) / 448 when pv_fp8, else None.
+    v_scale: [B, H, D] fp32 absmax(V - mean(V)) / v_qmax when pv_fp8, else None; v_qmax is 448 (e4m3's largest),
+      or V_FP16_ACC_MAX (2.25) when pv_fp16_acc.
     v_offset: [B, H, D] fp32 added to every output row when pv_fp8, else None: mean(V) - v_scale · mean(V_q).
       mean(V) undoes the smoothing; subtracting the mean of the dequantized V_q as well cancels the mean FP8
       rounding error of each channel. That error is the same for every query and does not average out over keys
@@ -77,6 +79,8 @@ class QuantizedQKV:
     pv_fp8: bool
     k_block: int = K_BLOCK  # keys per K scale: the attention core must use it as its key tile (block_n)
     v_key_perm: bool = False  # vt's keys in the Gluon core's order within each 32-key block (see v_key_order)
+    # V_q within ±V_FP16_ACC_MAX, so that the Triton core may sum P·V in FP16 per 32 keys (pv_fp8 only; GeForce)
+    pv_fp16_acc: bool = False
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -118,6 +122,26 @@ def _resolve_pv_fp8(pv_fp8: bool | None, device: torch.device) -> bool:
         major, minor = torch.cuda.get_device_capability(device)
         raise ValueError(f"pv_fp8=True needs FP8 tensor cores (sm_89 or newer); found sm_{major}{minor}")
     return bool(pv_fp8)
+
+
+def pv_fp16_acc_on(capability: tuple[int, int]) -> bool:
+    """Whether FP8 P·V sums in FP16 per 32 keys on a GPU of this compute capability: GeForce Ada (sm_89) and
+    Blackwell (sm_12x), whose FP8 MMA runs at half rate with an FP32 accumulator and at full rate with an FP16 one.
+    Not sm_90 (its Gluon core runs there, and FP32 accumulation is full rate) nor sm_100."""
+    return tuple(capability) == (8, 9) or capability[0] == 12
+
+
+def _pv_fp16_acc_default(device: torch.device) -> bool:
+    return device.type == "cuda" and pv_fp16_acc_on(torch.cuda.get_device_capability(device))
+
+
+def _resolve_pv_fp16_acc(pv_fp16_acc: bool | None, pv_fp8: bool, device: torch.device) -> bool:
+    """None picks the device's default (with FP8 P·V only); True needs FP8 P·V."""
+    if pv_fp16_acc is None:
+        return pv_fp8 and _pv_fp16_acc_default(device)
+    if pv_fp16_acc and not pv_fp8:
+        raise ValueError("pv_fp16_acc=True: expected pv_fp8=True (the FP16 accumulation is of the FP8 P·V)")
+    return bool(pv_fp16_acc)
 
 
 def _check_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sm_scale: float | None) -> float:
@@ -184,24 +208,29 @@ def quantize_qkv(
     sm_scale: float | None = None,
     k_block: int = K_BLOCK,
     v_key_perm: bool = False,
+    pv_fp16_acc: bool | None = None,
 ) -> QuantizedQKV:
     """Triton prologue: three passes (Q; K and V statistics; K and V quantization). Shapes as ``quant_attention``;
     k_block: keys per K scale, the key tile of the attention core that will read it; v_key_perm: store Vᵀ in
-    ``v_key_order`` (for the Gluon core), at no extra cost."""
+    ``v_key_order`` (for the Gluon core), at no extra cost; pv_fp16_acc: V_q to ±V_FP16_ACC_MAX for the core's
+    FP16-accumulate P·V (None: where ``_pv_fp16_acc_default`` says, with FP8 P·V)."""
     scale = _check_inputs(q, k, v, sm_scale)
     _require_triton(q.device)
     pv_fp8 = _resolve_pv_fp8(bool(pv_fp8), q.device)  # refuses FP8 where it cannot run
+    fp16_acc = _resolve_pv_fp16_acc(pv_fp16_acc, pv_fp8, q.device)
     with on_device(q.device):
-        return _quantize_qkv(q, k, v, pv_fp8, scale, _check_k_block(k_block), bool(v_key_perm))
+        return _quantize_qkv(q, k, v, pv_fp8, scale, _check_k_block(k_block), bool(v_key_perm), fp16_acc)
 
 
 def _quantize_qkv(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pv_fp8: bool, scale: float, k_block: int, v_key_perm: bool
-) -> QuantizedQKV:
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pv_fp8: bool, scale: float, k_block: int, v_key_perm: bool,
+    pv_fp16_acc: bool,
+) -> QuantizedQKV:  # fmt: skip
     b, h, m, d = q.shape
     n = k.shape[2]
     m_pad, n_pad = _padded(m, Q_BLOCK), _padded(n, k_block)
     dev = q.device
+    v_qmax = V_FP16_ACC_MAX if pv_fp16_acc else FP8_MAX
 
     q8 = torch.empty((b, h, m_pad, d), dtype=torch.int8, device=dev)
     q_scale = torch.empty((b, h, m_pad // Q_BLOCK), dtype=torch.float32, device=dev)
@@ -234,13 +263,16 @@ def _quantize_qkv(
         k, v, k_mean, k_mean if v_mean is None else v_mean, k_mean if v_absmax is None else v_absmax,
         k8, k_scale, vt, vq_sum, n_programs,
         *k.stride(), *v.stride(), h, n, n_pad,
-        HEAD_DIM=d, BLOCK=k_block, SUB=sub_blocks, PV_FP8=pv_fp8, V_PERM=v_key_perm, num_warps=_KV_QUANT_WARPS,
+        HEAD_DIM=d, BLOCK=k_block, SUB=sub_blocks, PV_FP8=pv_fp8, V_PERM=v_key_perm,
+        V_QMAX=v_qmax, num_warps=_KV_QUANT_WARPS,
     )  # fmt: skip
     v_scale = v_offset = None
     if pv_fp8:
-        v_scale = v_absmax / FP8_MAX
+        v_scale = v_absmax / v_qmax
         v_offset = (v_mean - v_scale * (vq_sum.sum(dim=2) / n)).contiguous()
-    return QuantizedQKV(q8, q_scale, k8, k_scale, vt, v_scale, v_offset, m, n, q.dtype, pv_fp8, k_block, v_key_perm)
+    return QuantizedQKV(
+        q8, q_scale, k8, k_scale, vt, v_scale, v_offset, m, n, q.dtype, pv_fp8, k_block, v_key_perm, pv_fp16_acc
+    )
 
 
 def _div_rn_ref(num: torch.Tensor | float, den: torch.Tensor | float) -> torch.Tensor:
@@ -266,10 +298,13 @@ def quantize_qkv_ref(
     sm_scale: float | None = None,
     k_block: int = K_BLOCK,
     v_key_perm: bool = False,
+    pv_fp16_acc: bool | None = None,
 ) -> QuantizedQKV:
     """PyTorch reference of ``quantize_qkv``: same outputs, same layouts and padding."""
     scale = _check_inputs(q, k, v, sm_scale)
     _check_k_block(k_block)
+    pv_fp16_acc = _resolve_pv_fp16_acc(pv_fp16_acc, pv_fp8, q.device)
+    v_qmax = V_FP16_ACC_MAX if pv_fp16_acc else FP8_MAX
     b, h, m, d = q.shape
     n = k.shape[2]
     m_pad, n_pad = _padded(m, Q_BLOCK), _padded(n, k_block)
@@ -290,9 +325,9 @@ def quantize_qkv_ref(
     if pv_fp8:
         v_mean = vf.sum(dim=2) / n
         v_absmax = torch.maximum(vf.amax(dim=2) - v_mean, v_mean - vf.amin(dim=2)).clamp_min(_ABSMAX_FLOOR)
-        v_q = ((vf - v_mean[:, :, None, :]) * _div_rn_ref(FP8_MAX, v_absmax)[:, :, None, :]).clamp(-FP8_MAX, FP8_MAX)
+        v_q = ((vf - v_mean[:, :, None, :]) * _div_rn_ref(v_qmax, v_absmax)[:, :, None, :]).clamp(-v_qmax, v_qmax)
         v_q = torch.nn.functional.pad(v_q, (0, 0, 0, n_pad - n)).to(torch.float8_e4m3fn)
-        v_scale = v_absmax / FP8_MAX
+        v_scale = v_absmax / v_qmax
         v_offset = v_mean - v_scale * (v_q.float().sum(dim=2) / n)
     else:
         v_q = torch.nn.functional.pad(vf, (0, 0, 0, n_pad - n)).to(torch.float16)
@@ -300,7 +335,9 @@ def quantize_qkv_ref(
     vt = v_q.transpose(-1, -2).contiguous()
     if v_key_perm:
         vt = v_key_order(vt)
-    return QuantizedQKV(q8, q_scale, k8, k_scale, vt, v_scale, v_offset, m, n, q.dtype, pv_fp8, k_block, v_key_perm)
+    return QuantizedQKV(
+        q8, q_scale, k8, k_scale, vt, v_scale, v_offset, m, n, q.dtype, pv_fp8, k_block, v_key_perm, pv_fp16_acc
+    )
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -384,6 +421,7 @@ def _kv_quantize_kernel(
     stride_vb, stride_vh, stride_vn, stride_vd,
     H, N, N_PAD,
     HEAD_DIM: tl.constexpr, BLOCK: tl.constexpr, SUB: tl.constexpr, PV_FP8: tl.constexpr, V_PERM: tl.constexpr,
+    V_QMAX: tl.constexpr,  # |V_q| bound: 448, or V_FP16_ACC_MAX for the FP16-accumulate P·V
 ):  # fmt: skip
     pid = tl.program_id(0)
     bh = tl.program_id(1)
@@ -396,7 +434,7 @@ def _kv_quantize_kernel(
     k_mean = tl.load(KMEAN + bh64 * HEAD_DIM + offs_d)
     if PV_FP8:  # VMEAN and VMAX are read only here
         v_mean = tl.load(VMEAN + bh64 * HEAD_DIM + offs_d)
-        v_inv = tl.math.div_rn(_FP8_MAX, tl.load(VMAX + bh64 * HEAD_DIM + offs_d))
+        v_inv = tl.math.div_rn(V_QMAX, tl.load(VMAX + bh64 * HEAD_DIM + offs_d))
     vq_sum = tl.zeros([HEAD_DIM], dtype=tl.float32)
     for i in tl.static_range(SUB):
         blk = pid * SUB + i
@@ -417,7 +455,7 @@ def _kv_quantize_kernel(
         v = tl.load(v_base + v_rows[:, None] * stride_vn + offs_d[None, :] * stride_vd, mask=v_valid, other=0.0)
         if PV_FP8:
             vs = tl.where(v_valid, (v.to(tl.float32) - v_mean[None, :]) * v_inv[None, :], 0.0)
-            vq = tl.minimum(tl.maximum(vs, -_FP8_MAX), _FP8_MAX).to(tl.float8e4nv)
+            vq = tl.minimum(tl.maximum(vs, -V_QMAX), V_QMAX).to(tl.float8e4nv)
             vq_sum += tl.sum(vq.to(tl.float32), 0)  # padding rows are 0
         else:
             vq = v.to(tl.float16)

@@ -12,9 +12,10 @@ the kernel's launcher uses at W1 shapes (its autotune configs, for the GEMMs):
   except where a kernel spills today: its count then is the bound, so it cannot grow unnoticed).
 
 Found here (Triton 3.8, the default attention config, which is what sm_89/sm_120 get): the quantized attention runs
-Q·Kᵀ on `IMMA.16832.S8.S8.SAT` but P·V on `QMMA.16832.F32.E4M3.E4M3`, the FP32-accumulate (half-rate) form
-(`test_quant_attention_pv_accumulates_in_fp16` is a strict xfail until its owner changes that), and at head_dim 128
-its 128-row tile spills (6 stores on sm_120, 30 on sm_89), as does the K/V quantization pass (84 / 182).
+Q·Kᵀ on `IMMA.16832.S8.S8.SAT` and P·V on `QMMA.16832.F16.E4M3.E4M3` only: the prologue quantizes V to ±2.25 there
+and the core sums each 32-key chunk in FP16, the chunks in FP32 (`pv_fp16_acc_on`; its numerics are checked in
+tests/test_quant_attention_fp16acc.py). At head_dim 128 its 128-row tile spills on sm_89 (17 stores; none on
+sm_120; with the FP32-accumulate P·V it was 30 and 6), as does the K/V quantization pass (84 on sm_120, 182 on sm_89).
 """
 
 from __future__ import annotations
@@ -37,13 +38,14 @@ from k6fast.kernels import adaln, fp8_fp16acc, fp8_linear, fp8_outliers, fp16acc
 from k6fast.kernels import quant_attention as qa
 from k6fast.kernels import quant_attention_core as qc
 from k6fast.kernels import quant_attention_prologue as qp
+from k6fast.kernels.attention_constants import FP8_MAX, V_FP16_ACC_MAX
 
 TARGETS = {"sm_120": 120, "sm_89": 89}
 # The stated spill bounds (STL instructions): none, but for two kernels that spill today.
 SPILL_BOUNDS = {
-    # head_dim 128 on the default 128x64-key tile, 8 warps: 6 stores on sm_120, 30 on sm_89 (255 registers); an
-    # sm_89/sm_120 entry in quant_attention_core's `_CONFIGS` is the attention owner's fix.
-    ("_quant_attention_kernel", 128): 32,
+    # head_dim 128 on the default 128x64-key tile, 8 warps, FP16-accumulate P·V: 17 stores on sm_89 (255 registers),
+    # none on sm_120 (Triton 3.6: 15 and 0); an sm_89 entry in quant_attention_core's `_CONFIGS` is the remaining fix.
+    ("_quant_attention_kernel", 128): 17,
     # the K/V quantization pass at head_dim 128, 4 warps over 64-key blocks: 84 stores on sm_120, 182 on sm_89 (0 at
     # head_dim 64); the whole prologue is 1.0 ms of ~57 ms on an H200 (measurements/sessions/2026-11-29_attention-tree).
     ("_kv_quantize_kernel", 128): 182,
@@ -150,13 +152,18 @@ def test_fp8_gemm_accumulates_chunks_in_fp16(target, config) -> None:
 # ---------------------------------------------------------------------------------------------------------------
 
 
+def _fp16_acc(target: str) -> bool:
+    """What the prologue and core choose on this target (`quantize_qkv`'s default there)."""
+    return qp.pv_fp16_acc_on(divmod(TARGETS[target], 10))
+
+
 def _attention_core(target: str, head_dim: int) -> Build:
     cfg = qa.QuantAttentionConfig()  # `_config_for` has no sm_89/sm_120 entry: the default config runs there
     pointers = {"Q8": "*i8", "QS": "*fp32", "K8": "*i8", "KS": "*fp32", "VT": "*fp8e4nv", "VS": "*fp32",
                 "VO": "*fp32", "Out": "*bf16"}  # fmt: skip
     consts = {"stride_od": 1, "HEAD_DIM": head_dim, "BLOCK_M": cfg.block_m, "BLOCK_N": cfg.block_n,
               "Q_BLK": qa.Q_BLOCK, "PV_FP8": True, "FP8_NO_FOLD": True, "UNROLL": cfg.unroll,
-              "EXP2_POLY": cfg.exp2_poly, "PIPELINE": cfg.pipeline}  # fmt: skip
+              "EXP2_POLY": cfg.exp2_poly, "PIPELINE": cfg.pipeline, "PV_FP16_ACC": _fp16_acc(target)}  # fmt: skip
     return build(qc._quant_attention_kernel, TARGETS[target], pointers, consts, num_warps=cfg.num_warps,
                  num_stages=cfg.num_stages)  # fmt: skip
 
@@ -171,16 +178,19 @@ def test_quant_attention_builds_with_int8_qk(target, head_dim) -> None:
     assert b.spill_stores <= bound, f"{target}: {b.spill_stores} spill stores (bound {bound}), {b.registers} registers"
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="kernels/quant_attention_core.py's P·V dot accumulates in FP32 (QMMA.16832.F32.E4M3.E4M3, the half-rate "
-    "form on GeForce); an FP16-accumulate P·V is the attention kernel's owner's change. Strict: passing flags the fix.",
-)
 @pytest.mark.parametrize("target", TARGETS)
-def test_quant_attention_pv_accumulates_in_fp16(target) -> None:
-    b = _attention_core(target, 128)
+@pytest.mark.parametrize("head_dim", qa.SUPPORTED_HEAD_DIMS)
+def test_quant_attention_pv_accumulates_in_fp16(target, head_dim) -> None:
+    assert _fp16_acc(target), f"{target}: the FP16-accumulate P·V is not chosen there"
+    b = _attention_core(target, head_dim)
     pv = {op for op in b.mma if op.startswith("QMMA")}
     assert pv == {"QMMA.16832.F16.E4M3.E4M3"}, f"{target}: P·V QMMA forms {pv}"
+    # No overflow by construction: every 32-key chunk is one MMA from zero (its C operand RZ), so no FP16 accumulator
+    # carries a partial sum from one chunk into the next (the FP32 form chains its tile's MMAs on one register).
+    c_operands = re.findall(r"\bQMMA\.[\w.]+\s+[\w.]+,\s*[\w.]+,\s*[\w.]+,\s*(\w+)", b.sass)  # D, A, B, C
+    assert len(c_operands) == sum(b.mma[op] for op in pv), f"{target}: unparsed QMMA operands"
+    chained = [c for c in c_operands if c != "RZ"]
+    assert not chained, f"{target}: {len(chained)} of {len(c_operands)} QMMAs accumulate onto a register"
 
 
 @pytest.mark.parametrize("target", TARGETS)
@@ -198,7 +208,8 @@ def test_quant_attention_prologue_builds(target, head_dim) -> None:
               {"K": "*bf16", "V": "*bf16", "KMEAN": "*fp32", "VMEAN": "*fp32", "VMAX": "*fp32", "K8": "*i8",
                "KS": "*fp32", "VT": "*fp8e4nv", "VQSUM": "*fp32"},
               {"stride_kd": 1, "stride_vd": 1, "HEAD_DIM": head_dim, "BLOCK": qa.K_BLOCK,
-               "SUB": qp._KV_QUANT_ROWS // qa.K_BLOCK, "PV_FP8": True, "V_PERM": False},
+               "SUB": qp._KV_QUANT_ROWS // qa.K_BLOCK, "PV_FP8": True, "V_PERM": False,
+               "V_QMAX": V_FP16_ACC_MAX if _fp16_acc(target) else FP8_MAX},
               num_warps=qp._KV_QUANT_WARPS),
     ]  # fmt: skip
     for b in builds:
