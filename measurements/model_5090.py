@@ -62,8 +62,8 @@ H200_DRAM = 4.8e12  # NVIDIA's H200 specification
 
 
 def derive_rates(rates: dict[str, Rate]) -> dict[str, Rate]:
-    """Quantized attention with P·V at FP32 accumulation (what kernels/quant_attention_core.py issues on sm_120 today,
-    tests/test_sass_geforce.py): Q·K and P·V are half the FLOPs each; at SageAttention2++'s 560 both MMAs run at
+    """Quantized attention with P·V at FP32 accumulation (what kernels/quant_attention_core.py issued on sm_120 before
+    its FP16-accumulate P·V, tests/test_sass_geforce.py; kept to rank that work): Q·K and P·V are half the FLOPs each; at SageAttention2++'s 560 both MMAs run at
     the FP16-accumulate FP8 rate R and the rest (softmax, loads) takes t_s = F (1/560 - 1/R); halving P·V's rate
     adds F/(2R)."""
     r8, sage = rates["gemm_fp8_fp16acc"].value, rates["attn_quant_f16pv"].value
@@ -146,7 +146,7 @@ class Arm:
     gemm: str  # RATES key
     profile: str  # load_h200_profiles key: which H200 block's memory-bound work and gaps this arm has
     quant_sites: tuple[str, ...] = ()  # attention sites on the quantized kernel: "video_self", "audio_self"
-    quant_rate: str = "attn_quant_f32pv"
+    quant_rate: str = "attn_quant_f16pv"  # what kernels/quant_attention_core.py issues on sm_120 (FP16-acc P·V)
     exact_blocks: int = 0  # first and last N blocks keep exact attention
     exact_calls: int = 0  # first N DiT calls keep exact attention
     dit_calls: int = 10  # 10 PiFlow steps minus cached ones
@@ -247,10 +247,10 @@ def variants(base: dict[str, Arm]) -> list[tuple[str, str, Arm]]:
     final, fast = base["final"], base["fast"]
     r = dataclasses.replace
     return [
-        ("k6 attention: FP16-accumulate P·V (QMMA.F16) in quant_attention", "final",
-         r(final, quant_rate="attn_quant_f16pv")),
-        ("k6 attention: FP16-accumulate P·V (QMMA.F16) in quant_attention", "fast",
-         r(fast, quant_rate="attn_quant_f16pv")),
+        ("final without FP16-accumulate P·V: k6 attention's P·V at FP32 accumulation, as before", "final",
+         r(final, quant_rate="attn_quant_f32pv")),
+        ("fast without FP16-accumulate P·V: k6 attention's P·V at FP32 accumulation, as before", "fast",
+         r(fast, quant_rate="attn_quant_f32pv")),
         ("fp16acc GEMM at the full 2x FP16-accumulate rate (not the fork's 1.5x)", "final",
          r(final, gemm="gemm_fp16acc_2x")),
         ("final with MXFP8 GEMMs instead of fp16acc (lossy)", "final", r(final, gemm="gemm_mxfp8", profile="fused_fp8",
@@ -295,8 +295,8 @@ def run(rates: dict[str, Rate] | None = None, h200: dict[str, H200Block] | None 
     ranking.sort(key=lambda row: -row["saved_s"])
     r = dataclasses.replace
     together = {
-        "final": r(base["final"], gemm="gemm_fp16acc_2x", quant_rate="attn_quant_f16pv"),
-        "fast": r(base["fast"], gemm="gemm_nvfp4_high", quant_rate="attn_quant_f16pv"),
+        "final": r(base["final"], gemm="gemm_fp16acc_2x"),
+        "fast": r(base["fast"], gemm="gemm_nvfp4_high"),
     }
     combined = {key: predict(arm, rates, h200).dit_s + outside for key, arm in together.items()}
     return {"rates": rates, "arms": base, "dit": dit, "outside_dit_s": outside, "request_s": request,
@@ -338,9 +338,9 @@ def render(result: dict) -> str:
         )
         + ".",  # fmt: skip
         "",
-        "With the near-lossless GeForce work below done together (fp16acc at the full 2x rate and FP16-accumulate "
-        f"P·V) `final` would be {result['combined_s']['final']:.1f} s; `fast` with FP16-accumulate P·V and NVFP4 "
-        f"GEMMs at 1,340 TFLOP/s {result['combined_s']['fast']:.1f} s. What is left has to come from outside the DiT "
+        "With the fp16acc GEMM at the full 2x FP16-accumulate rate (near-lossless) `final` would be "
+        f"{result['combined_s']['final']:.1f} s; `fast` with NVFP4 GEMMs at 1,340 TFLOP/s (lossier) "
+        f"{result['combined_s']['fast']:.1f} s. What is left has to come from outside the DiT "
         f"({result['outside_dit_s']:.1f} s here, the same for every arm: decode, text encoding, mux), from fewer "
         "exact blocks or DiT calls (quality), or from a faster exact attention on sm_120 (207 TFLOP/s assumed; it is "
         "the largest single term of the exact first call).",
