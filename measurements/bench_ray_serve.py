@@ -306,6 +306,14 @@ def main(argv: list[str] | None = None) -> int:
         if not sep or not name.startswith("K6_"):
             p.error(f"--set expects K6_NAME=VALUE, found {item!r}")
         environ[name] = value
+    # Ray starts its workers in the driver's working directory, which is on their sys.path: run from a source
+    # checkout whose k6fast is not the installed one (`pip install --target`), ./k6fast shadowed the installed
+    # package in every replica (k6fast.switches is mapped at install time). Local paths are made absolute (a Hub id
+    # stays as it is), then a neutral directory is the working one.
+    if Path(args.model).exists():
+        args.model = str(Path(args.model).resolve())
+    args.out = str(Path(args.out).resolve())
+    os.chdir(tempfile.mkdtemp(prefix="k6-ray-bench-cwd-"))
 
     import ray
     from ray import serve

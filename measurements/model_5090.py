@@ -63,9 +63,9 @@ H200_DRAM = 4.8e12  # NVIDIA's H200 specification
 
 def derive_rates(rates: dict[str, Rate]) -> dict[str, Rate]:
     """Quantized attention with P·V at FP32 accumulation (what kernels/quant_attention_core.py issued on sm_120 before
-    its FP16-accumulate P·V, tests/test_sass_geforce.py; kept to rank that work): Q·K and P·V are half the FLOPs each; at SageAttention2++'s 560 both MMAs run at
-    the FP16-accumulate FP8 rate R and the rest (softmax, loads) takes t_s = F (1/560 - 1/R); halving P·V's rate
-    adds F/(2R)."""
+    its FP16-accumulate P·V, tests/test_sass_geforce.py; kept to rank that work): Q·K and P·V are half the FLOPs
+    each; at SageAttention2++'s 560 both MMAs run at the FP16-accumulate FP8 rate R and the rest (softmax, loads)
+    takes t_s = F (1/560 - 1/R); halving P·V's rate adds F/(2R)."""
     r8, sage = rates["gemm_fp8_fp16acc"].value, rates["attn_quant_f16pv"].value
     per_flop = 1 / sage + 1 / (2 * r8)
     out = dict(rates)

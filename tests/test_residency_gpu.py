@@ -45,7 +45,7 @@ def test_activation_estimate_covers_a_pro_blocks_measured_peak_gpu(arm: str) -> 
     from k6fast.dit.blocks import fused_block
     from k6fast.switches import Options
 
-    device = torch.device("cuda")
+    device = torch.device("cuda", torch.cuda.current_device())
     cfg, weights = _pro_block(device)
     inputs = block_inputs(cfg, GEOMETRY, AUDIO_TOKENS, device, torch.bfloat16, seed=0)
     options = Options().replace(gemm_min_rows=1, **ARMS[arm])
@@ -79,7 +79,7 @@ def test_activation_estimate_covers_a_pro_blocks_measured_peak_gpu(arm: str) -> 
 def test_the_whole_card_means_what_is_free_less_what_cuda_adds_gpu(caplog) -> None:
     from k6fast.allocator import OUTSIDE_ALLOCATOR_BYTES, device_budget
 
-    device = torch.device("cuda")
+    device = torch.device("cuda", torch.cuda.current_device())
     free, total = torch.cuda.mem_get_info(device)
     available = free + torch.cuda.memory_reserved(device) - OUTSIDE_ALLOCATOR_BYTES
     whole = device_budget(device, 0)
