@@ -6,6 +6,7 @@
 #   bash measurements/acceptance_lease.sh join NAME READY       # cat $W/NAME.part* into NAME.whl, install, touch READY
 #   bash measurements/acceptance_lease.sh start STEP...         # the steps in order, in the background (setsid)
 #   bash measurements/acceptance_lease.sh status OUT            # progress; copies the records so far into OUT
+#   bash measurements/acceptance_lease.sh stop                  # end the session early (its current step: current_step)
 #
 # Steps (each waits for what it needs; the 57 GB checkpoint is written in the background from the start):
 #   gpu-tests          `pytest -m gpu` in four concurrent shards, then the tests that read the card's free memory
@@ -100,7 +101,7 @@ ray_bench() {  # CONFIG N
   (cd /tmp && python3 "$repo/measurements/bench_ray_serve.py" --report "${done_[@]}" --out $W/ray_serve.json) | tail -6
 }
 
-case "${1:?expected install, join, start, run or status}" in
+case "${1:?expected install, join, start, stop, run or status}" in
 install)
   mkdir -p $W $SITE
   [ "${3:-}" = --self ] && python3 -m pip install -q --no-index --no-deps --no-compile --no-build-isolation \
@@ -143,7 +144,13 @@ start)
   shift
   mkdir -p $W
   setsid nohup bash "$repo/measurements/acceptance_lease.sh" run "$@" > $W/run.log 2>&1 < /dev/null &
+  echo $! > $W/daemon.pid  # setsid: the daemon leads its own process group, which `stop` ends
   echo "started $!"
+  ;;
+stop)  # end the daemon and everything it started (a step's processes included); the checkpoint writer too
+  [ -f $W/daemon.pid ] && kill -- -"$(cat $W/daemon.pid)" 2>/dev/null
+  rm -f $W/daemon.pid
+  echo "stopped at step: $(cat $W/current_step 2>/dev/null || echo none)"
   ;;
 run)
   shift
@@ -154,6 +161,7 @@ run)
       touch $W/synthetic.done) &
   fi
   for s in "$@"; do
+    echo "$s" > $W/current_step  # what a polling call reads (never `pgrep -f`: it matches the call's own command)
     step "$s"
     case "$s" in
     gpu-tests) gpu_tests ;;
@@ -176,6 +184,7 @@ run)
     esac
   done
   step done
+  echo done > $W/current_step
   touch $W/done
   ;;
 status)
@@ -190,7 +199,7 @@ status)
   ls $W/done 2>/dev/null && echo "session finished"
   ;;
 *)
-  echo "expected install, join, start, run or status" >&2
+  echo "expected install, join, start, stop, run or status" >&2
   exit 2
   ;;
 esac
