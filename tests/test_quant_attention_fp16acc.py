@@ -188,16 +188,17 @@ def _forced_qkv(q, k, v, k_block):
     return qa.quantize_qkv(q, k, v, pv_fp8=True, k_block=k_block, pv_fp16_acc=True)
 
 
-def _needs_cuda():
-    if not torch.cuda.is_available():
-        pytest.skip("needs CUDA")
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 
-def _refused_without_fp8(q, k, v) -> bool:
-    """On sm_80-87 the path is refused with the FP8 reason (the stated fallback): checked, then True."""
-    if qp._has_fp8_tensor_cores(q.device):
+def _refused_here(q, k, v) -> bool:
+    """Where the forced path cannot run, the prologue refuses it with its reason (`quant_attention` then runs the
+    reference by itself): on the CPU (no CUDA tensors; under the interpreter, its wrong FP8 rounding) and on sm_80-87
+    (no FP8 tensor cores). Checked, then True; False where the kernel runs."""
+    if q.device.type == "cuda" and qp._has_fp8_tensor_cores(q.device):
         return False
-    with pytest.raises(ValueError, match="needs FP8 tensor cores"):
+    reason = "needs FP8 tensor cores" if q.device.type == "cuda" else "expected CUDA tensors|rounds FP8 wrongly"
+    with pytest.raises(ValueError, match=reason):
         _forced_qkv(q, k, v, qa.K_BLOCK)
     return True
 
@@ -206,9 +207,8 @@ def _refused_without_fp8(q, k, v) -> bool:
 @pytest.mark.parametrize("k_block", qa.K_BLOCKS)
 @pytest.mark.parametrize("shape", GPU_SHAPES, ids=lambda s: "x".join(map(str, s)))
 def test_gpu_forced_fp16_accumulate_core(shape, k_block):
-    _needs_cuda()
-    q, k, v = dit_like_qkv(*shape, seed=SEEDS[0], dtype=torch.bfloat16, device="cuda")
-    if _refused_without_fp8(q, k, v):
+    q, k, v = dit_like_qkv(*shape, seed=SEEDS[0], dtype=torch.bfloat16, device=DEVICE)
+    if _refused_here(q, k, v):
         return
     x = _forced_qkv(q, k, v, k_block)
     want = qa.quantize_qkv_ref(q, k, v, pv_fp8=True, k_block=k_block, pv_fp16_acc=True)
@@ -219,7 +219,7 @@ def test_gpu_forced_fp16_accumulate_core(shape, k_block):
     what = f"{shape} k_block {k_block} {cfg}"
     assert_kernel_vs_ref(out, qc.attention_quantized_ref(x), True, what)
     assert_vs_fp32(out, qa.attention_fp32(q, k, v), FP8_PV_VS_FP32, what)
-    q, k, v = dit_like_qkv(*shape, seed=SEEDS[0], dtype=torch.bfloat16, device="cuda", v_offset=1.0)
+    q, k, v = dit_like_qkv(*shape, seed=SEEDS[0], dtype=torch.bfloat16, device=DEVICE, v_offset=1.0)
     out = qa.attention_quantized(_forced_qkv(q, k, v, k_block), config=cfg)
     assert_vs_fp32(out, qa.attention_fp32(q, k, v), FP8_PV_VS_FP32_V_OFFSET, f"{what}, V offsets")
 
@@ -228,9 +228,8 @@ def test_gpu_forced_fp16_accumulate_core(shape, k_block):
 @pytest.mark.parametrize("n", [4096, 4001])
 @pytest.mark.parametrize("k_block", qa.K_BLOCKS)
 def test_gpu_adversarial_chunks_stay_finite(n, k_block):
-    _needs_cuda()
-    q, k, v = (t.cuda() for t in _adversarial_qkv(n, 64))
-    if _refused_without_fp8(q, k, v):
+    q, k, v = (t.to(DEVICE) for t in _adversarial_qkv(n, 64))
+    if _refused_here(q, k, v):
         return
     x = _forced_qkv(q, k, v, k_block)
     out = qa.attention_quantized(x, config=qa.QuantAttentionConfig(block_n=k_block))
