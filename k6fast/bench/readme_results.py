@@ -68,11 +68,6 @@ def is_full_size(record: AcceptanceRecord) -> bool:
     return record.plan.get("geometry") == FULL_SIZE_GEOMETRY and (blocks is None or blocks == full)
 
 
-def newest_full_size(sessions_root: Path) -> AcceptanceRecord | None:
-    full = [r for r in acceptance_records(sessions_root) if is_full_size(r)]
-    return full[-1] if full else None
-
-
 def shown_records(sessions_root: Path) -> list[AcceptanceRecord]:
     """The full-size acceptance records the README shows in full: the newest one with a peer row (the headline: its
     ratios were measured side by side in one session) and every full-size record after it (later sessions that ran
