@@ -93,12 +93,12 @@ ray_bench() {  # CONFIG N
   export RAY_USAGE_STATS_ENABLED=0
   checkpoint
   local out=$W/ray_$1.json
-  (cd /tmp && timeout 560 python3 "$repo/measurements/bench_ray_serve.py" --model $W/syn --arm final --budget-gb 32 \
+  (cd "$repo" && timeout 560 python3 measurements/bench_ray_serve.py --model $W/syn --arm final --budget-gb 32 \
     --geometry "$GEOMETRY" --requests "$2" --warmup 0 --configs "$1" --set K6_INDUCTOR_CACHE_DIR=$W/work/cache/final \
     --timeout-s 540 --out "$out" > $W/ray_$1.log 2>&1)
   echo "ray $1 exit $?"; tail -4 $W/ray_$1.log
   local done_=($W/ray_*.json)
-  (cd /tmp && python3 "$repo/measurements/bench_ray_serve.py" --report "${done_[@]}" --out $W/ray_serve.json) | tail -6
+  (cd "$repo" && python3 measurements/bench_ray_serve.py --report "${done_[@]}" --out $W/ray_serve.json) | tail -6
 }
 
 case "${1:?expected install, join, start, stop, run or status}" in
