@@ -15,6 +15,7 @@
 #   page-cache         read the checkpoint once (after a ballast run evicted it from the page cache)
 #   ray:CONFIG:N       measurements/bench_ray_serve.py, CONFIG (1x1, 2x0.5) with N requests, the `final` arm's cache
 #   block              one Pro block: exact attention kernels under fused+compile
+#   profile:ARM        measurements/profile_step.py: one full-depth request of ARM by phase, one DiT step by kernel
 #   compile-diag       the `fast` block compiled, recompiles and graph breaks logged
 #
 # Wheels the GPU machine lacks (python 3.12): diffusers, av, importlib_metadata, torchao (the block-scaled GEMM tests);
@@ -173,6 +174,12 @@ run)
       (cd "$repo" && timeout 300 python3 measurements/bench_block_arms.py --no-diffusers --repeats 4 \
         --variants fused+compile,fused+compile+k6exact,fused+compile+fa4exact --out $W/block_arms.json \
         > $W/block_arms.log 2>&1); tail -8 $W/block_arms.log ;;
+    profile:*)
+      checkpoint
+      arm=${s#profile:}
+      (cd "$repo" && timeout 420 python3 measurements/profile_step.py --model $W/syn --arm "$arm" \
+        --geometry "$GEOMETRY" --warmup-requests 0 --budget-gb 32 --out $W/profile_$arm.json \
+        > $W/profile_$arm.log 2>&1); echo "profile exit $?"; tail -30 $W/profile_$arm.log ;;
     compile-diag)
       checkpoint
       sed 's/^K6_COMPILE=0$/K6_COMPILE=1/' "$repo/switches/arms/fast.env" > $W/fast-compiled.env
@@ -191,11 +198,11 @@ status)
   out=${2:?output folder}
   tail -25 $W/run.log
   for f in $REC/runs.jsonl $REC/README.md $REC/acceptance.json $W/exact_attention.json $W/sparse_attention.json \
-    $W/block_arms.json $W/ray_serve.json; do
+    $W/block_arms.json $W/ray_serve.json $W/profile_*.json; do
     [ -f "$f" ] && cp "$f" "$out/"
   done
   (cd $W && tar czf "$out/logs.tgz" $(ls run.log pytest_gpu*.log synthetic.log diag_compile.log *_attention.log \
-    block_arms.log ray_*.log ray_*.json record/commit.txt work/runs/*/stderr.log work/runs/*/*.json 2>/dev/null))
+    block_arms.log profile_*.log ray_*.log ray_*.json record/commit.txt work/runs/*/stderr.log work/runs/*/*.json 2>/dev/null))
   ls $W/done 2>/dev/null && echo "session finished"
   ;;
 *)
