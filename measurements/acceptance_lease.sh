@@ -67,8 +67,8 @@ run)
     echo "PATCHED: fast's K6_SPARSE_ATTN off after a failed smoke run" | tee -a $W/patches.log
     sed -i 's/^K6_SPARSE_ATTN=.*/K6_SPARSE_ATTN=0.0/' $arms/fast.env
     if ! smoke; then
-      echo "PATCHED: exact attention back on k6's Gluon kernel in fast and final" | tee -a $W/patches.log
-      sed -i 's/^K6_EXACT_ATTN_KERNEL=fa4/K6_EXACT_ATTN_KERNEL=k6/' $arms/fast.env $arms/final.env
+      echo "PATCHED: exact attention back on PyTorch SDPA in fast and final" | tee -a $W/patches.log
+      sed -i 's/^K6_EXACT_ATTN_KERNEL=fa4/K6_EXACT_ATTN_KERNEL=sdpa/' $arms/fast.env $arms/final.env
       smoke || echo "fast still fails its smoke run" | tee -a $W/patches.log
     fi
   fi
@@ -88,7 +88,7 @@ run)
   acceptance step-cache-32-cold,step-cache-31-warm
   step one Pro block: exact attention kernels under fused+compile
   (cd "$repo" && timeout 300 python3 measurements/bench_block_arms.py --no-diffusers --repeats 4 \
-    --variants fused+compile,fused+compile+k6exact,fused+compile+fa4exact --out $W/block_arms.json \
+    --variants fused+compile,fused+compile+fa4exact --out $W/block_arms.json \
     > $W/block_arms.log 2>&1); tail -8 $W/block_arms.log
   step compile diagnostic of the fast block
   sed 's/^K6_COMPILE=0$/K6_COMPILE=1/' "$repo/switches/arms/fast.env" > $W/fast-compiled.env
