@@ -1,5 +1,5 @@
-"""Constants shared by the attention kernels (the quantized attention's prologue, its Triton and Gluon cores, the
-exact Gluon kernel) and the launch-device guard they all use.
+"""Constants shared by the attention kernels (the quantized attention's prologue, its Triton and Gluon cores) and the
+launch-device guard they all use.
 
 The softmax bit tricks (`MAGIC_I`, `MAGIC_F`, `LOG2_FP8_MAX`) are `tl.constexpr` so that Triton and Gluon kernels can
 read them as globals.

@@ -14,7 +14,7 @@
 #   acceptance:SLUGS   `k6fast acceptance --only SLUGS` (each part continues the same record)
 #   page-cache         read the checkpoint once (after a ballast run evicted it from the page cache)
 #   ray:CONFIG:N       measurements/bench_ray_serve.py, CONFIG (1x1, 2x0.5) with N requests, the `final` arm's cache
-#   block              one Pro block: exact attention kernels under fused+compile
+#   block              one Pro block: SDPA against flash-attn-4 for exact attention, under fused+compile
 #   profile:ARM        measurements/profile_step.py: one full-depth request of ARM by phase, one DiT step by kernel
 #   compile-diag       the `fast` block compiled, recompiles and graph breaks logged
 #
@@ -172,7 +172,7 @@ run)
     ray:*) IFS=: read -r _ config n <<< "$s"; ray_bench "$config" "$n" ;;
     block)
       (cd "$repo" && timeout 300 python3 measurements/bench_block_arms.py --no-diffusers --repeats 4 \
-        --variants fused+compile,fused+compile+k6exact,fused+compile+fa4exact --out $W/block_arms.json \
+        --variants fused+compile,fused+compile+fa4exact --out $W/block_arms.json \
         > $W/block_arms.log 2>&1); tail -8 $W/block_arms.log ;;
     profile:*)
       checkpoint

@@ -40,7 +40,6 @@ VARIANTS = {
     "reference": {},
     "fused": {"fused_elementwise": True},
     "fused+compile": {"fused_elementwise": True, "compile": True},
-    "fused+compile+k6exact": {"fused_elementwise": True, "compile": True, "exact_attn_kernel": "k6"},
     "fused+compile+fa4exact": {"fused_elementwise": True, "compile": True, "exact_attn_kernel": "fa4"},
     "k6attn+fused": {"attn": "k6", "fused_elementwise": True},
     "k6attn+fused+compile": {"attn": "k6", "fused_elementwise": True, "compile": True},

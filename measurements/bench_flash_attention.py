@@ -1,16 +1,16 @@
-"""Exact attention on the DiT's layout: cuDNN and flash SDPA, k6fast's Gluon kernel (kernels/flash_attention_wgmma.py,
-sm_90) and flash-attn-4 (kernels/fa4_attention.py, where installed), at the Pro and Lite head dims.
+"""Exact attention on the DiT's layout: cuDNN and flash SDPA and flash-attn-4 (kernels/fa4_attention.py, where
+installed), at the Pro and Lite head dims.
 
-Correctness first, by the flash-attention rule: at odd shapes (batch 2, 3 heads, both tensor layouts the Gluon kernel
-takes) and at every W1 shape, a kernel's error against FP32 attention must be no worse than twice cuDNN SDPA's
-(rel. L2 and max abs, + 1e-6). Timing: p50 of do_bench on [B, N, H, D] tensors as the DiT hands them over (SDPA takes
-them transposed, as the block calls it), per launch config of the Gluon kernel. The last thing printed is one table
+Correctness first, by the flash-attention rule: at odd shapes (batch 2, 3 heads) and at every W1 shape, a kernel's
+error against FP32 attention must be no worse than twice SDPA's (rel. L2 and max abs, + 1e-6; the memory-efficient
+backend at the odd shapes, some of which cuDNN refuses, cuDNN at W1). Timing: p50 of do_bench on [B, N, H, D] tensors
+as the DiT hands them over (SDPA takes them transposed, as the block calls it). The last thing printed is one table
 per W1 shape: ms, TFLOP/s, speed-up over cuDNN, rel. L2 against FP32.
 
-Run (GPU; the Gluon rows need sm_90, the flash-attn-4 rows the package):
+Run (GPU; the flash-attn-4 rows need the package and sm_90/sm_100/sm_120):
     python measurements/bench_flash_attention.py --out flash.json                   # Pro 32x128 and Lite 28x64
     python measurements/bench_flash_attention.py --shapes 64x64 --out flash_d64.json  # the earlier records' shape
-About 3 minutes on an H200 (flash-attn-4 compiles each shape on first use).
+A few minutes on an H200 (flash-attn-4 compiles each shape on first use).
 """
 
 from __future__ import annotations
@@ -26,10 +26,8 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from triton.testing import do_bench
 
 from k6fast.kernels.fa4_attention import fa4_attention, fa4_unavailable_reason, fa4_version
-from k6fast.kernels.flash_attention_wgmma import flash_attention, flash_attention_supported
 from k6fast.kernels.quant_attention import attention_fp32
 
-CONFIGS = "128:3,128:2,64:4,64:6"  # block_n:stages, ...
 SHAPES = "32x128,28x64"  # heads x head_dim: Pro (model_dim 4096), Lite (model_dim 1792)
 ODD = [(218, 218), (1000, 1), (1, 1000), (300, 129), (1000, 4100), (129, 257), (128, 256), (200, 385)]
 RULE_FACTOR = 2.0
@@ -70,37 +68,22 @@ def exact_bnhd(q, k, v):
     return attention_fp32(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)).transpose(1, 2)
 
 
-def kernels(q, k, v, configs, use_fa4):
-    """(name, callable) of every exact kernel that takes these inputs here."""
-    rows = []
-    if flash_attention_supported(q, k, v):
-        for bn, st in configs:
-            rows.append((f"k6_n{bn}_s{st}", lambda c=(bn, st): flash_attention(q, k, v, block_n=c[0], stages=c[1])))
-    if use_fa4:
-        rows.append(("flash_attn_4", lambda: fa4_attention(q, k, v)))
-    return rows
-
-
-def odd_shapes(head_dim, configs, use_fa4, seed, record) -> bool:
+def odd_shapes(head_dim, seed, record) -> bool:
+    """flash-attn-4 against FP32 attention at odd shapes, by the rule (memory-efficient SDPA's error the yardstick)."""
     ok_all = True
     for m, n in ODD:
         q, k, v = inputs(2, 3, m, n, head_dim, seed)
         exact = exact_bnhd(q, k, v)
         ref = sdpa_bnhd(SDPBackend.EFFICIENT_ATTENTION)(q, k, v)  # cuDNN refuses some odd shapes
-        layouts = {"token_major": (q, k, v)}
-        layouts["head_major"] = tuple(t.transpose(1, 2).contiguous().transpose(1, 2) for t in (q, k, v))
-        for layout, (q_, k_, v_) in layouts.items():
-            for name, fn in kernels(q_, k_, v_, configs, use_fa4 and layout == "token_major"):
-                ok, err = rule_check(fn(), ref, exact)
-                ok_all &= ok
-                record["odd"].append({"d": head_dim, "m": m, "n": n, "layout": layout, "kernel": name, **err, "ok": ok})
-                print(f"odd D={head_dim} M={m:<5} N={n:<5} {layout:<11} {name:<14} rel {err['rel']:.2e} "
-                      f"(sdpa {err['sdpa_rel']:.2e}) max {err['max']:.2e} (sdpa {err['sdpa_max']:.2e}) "
-                      f"{'ok' if ok else 'FAILED'}", flush=True)  # fmt: skip
+        ok, err = rule_check(fa4_attention(q, k, v), ref, exact)
+        ok_all &= ok
+        record["odd"].append({"d": head_dim, "m": m, "n": n, "kernel": "flash_attn_4", **err, "ok": ok})
+        print(f"odd D={head_dim} M={m:<5} N={n:<5} flash_attn_4 rel {err['rel']:.2e} (sdpa {err['sdpa_rel']:.2e}) "
+              f"max {err['max']:.2e} (sdpa {err['sdpa_max']:.2e}) {'ok' if ok else 'FAILED'}", flush=True)  # fmt: skip
     return ok_all
 
 
-def w1(heads, head_dim, configs, use_fa4, seed, rep_ms) -> list[dict]:
+def w1(heads, head_dim, use_fa4, seed, rep_ms) -> list[dict]:
     q, k, v = inputs(1, heads, W1_TOKENS, W1_TOKENS, head_dim, seed)
     exact = exact_bnhd(q, k, v)
     flops = 4.0 * heads * W1_TOKENS * W1_TOKENS * head_dim
@@ -108,7 +91,8 @@ def w1(heads, head_dim, configs, use_fa4, seed, rep_ms) -> list[dict]:
     cudnn_out = cudnn(q, k, v)
     flash = sdpa_bnhd(SDPBackend.FLASH_ATTENTION)
     rows = [("sdpa_cudnn", lambda: cudnn(q, k, v)), ("sdpa_flash", lambda: flash(q, k, v))]
-    rows += kernels(q, k, v, configs, use_fa4)
+    if use_fa4:
+        rows.append(("flash_attn_4", lambda: fa4_attention(q, k, v)))
     out, base = [], None
     for name, fn in rows:
         ok, err = rule_check(fn(), cudnn_out, exact)
@@ -128,10 +112,8 @@ def w1(heads, head_dim, configs, use_fa4, seed, rep_ms) -> list[dict]:
 
 def main() -> None:
     ap = attention_arg_parser()
-    ap.add_argument("--configs", default=CONFIGS)
     ap.add_argument("--shapes", default=SHAPES, help="heads x head_dim at W1's 50,220 tokens, comma-separated")
     args = ap.parse_args()
-    configs = [tuple(int(x) for x in c.split(":")) for c in args.configs.split(",")]
     shapes = [tuple(int(x) for x in s.lower().split("x")) for s in args.shapes.split(",")]
     why_not = fa4_unavailable_reason(torch.device("cuda"))
     use_fa4 = why_not is None
@@ -139,11 +121,11 @@ def main() -> None:
     record = {"command": " ".join(sys.argv), "env": environment(), "fa4": fa4_version(), "fa4_unavailable": why_not,
               "seed": seed, "odd": [], "w1": []}  # fmt: skip
     ok_all = True
-    if not args.skip_odd:
+    if use_fa4 and not args.skip_odd:
         for head_dim in sorted({d for _, d in shapes}):
-            ok_all &= odd_shapes(head_dim, configs, use_fa4, seed, record)
+            ok_all &= odd_shapes(head_dim, seed, record)
     for heads, head_dim in shapes:
-        record["w1"] += w1(heads, head_dim, configs, use_fa4, seed, args.rep_ms)
+        record["w1"] += w1(heads, head_dim, use_fa4, seed, args.rep_ms)
         torch.cuda.empty_cache()  # the shape's tensors died with w1's frame
     ok_all &= all(r["ok"] for r in record["w1"])
     record["ok"] = ok_all

@@ -118,10 +118,9 @@ EXACT_ATTN_KERNEL = Switch(
     name="K6_EXACT_ATTN_KERNEL",
     kind="enum",
     default="sdpa",
-    choices=("sdpa", "k6", "fa4"),
-    doc="the exact attention calls (unmasked): PyTorch SDPA, k6fast's Gluon BF16/FP16 kernel on sm_90, or "
-    "flash-attn-4 on sm_90/sm_100/sm_120 where installed (k6fast[fa4]); SDPA where the choice cannot run (logged "
-    "once); all within the flash-attention rule of fp32",
+    choices=("sdpa", "fa4"),
+    doc="the exact attention calls (unmasked): PyTorch SDPA, or flash-attn-4 on sm_90/sm_100/sm_120 where installed "
+    "(k6fast[fa4]; SDPA where it cannot run, logged once); both within the flash-attention rule of fp32",
 )
 SPARSE_ATTN = Switch(
     name="K6_SPARSE_ATTN",

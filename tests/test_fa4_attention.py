@@ -1,6 +1,7 @@
 """flash-attn-4 as the exact-attention kernel (kernels/fa4_attention.py, `K6_EXACT_ATTN_KERNEL=fa4`).
 
-CPU: where it cannot run (no CUDA device, the package missing) the reason is explicit and the dispatch falls back to
+CPU: the switch refuses the removed `k6` value (k6fast's Gluon exact kernel) naming what it accepts; where
+flash-attn-4 cannot run (no CUDA device, the package missing) the reason is explicit and the dispatch falls back to
 SDPA, logged once, and counts it; with flash-attn-4 present, unmasked calls of a shape it takes go to its op and
 masked or unsupported ones to SDPA (the op replaced by a recording stand-in). GPU (`-m gpu`, flash-attn-4 installed,
 sm_90/sm_100/sm_120): the flash-attention rule against FP32 attention (error no worse than twice SDPA's) at odd shapes
@@ -10,6 +11,7 @@ and both head dims, the op under torch.compile, the dispatch routing unmasked ca
 from __future__ import annotations
 
 import logging
+import re
 import sys
 
 import pytest
@@ -20,7 +22,7 @@ from kernel_testing import needs_cuda, rel_l2
 from k6fast.dit import attention as attention_module
 from k6fast.dit.attention import AttentionDispatch
 from k6fast.kernels import fa4_attention as fa4
-from k6fast.switches import Options
+from k6fast.switches import Options, SwitchError, load_options
 
 
 @pytest.fixture
@@ -30,6 +32,21 @@ def fresh_import():
     yield
     fa4._import.cache_clear()
     attention_module._log_once.cache_clear()
+
+
+def test_removed_gluon_value_is_refused_naming_the_accepted_ones(tmp_path):
+    """`k6` (k6fast's own Gluon exact kernel) is gone: from the environment, an arm file or Options it is refused with
+    what the switch accepts, never silently taken as SDPA."""
+    expected = "Unable to use K6_EXACT_ATTN_KERNEL='k6': expected one of sdpa, fa4"
+    with pytest.raises(SwitchError, match=expected):
+        load_options({"K6_EXACT_ATTN_KERNEL": "k6"})
+    arm = tmp_path / "old.env"
+    arm.write_text("K6_EXACT_ATTN_KERNEL=k6\n", encoding="utf-8")
+    with pytest.raises(SwitchError, match=re.escape(f"{arm}:1: {expected}")):
+        load_options({}, arm=arm)
+    with pytest.raises(SwitchError, match=expected):
+        Options().replace(exact_attn_kernel="k6")
+    assert load_options({"K6_EXACT_ATTN_KERNEL": "fa4"}).exact_attn_kernel == "fa4"
 
 
 def test_no_cuda_device_is_a_stated_reason():

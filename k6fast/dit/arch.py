@@ -15,9 +15,9 @@ target without one (`resolve_for`, which `k6fast switches` prints for sm_90, sm_
   `QMMA.16832.F16` in its SASS) instead of `torch._scaled_mm`'s FP32 accumulation, half rate on those cards.
 - K6_GEMM=mxfp8 / nvfp4 where there are no block-scaled tensor cores (Hopper, Ada, older): cuBLAS bf16, said once.
 - `auto` attention: k6fast's quantized kernel only on GeForce Ada/Blackwell (sm_89, sm_12x: FP8 P·V), the cards on
-  which SageAttention 2 reports its largest gains over FlashAttention 2; on the H200 exact attention (k6's Gluon
-  kernel) is the near-lossless choice (measurements/sessions/2026-11-29_exact-attention/README.md). Neither GeForce
-  gain is measured here.
+  which SageAttention 2 reports its largest gains over FlashAttention 2; on the H200 exact attention is the
+  near-lossless choice (measurements/sessions/2026-11-29_exact-attention/README.md). Neither GeForce gain is measured
+  here.
 """
 
 from __future__ import annotations

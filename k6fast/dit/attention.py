@@ -1,10 +1,10 @@
 """Attention dispatch per call site: exact attention (SDPA with the fastest backend for the architecture, chosen once;
-flash-attn-4 or k6fast's Gluon kernel where the switch asks and they run), k6fast's INT8/FP8 kernel or the
-`sageattention` package, and block-sparse video self-attention, by block and by step.
+flash-attn-4 where the switch asks and it runs), k6fast's INT8/FP8 kernel or the `sageattention` package, and
+block-sparse video self-attention, by block and by step.
 
-Exact calls run PyTorch SDPA, or with `K6_EXACT_ATTN_KERNEL=k6` k6fast's Gluon BF16/FP16 kernel where it runs (sm_90,
-unmasked, head_dim 64/128), or with `=fa4` flash-attn-4 where it is installed and runs (sm_90, sm_100, sm_120;
-unmasked); all exact by the flash-attention rule. A choice that cannot run falls back to SDPA, logged once.
+Exact calls run PyTorch SDPA, or with `K6_EXACT_ATTN_KERNEL=fa4` flash-attn-4 where it is installed and runs (sm_90,
+sm_100, sm_120; unmasked); both exact by the flash-attention rule. Where flash-attn-4 cannot run, SDPA does, logged
+once.
 
 Policy (switches): a lossy arm (a quantized `K6_ATTN=k6|sage` on the sites `K6_QUANT_ATTN_SITES` names, block-sparse
 video self-attention with `K6_SPARSE_ATTN`) runs everywhere except in the first and last `K6_EXACT_ATTN_BLOCKS` fused
@@ -34,7 +34,7 @@ from ..switches import Options, SwitchError
 from .config import ATTENTION_SITES
 
 logger = logging.getLogger(__name__)
-SUPPORTED_HEAD_DIMS = (64, 128)  # k6fast's kernel (Pro 128, Lite 64)
+SUPPORTED_HEAD_DIMS = (64, 128)  # k6fast's quantized kernel (Pro 128, Lite 64)
 
 
 @functools.cache
@@ -185,12 +185,6 @@ class AttentionDispatch:
             dt = q.dtype if q.dtype in (torch.bfloat16, torch.float16) else torch.bfloat16
             q_, k_, v_ = (t.transpose(1, 2).to(dt).contiguous() for t in (q, k, v))
             return quant_attention_op(q_, k_, v_).transpose(1, 2).to(q.dtype)
-        if mask is None and self.exact_kernel == "k6":
-            from ..kernels.flash_attention_wgmma import flash_attention_op, flash_attention_supported
-
-            if flash_attention_supported(q, k, v):
-                self._count("exact_k6", site)
-                return flash_attention_op(q, k, v)
         if mask is None and self._fa4:
             from ..kernels.fa4_attention import fa4_attention_op, fa4_shapes_ok
 
@@ -208,7 +202,7 @@ class AttentionDispatch:
 
     def _describe(self, device: torch.device) -> dict[str, str]:
         """What the exact and sparse arms run on `device`, for the start-up log and records."""
-        exact = {"sdpa": "sdpa", "k6": "k6 Gluon on sm_90, else sdpa"}.get(self.exact_kernel, "")
+        exact = "sdpa"
         if self.exact_kernel == "fa4":
             from ..kernels.fa4_attention import fa4_version
 
