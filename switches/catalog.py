@@ -188,7 +188,10 @@ INDUCTOR_CACHE_DIR = Switch(
     name="K6_INDUCTOR_CACHE_DIR",
     kind="path",
     default="",
-    doc="where torch.compile keeps its cache, so a second start compiles nothing (empty = Inductor's default)",
+    doc=(
+        "where the kernel compilers keep their caches (Inductor's here, Triton's in triton/, flash-attn-4's in fa4/), "
+        "so a second start compiles nothing (empty = each one's default place)"
+    ),
     affects_output=False,
 )
 LPIPS_BACKBONE = Switch(

@@ -188,15 +188,19 @@ class SwitchedBackend(ExactBackend):
         return self.attn.video_token_order(grid, positions)
 
 
-def configure_inductor_cache(path) -> None:
-    """Point every kernel compiler's cache at a kept directory, so a second start compiles nothing: Inductor's,
-    Triton's for k6fast's own kernels (`path/triton`) and flash-attn-4's CuTe DSL kernels (`path/fa4`; that cache
-    is off unless asked for), each unless the user set its variable. They read these variables when they first
-    compile (flash-attn-4 when it is imported); k6fast sets them before building the DiT (never at import)."""
+def configure_compile_caches(path) -> None:
+    """Keep every kernel compiler's cache on disk, so a second start compiles nothing. With `path`
+    (K6_INDUCTOR_CACHE_DIR): Inductor's there, Triton's for k6fast's own kernels in `path/triton` and flash-attn-4's
+    CuTe DSL kernels in `path/fa4`, each unless the user set its variable; without it, each compiler's default place.
+    flash-attn-4's disk cache is off unless asked for, so it is asked for here (its kernels otherwise compile again
+    in every process, seconds per shape at W1). They read these variables when they first compile, flash-attn-4 when
+    it is imported: call this before anything imports it (building the attention backend does)."""
     import os
     from pathlib import Path
 
+    os.environ.setdefault("FLASH_ATTENTION_CUTE_DSL_CACHE_ENABLED", "1")
+    if not path:
+        return
     os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(path)
     os.environ.setdefault("TRITON_CACHE_DIR", str(Path(path) / "triton"))
-    os.environ.setdefault("FLASH_ATTENTION_CUTE_DSL_CACHE_ENABLED", "1")
     os.environ.setdefault("FLASH_ATTENTION_CUTE_DSL_CACHE_DIR", str(Path(path) / "fa4"))
