@@ -100,6 +100,20 @@ def test_a_later_full_size_session_without_a_peer_is_shown_below_the_headline(se
     assert "2025-12-01_acceptance/README.md" in others and "2026-01-04_acceptance-rest" not in others
 
 
+def test_a_later_session_with_its_own_peer_keeps_the_complete_headline(sessions: Path) -> None:
+    # A later session that re-measured one arm beside the peer (no reference run): the complete session stays the
+    # headline, and the later table shows ratios to its own peer row.
+    _acceptance(sessions, "2026-01-05_acceptance-fast", "2026-01-05T10:00", "864x480x121", _note(60, 60),
+                [_row("fast", 40.0), _row("diffusers-offload", 130.0)])  # fmt: skip
+    assert [r.name for r in shown_records(sessions)] == ["2026-01-01_acceptance", "2026-01-05_acceptance-fast"]
+    block = results_block(sessions, sessions.parent.parent)
+    headline, later = block.split("### Full-size acceptance, a later session")
+    assert "2026-01-01_acceptance/README.md" in headline and "2026-01-05_acceptance-fast/README.md" in later
+    rows = {line.split(" | ")[0].lstrip("| "): line.split(" | ") for line in later.splitlines() if " @ " in line}
+    assert rows["fast @ 32 GiB, cold"][2] == "3.25×"  # 130 s / 40 s: its own session's peer
+    assert "the peer is diffusers' own pipeline in the same session" in later
+
+
 def test_every_other_record_gets_one_line_from_its_own_files(sessions: Path) -> None:
     block = results_block(sessions, sessions.parent.parent)
     others = block.split("### Other records (newest first)")[1].strip().splitlines()

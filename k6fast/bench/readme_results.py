@@ -69,14 +69,20 @@ def is_full_size(record: AcceptanceRecord) -> bool:
 
 
 def shown_records(sessions_root: Path) -> list[AcceptanceRecord]:
-    """The full-size acceptance records the README shows in full: the newest one with a peer row (the headline: its
-    ratios were measured side by side in one session) and every full-size record after it (later sessions that ran
-    what it lacked; their rows carry no ratio). Without a peer row anywhere, the newest full-size record alone."""
+    """The full-size acceptance records the README shows in full: the headline and every full-size record after it
+    (later sessions that ran what it lacked or re-measured an arm). The headline is the newest record with both a
+    peer row and a `reference` row (its ratios were measured side by side in one session); failing that, the newest
+    with a peer row; without a peer row anywhere, the newest full-size record alone."""
     full = [r for r in acceptance_records(sessions_root) if is_full_size(r)]
-    with_peer = [i for i, r in enumerate(full) if any(is_peer_arm(str(row.get("arm", ""))) for row in r.rows)]
-    if with_peer:
-        return full[with_peer[-1] :]
+    with_peer = [i for i, r in enumerate(full) if _has_peer(r)]
+    complete = [i for i in with_peer if any(row.get("arm") == "reference" for row in full[i].rows)]
+    if complete or with_peer:
+        return full[(complete or with_peer)[-1] :]
     return full[-1:]
+
+
+def _has_peer(record: AcceptanceRecord) -> bool:
+    return any(is_peer_arm(str(row.get("arm", ""))) for row in record.rows)
 
 
 def _checkpoint(plan: dict[str, Any]) -> str:
@@ -95,10 +101,10 @@ def acceptance_section(record: AcceptanceRecord, link_prefix: str, later: bool =
     passed = sum(1 for r in rows if r.get("passed"))
     title = "Full-size acceptance, a later session" if later else "Full-size acceptance"
     peer = (
-        "no peer ran in this session, so its rows have no ratio; each arm's latents are held against this "
+        "the peer is diffusers' own pipeline in the same session."
+        if _has_peer(record)
+        else "no peer ran in this session, so its rows have no ratio; each arm's latents are held against this "
         "session's own reference run."
-        if later
-        else "the peer is diffusers' own pipeline in the same session."
     )
     return [
         f"### {title}: {plan.get('geometry')}, {plan.get('steps')} steps, {', '.join(gpus) or 'no GPU'} "
