@@ -194,10 +194,12 @@ def test_gpu_a_second_process_loads_the_kernels_the_first_compiled(tmp_path):
     import subprocess
 
     def start(out):
+        # cwd: not the repository, whose k6fast/ lacks kernels/ (the installed package maps it in)
         done = subprocess.run(
             [sys.executable, "-c", _SECOND_START, str(tmp_path / "cache"), str(out)],
-            capture_output=True, text=True, timeout=600, check=True,
+            capture_output=True, text=True, timeout=600, cwd=tmp_path,
         )  # fmt: skip
+        assert done.returncode == 0, done.stderr[-3000:]
         return done.stdout.strip().splitlines()[-1]
 
     fa4_dir = tmp_path / "cache" / "fa4"
