@@ -70,13 +70,28 @@ def sessions(tmp_path: Path) -> Path:
     return root
 
 
+def _table_rows(text: str) -> dict[str, list[str]]:
+    """A rendered acceptance table's rows by their run name (cells split on ` | `)."""
+    return {line.split(" | ")[0].lstrip("| "): line.split(" | ") for line in text.splitlines() if " @ " in line}
+
+
+def _headline_then(sessions: Path, later_name: str) -> tuple[str, str]:
+    """(the whole results block, its later session's part), checking the headline is the complete session and
+    `later_name` the one shown below it."""
+    assert [r.name for r in shown_records(sessions)] == ["2026-01-01_acceptance", later_name]
+    block = results_block(sessions, sessions.parent.parent)
+    headline, later = block.split("### Full-size acceptance, a later session")
+    assert "2026-01-01_acceptance/README.md" in headline and f"{later_name}/README.md" in later
+    return block, later
+
+
 def test_the_newest_full_size_acceptance_record_is_shown_with_ratios_to_the_peer(sessions: Path) -> None:
     # The newer acceptance records are not full size (12 of 60 blocks; a small geometry): the headline stands alone.
     assert [r.name for r in shown_records(sessions)] == ["2026-01-01_acceptance"]
     block = results_block(sessions, sessions.parent.parent)
     assert "([record](measurements/sessions/2026-01-01_acceptance/README.md))" in block
     assert "60 of 60 fused blocks" in block and "3 of 4 runs passed" in block
-    table = {line.split(" | ")[0].lstrip("| "): line.split(" | ") for line in block.splitlines() if " @ " in line}
+    table = _table_rows(block)
     assert table["reference @ 32 GiB, cold"][2] == "1.20×"  # 120 s / 100 s
     assert table["final @ 32 GiB, cold"][2] == "1.50×"
     assert table["fast @ 32 GiB, cold"][2] == "—"  # a failed run has no ratio
@@ -90,11 +105,8 @@ def test_a_later_full_size_session_without_a_peer_is_shown_below_the_headline(se
                 [_row("reference", 90.0), _row("diffusers-offload", 100.0)])  # fmt: skip
     _acceptance(sessions, "2026-01-04_acceptance-rest", "2026-01-04T10:00", "864x480x121", _note(60, 60),
                 [_row("reference", 101.0), _row("step-cache", 95.0)])  # fmt: skip
-    assert [r.name for r in shown_records(sessions)] == ["2026-01-01_acceptance", "2026-01-04_acceptance-rest"]
-    block = results_block(sessions, sessions.parent.parent)
-    headline, later = block.split("### Full-size acceptance, a later session")
-    assert "2026-01-01_acceptance/README.md" in headline and "2026-01-04_acceptance-rest/README.md" in later
-    rows = {line.split(" | ")[0].lstrip("| "): line.split(" | ") for line in later.splitlines() if " @ " in line}
+    block, later = _headline_then(sessions, "2026-01-04_acceptance-rest")
+    rows = _table_rows(later)
     assert rows["step-cache @ 32 GiB, cold"][2] == "—" and "no peer ran in this session" in later
     others = block.split("### Other records (newest first)")[1]
     assert "2025-12-01_acceptance/README.md" in others and "2026-01-04_acceptance-rest" not in others
@@ -105,11 +117,8 @@ def test_a_later_session_with_its_own_peer_keeps_the_complete_headline(sessions:
     # headline, and the later table shows ratios to its own peer row.
     _acceptance(sessions, "2026-01-05_acceptance-fast", "2026-01-05T10:00", "864x480x121", _note(60, 60),
                 [_row("fast", 40.0), _row("diffusers-offload", 130.0)])  # fmt: skip
-    assert [r.name for r in shown_records(sessions)] == ["2026-01-01_acceptance", "2026-01-05_acceptance-fast"]
-    block = results_block(sessions, sessions.parent.parent)
-    headline, later = block.split("### Full-size acceptance, a later session")
-    assert "2026-01-01_acceptance/README.md" in headline and "2026-01-05_acceptance-fast/README.md" in later
-    rows = {line.split(" | ")[0].lstrip("| "): line.split(" | ") for line in later.splitlines() if " @ " in line}
+    _, later = _headline_then(sessions, "2026-01-05_acceptance-fast")
+    rows = _table_rows(later)
     assert rows["fast @ 32 GiB, cold"][2] == "3.25×"  # 130 s / 40 s: its own session's peer
     assert "the peer is diffusers' own pipeline in the same session" in later
 
