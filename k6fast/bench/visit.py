@@ -128,7 +128,7 @@ class K6Pipeline(_K6Runner):
         self.pipe = self._pipeline()
 
     def run(self) -> dict[str, Any]:
-        from ..pipeline import Request
+        from ..request import Request
 
         spec = self.spec
         request = Request(

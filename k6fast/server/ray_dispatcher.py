@@ -38,7 +38,7 @@ if TYPE_CHECKING:
     from ray.serve.handle import DeploymentHandle
 
     from ..checkpoint import Checkpoint
-    from ..pipeline import Request
+    from ..request import Request
     from ..switches import Options
 
 log = logging.getLogger("k6fast.server")
@@ -55,7 +55,7 @@ class ClusterModel:
     device: str
 
     def resolve(self, request: Request) -> tuple[int, float]:
-        from ..pipeline import resolve_request
+        from ..request import resolve_request
 
         return resolve_request(self.ckpt, self.options, request)
 

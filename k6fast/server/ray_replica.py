@@ -32,7 +32,8 @@ from .ray_settings import RaySettings
 from .worker import STAGES, classify_failure, load_pipeline, request_from_spec
 
 if TYPE_CHECKING:
-    from ..pipeline import Pipeline, Request, Result
+    from ..pipeline import Pipeline, Result
+    from ..request import Request
     from ..sampler import StepEvent
     from ..switches import Options
 

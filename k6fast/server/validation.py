@@ -284,7 +284,7 @@ _RESOLVE_PARAMS = (
 def resolve_spec(draft: Draft, pipeline: Any, max_steps: int) -> JobSpec:
     """Check the draft against the loaded checkpoint (`Pipeline.resolve`: distilled checkpoints need guidance 1.0,
     image conditioning needs support, cached steps must fit) and fill in its default steps and guidance."""
-    from ..pipeline import Request, RequestError
+    from ..request import Request, RequestError
 
     request = Request(
         prompt=draft.prompt,

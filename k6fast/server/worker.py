@@ -24,7 +24,8 @@ from .jobs import Job, JobFiles, JobSpec, JobStore, write_image
 from .metrics import Metrics
 
 if TYPE_CHECKING:
-    from ..pipeline import Pipeline, Request, Result
+    from ..pipeline import Pipeline, Result
+    from ..request import Request
     from ..sampler import StepEvent
     from ..switches import Options
 
@@ -40,7 +41,8 @@ def load_pipeline(config: ServerConfig, options: Options) -> Pipeline:
     (kernel selection, allocator growth, lazy imports)."""
     import torch
 
-    from ..pipeline import Pipeline, Request
+    from ..pipeline import Pipeline
+    from ..request import Request
 
     dtype = {None: None, "bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[config.dtype]
     # The residency planner reserves activations for the largest request the server accepts (either orientation
@@ -85,7 +87,7 @@ def classify_failure(exc: BaseException, stage: str = "prepare") -> tuple[str, s
     exception's text."""
     import torch
 
-    from ..pipeline import RequestError
+    from ..request import RequestError
 
     if isinstance(exc, (torch.cuda.OutOfMemoryError, MemoryError)):
         code = "out_of_memory"
@@ -287,7 +289,7 @@ class Worker:
 def request_from_spec(spec: JobSpec, image_png: bytes | None) -> Request:
     """The pipeline request of a stored job (the input reference as the PNG the ingress stored; InputUnreadable
     when it is missing or cannot be decoded)."""
-    from ..pipeline import Request
+    from ..request import Request
 
     image = None
     if spec.image:
