@@ -94,6 +94,32 @@ def test_replica_request_carries_the_stored_reference_image() -> None:
             request_from_spec(JobSpec(**{**SPEC.__dict__, "image": True}), unreadable)
 
 
+def test_an_input_unreadable_on_disk_fails_as_invalid_input(tmp_path: Path) -> None:
+    """The in-process worker reads the stored reference itself: a file gone or unreadable since it was accepted
+    (here a folder where the PNG was) is the job's invalid input, not a generation failure."""
+    from types import SimpleNamespace
+
+    from k6fast.server.worker import Worker, classify_failure
+
+    files = JobFiles(tmp_path)
+    job = SimpleNamespace(id="video_" + "0" * 32, spec=JobSpec(**{**SPEC.__dict__, "image": True}))
+    for make_unreadable in (lambda path: None, lambda path: path.mkdir(parents=True)):
+        make_unreadable(files.input_image(job.id))
+        with pytest.raises(InputUnreadable) as caught:
+            Worker._request(SimpleNamespace(files=files), job)
+        assert classify_failure(caught.value)[0] == "invalid_input"
+
+    class FailingDisk:  # the file is there, but reading it fails (EIO, or gone between a check and the read)
+        def is_file(self) -> bool:
+            return True
+
+        def read_bytes(self) -> bytes:
+            raise OSError(5, "Input/output error")
+
+    with pytest.raises(InputUnreadable):
+        Worker._request(SimpleNamespace(files=SimpleNamespace(input_image=lambda job_id: FailingDisk())), job)
+
+
 class ScriptedHandle:
     """Stands in for the generator's DeploymentHandle: `options(stream=True).run.remote(payload)` returns the
     next scripted call, an iterator of what a replica streams (or raises)."""

@@ -191,8 +191,12 @@ class Worker:
                 self._free_memory()
 
     def _request(self, job: Job) -> Request:
-        path = self.files.input_image(job.id)
-        return request_from_spec(job.spec, path.read_bytes() if job.spec.image and path.is_file() else None)
+        image = None
+        if job.spec.image:
+            # Missing or unreadable since it was accepted: request_from_spec then raises InputUnreadable.
+            with contextlib.suppress(OSError):
+                image = self.files.input_image(job.id).read_bytes()
+        return request_from_spec(job.spec, image)
 
     def _execute(self, job: Job) -> None:
         from ..cancel import Cancelled
