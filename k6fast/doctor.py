@@ -16,6 +16,7 @@ import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from .request import W1, dit_tokens
 from .stream.plan import GiB, activation_estimate, index_footprint, plan_residency
 
 GB = 1e9
@@ -25,7 +26,7 @@ PRO_DIT_BF16_BYTES = int(56.14 * GiB)
 # decoders (the full-size acceptance run's peak host RSS, measurements/sessions/2026-12-01_acceptance-full, with a
 # margin on top).
 PROCESS_HOST_BYTES = 8 * GiB
-W1_TOKENS = (31 * 30 * 54, 218)  # video, audio tokens of 864x480x121
+W1_TOKENS = dit_tokens(*W1)  # what the runtime plans a W1 request's activations for
 
 
 @dataclass

@@ -20,13 +20,12 @@ from .cancel import StopCheck, check_stop
 from .checkpoint import Checkpoint, open_checkpoint
 from .dit.backend import SwitchedBackend, configure_compile_caches
 from .request import (
-    FPS,
-    SPATIAL_MULTIPLE,
     TEMPORAL_STRIDE,
     W1,
     Request,
     RequestError,
     audio_length,
+    dit_tokens,
     resolve_request,
 )
 from .sampler import StepEvent, sample
@@ -86,7 +85,7 @@ class Pipeline:
         configure_compile_caches(options.inductor_cache_dir)
         self._dit_args = dict(
             budget_bytes=self.budget_bytes,
-            tokens=self._tokens(*plan_geometry),
+            tokens=dit_tokens(*plan_geometry),
             prefetch=options.prefetch_blocks,
             max_resident=None if options.max_resident_blocks < 0 else options.max_resident_blocks,
             backend=SwitchedBackend(options, self.device),
@@ -122,12 +121,6 @@ class Pipeline:
 
         cls = PiflowScheduler if self.ckpt.distilled else FlowMatchEulerDiscreteScheduler
         return cls.from_pretrained(self.ckpt.root / "scheduler")
-
-    def _tokens(self, width: int, height: int, frames: int) -> tuple[int, int]:
-        """(video, audio) DiT tokens of a geometry, counting the image tail frame."""
-        latent_frames = (frames - 1) // TEMPORAL_STRIDE + 1
-        video = (latent_frames + 1) * (height // SPATIAL_MULTIPLE) * (width // SPATIAL_MULTIPLE)
-        return video, audio_length(latent_frames, FPS, 44_100, 1024)
 
     def _load_dit(self) -> None:
         if self.runtime is None:

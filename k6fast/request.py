@@ -19,6 +19,8 @@ W1 = (864, 480, 121)  # width, height, frames: the headline workload
 FPS = 24.0
 SPATIAL_MULTIPLE = 16  # VAE 8 x patch 2
 TEMPORAL_STRIDE = 4
+AUDIO_SAMPLE_RATE = 44_100  # Hz, the vocoder's
+AUDIO_HOP = 1024  # waveform samples per audio latent step
 
 
 class RequestError(ValueError):
@@ -65,6 +67,14 @@ class Request:
 def audio_length(latent_frames: int, fps: float, sample_rate: int, hop: int) -> int:
     """Audio latent steps covering the video: ceil(frames / fps * sample_rate / hop)."""
     return math.ceil(((latent_frames - 1) * TEMPORAL_STRIDE + 1) / fps * sample_rate / hop)
+
+
+def dit_tokens(width: int, height: int, frames: int) -> tuple[int, int]:
+    """(video, audio) DiT tokens of a geometry, counting the image tail frame: what the residency planner reserves
+    activations for (the runtime and `k6fast doctor` alike)."""
+    latent_frames = (frames - 1) // TEMPORAL_STRIDE + 1
+    video = (latent_frames + 1) * (height // SPATIAL_MULTIPLE) * (width // SPATIAL_MULTIPLE)
+    return video, audio_length(latent_frames, FPS, AUDIO_SAMPLE_RATE, AUDIO_HOP)
 
 
 def resolve_request(ckpt: Checkpoint, options: Options, request: Request) -> tuple[int, float]:

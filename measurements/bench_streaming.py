@@ -24,7 +24,7 @@ import torch
 from k6fast.allocator import device_budget
 from k6fast.checkpoint import open_checkpoint
 from k6fast.dit.config import DiTConfig, expected_shapes
-from k6fast.pipeline import FPS, audio_length
+from k6fast.request import FPS, audio_length
 from k6fast.stream.plan import GiB, activation_estimate, plan_residency, weight_footprint
 from k6fast.stream.runtime import build_dit
 from k6fast.telemetry import anon_rss_bytes
