@@ -18,7 +18,7 @@ from diffusers.utils.torch_utils import randn_tensor
 from .allocator import configure_runtime, device_budget, resolve_device
 from .cancel import StopCheck, check_stop
 from .checkpoint import Checkpoint, open_checkpoint
-from .dit.backend import SwitchedBackend, configure_compile_caches
+from .dit.backend import SwitchedBackend
 from .request import (
     TEMPORAL_STRIDE,
     W1,
@@ -81,8 +81,6 @@ class Pipeline:
         self.load_seconds = 0.0
         telemetry = Telemetry(device=str(self.device))
         self.budget_bytes = device_budget(self.device, options.vram_budget_gb)
-        # Before the attention backend is built: it imports flash-attn-4, which reads its cache settings then.
-        configure_compile_caches(options.inductor_cache_dir)
         self._dit_args = dict(
             budget_bytes=self.budget_bytes,
             tokens=dit_tokens(*plan_geometry),

@@ -117,6 +117,8 @@ class SwitchedBackend(ExactBackend):
         from .attention import AttentionDispatch
         from .linear import LinearDispatch
 
+        # First: building the attention dispatch imports flash-attn-4, which reads its cache settings then.
+        configure_compile_caches(options.inductor_cache_dir)
         resolved = resolve_auto(options, device)
         if resolved is not options:
             logger.info("on %s: K6_GEMM=%s, K6_ATTN=%s (auto resolved)", device, resolved.gemm, resolved.attn)
@@ -194,7 +196,7 @@ def configure_compile_caches(path) -> None:
     CuTe DSL kernels in `path/fa4`, each unless the user set its variable; without it, each compiler's default place.
     flash-attn-4's disk cache is off unless asked for, so it is asked for here (its kernels otherwise compile again
     in every process, seconds per shape at W1). They read these variables when they first compile, flash-attn-4 when
-    it is imported: call this before anything imports it (building the attention backend does)."""
+    it is imported: `SwitchedBackend` calls this before its attention dispatch imports it."""
     import os
     from pathlib import Path
 
