@@ -3,6 +3,8 @@
 Every kernel module decides with `kernel_runs` (or logs through `log_reference_once` for reasons of its own): one
 line per (logger, op, device, reason) and process; INFO for CPU tensors, where the reference is the expected path,
 WARNING on a GPU, where it is a slow one. The line comes from the kernel module's own logger.
+
+Beside them, the device rules the kernels share: `device_label`, `cuda_at_least` and `is_geforce`.
 """
 
 from __future__ import annotations
@@ -19,6 +21,12 @@ def device_label(device: torch.device) -> str:
         return device.type
     major, minor = torch.cuda.get_device_capability(device)
     return f"cuda sm_{major}{minor}"
+
+
+def is_geforce(device: torch.device) -> bool:
+    """Whether `device` is a GeForce card: the device-name rule for the choices made for GeForce speed (FP16-accumulate
+    MMA at twice the FP32-accumulate rate there), which the compute capability alone cannot tell (an L40S is sm_89)."""
+    return device.type == "cuda" and "GeForce" in torch.cuda.get_device_name(device)
 
 
 def cuda_at_least(device: torch.device, capability: tuple[int, int]) -> bool:

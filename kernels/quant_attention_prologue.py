@@ -31,6 +31,7 @@ from .attention_constants import (
     V_FP16_ACC_MAX,
     on_device,
 )
+from .fallback import is_geforce
 
 # Keeps 127 / absmax and 448 / absmax finite for all-zero blocks (e.g. K after smoothing when N == 1).
 _ABSMAX_FLOOR = 1e-30
@@ -125,14 +126,16 @@ def _resolve_pv_fp8(pv_fp8: bool | None, device: torch.device) -> bool:
 
 
 def pv_fp16_acc_on(capability: tuple[int, int]) -> bool:
-    """Whether FP8 P·V sums in FP16 per 32 keys on a GPU of this compute capability: GeForce Ada (sm_89) and
+    """Whether FP8 P·V sums in FP16 per 32 keys on a GeForce GPU of this compute capability: GeForce Ada (sm_89) and
     Blackwell (sm_12x), whose FP8 MMA runs at half rate with an FP32 accumulator and at full rate with an FP16 one.
     Not sm_90 (its Gluon core runs there, and FP32 accumulation is full rate) nor sm_100."""
     return tuple(capability) == (8, 9) or capability[0] == 12
 
 
 def _pv_fp16_acc_default(device: torch.device) -> bool:
-    return device.type == "cuda" and pv_fp16_acc_on(torch.cuda.get_device_capability(device))
+    # GeForce only: the lossier FP16 accumulation pays only where FP32-accumulate FP8 MMA runs at half rate, not on a
+    # datacenter card of the same capability (L40S, sm_89).
+    return is_geforce(device) and pv_fp16_acc_on(torch.cuda.get_device_capability(device))
 
 
 def _resolve_pv_fp16_acc(pv_fp16_acc: bool | None, pv_fp8: bool, device: torch.device) -> bool:

@@ -159,6 +159,7 @@ def test_prologue_ref_scales_v_to_the_fp16_accumulate_range(k_block):
 def test_choice_by_capability_and_refusals(monkeypatch):
     expected = {(8, 0): False, (8, 6): False, (8, 9): True, (9, 0): False, (10, 0): False, (12, 0): True, (12, 1): True}
     assert {cap: qp.pv_fp16_acc_on(cap) for cap in expected} == expected
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA GeForce RTX 5090")
     for cap, on in expected.items():
         monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None, cap=cap: cap)
         assert qp._resolve_pv_fp16_acc(None, True, torch.device("cuda", 0)) is on
@@ -170,6 +171,18 @@ def test_choice_by_capability_and_refusals(monkeypatch):
     fp16_v = dataclasses.replace(qa.quantize_qkv_ref(q, q, q, pv_fp8=False), pv_fp16_acc=True)
     with pytest.raises(ValueError, match="pv_fp16_acc=True expects pv_fp8=True"):
         qa.attention_quantized(fp16_v)
+
+
+@pytest.mark.parametrize(
+    ("name", "on"),
+    [("NVIDIA GeForce RTX 4090", True), ("NVIDIA L40S", False), ("NVIDIA RTX 6000 Ada Generation", False)],
+)
+def test_default_needs_a_geforce_card_not_only_its_capability(monkeypatch, name, on):
+    # sm_89 is GeForce Ada and datacenter Ada alike: only GeForce gets the lossier FP16-accumulate P·V by default.
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (8, 9))
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: name)
+    assert qp._resolve_pv_fp16_acc(None, True, torch.device("cuda", 0)) is on
+    assert qp._resolve_pv_fp16_acc(True, True, torch.device("cuda", 0)) is True  # forcing it is still allowed
 
 
 # ---------------------------------------------------------------------------------------------------------------------

@@ -29,6 +29,8 @@ from dataclasses import dataclass
 
 import torch
 
+from ..kernels.fallback import is_geforce
+
 logger = logging.getLogger(__name__)
 
 
@@ -49,10 +51,6 @@ TARGETS = (
     Target("sm_89 (RTX 40, GeForce)", (8, 9), geforce=True),
     Target("cpu", None),
 )
-
-
-def is_geforce(device: torch.device) -> bool:
-    return device.type == "cuda" and "GeForce" in torch.cuda.get_device_name(device)
 
 
 def target_of(device: torch.device) -> Target:
