@@ -31,8 +31,6 @@ the first one it processes; the Triton kernel masks only its last iteration.
 
 from __future__ import annotations
 
-import contextlib
-import functools
 import logging
 import math
 from dataclasses import dataclass
@@ -43,6 +41,8 @@ import triton
 import triton.language as tl
 from triton.runtime.interpreter import InterpretedFunction
 
+from .attention_constants import LOG2E, on_device
+from .fallback import cuda_at_least, kernel_runs
 from .tile_mask import BLOCK, token_mask
 
 __all__ = [
@@ -57,13 +57,7 @@ __all__ = [
 ]
 
 logger = logging.getLogger(__name__)
-_LOG2E = 1.4426950408889634
 _DTYPES = (torch.bfloat16, torch.float16, torch.float32)
-
-
-@functools.cache
-def _log_once(message: str) -> None:
-    logger.warning(message)
 
 
 @dataclass(frozen=True)
@@ -185,17 +179,14 @@ def implementation_for(device: torch.device, dtype: torch.dtype = torch.bfloat16
     fa4_shapes = dtype in (torch.bfloat16, torch.float16) and head_dim % 8 == 0 and head_dim <= 128
     if fa4_shapes and fa4_block_sparse_runs_on(device):
         return "fa4"
-    if _interpreted() or (device.type == "cuda" and torch.cuda.get_device_capability(device) >= (8, 0)):
+    if _interpreted() or cuda_at_least(device, (8, 0)):
         return "triton"
     return "reference"
 
 
 def _select(q: torch.Tensor) -> str:
     impl = implementation_for(q.device, q.dtype, q.shape[-1])
-    if impl == "reference":
-        _log_once(
-            f"sparse_attention: no kernel for {q.device} tensors (Triton needs CUDA sm_80+); running the reference"
-        )
+    kernel_runs(logger, "sparse_attention", q.device, impl != "reference", "the Triton kernel needs sm_80 or newer")
     return impl
 
 
@@ -243,11 +234,11 @@ def _launch(
     out = torch.empty((b, m, h, d), dtype=q.dtype, device=q.device)
     grid = (triton.cdiv(m, cfg.block_m), b * h)
     precision = "ieee" if q.dtype == torch.float32 else "tf32"  # ignored for bf16/fp16 operands
-    with torch.cuda.device(q.device) if q.is_cuda else contextlib.nullcontext():
+    with on_device(q.device):
         _sparse_attention_kernel[grid](
             q, k, v, out, kv_idx, kv_cnt,
             *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *out.stride()[:3],
-            kv_idx.shape[3], h, m, n, (1.0 / math.sqrt(d)) * _LOG2E,
+            kv_idx.shape[3], h, m, n, (1.0 / math.sqrt(d)) * LOG2E,
             HEAD_DIM=d, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, TILE=BLOCK, PRECISION=precision,
             num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         )  # fmt: skip
