@@ -24,7 +24,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from .fallback import log_reference_once
+from .fallback import cuda_at_least, device_label, log_reference_once
 
 logger = logging.getLogger(__name__)
 
@@ -34,10 +34,6 @@ _DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 # Dispatch:   CUDA sm_80+ with x and out unit-stride along the same dim   Triton
 #             CPU, older GPUs, or x and out in different layouts          reference (logged once)
 # ---------------------------------------------------------------------------------------------------------------
-
-
-def _log_reference_once(where: str, why: str, level: int = logging.WARNING) -> None:
-    log_reference_once(logger, "groupnorm_silu", where, why, level=level)
 
 
 def _check(x: Tensor, scale: Tensor, shift: Tensor, out: Tensor) -> None:
@@ -169,14 +165,14 @@ def groupnorm_silu(x: Tensor, scale: Tensor, shift: Tensor, out: Tensor, *, act:
     x, out: [B, C, T, H, W] bf16/fp16/fp32; scale, shift: contiguous fp32 [B, C]."""
     _check(x, scale, shift, out)
     if x.device.type != "cuda":
-        _log_reference_once(x.device.type, "not a CUDA tensor", logging.INFO)
+        log_reference_once(logger, "groupnorm_silu", x.device.type, "not a CUDA tensor", level=logging.INFO)
         return groupnorm_silu_ref(x, scale, shift, out, act=act)
-    major, minor = torch.cuda.get_device_capability(x.device)
-    if (major, minor) < (8, 0):
-        _log_reference_once(f"cuda sm_{major}{minor}", "the kernel needs sm_80 or newer")
+    if not cuda_at_least(x.device, (8, 0)):
+        log_reference_once(logger, "groupnorm_silu", device_label(x.device), "the kernel needs sm_80 or newer")
         return groupnorm_silu_ref(x, scale, shift, out, act=act)
     if _inner_dim(x, out) is None:
         # Expected for the decoder's attention input in the NCDHW layout (tokens are channels-last): not a warning.
-        _log_reference_once("cuda", "x and out are not both unit-stride along W or along C", logging.INFO)
+        why = "x and out are not both unit-stride along W or along C"
+        log_reference_once(logger, "groupnorm_silu", "cuda", why, level=logging.INFO)
         return groupnorm_silu_ref(x, scale, shift, out, act=act)
     return groupnorm_silu_triton(x, scale, shift, out, act=act)
