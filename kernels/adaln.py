@@ -27,7 +27,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from .adaln_layout import _check_activation, _modulation_layout, _per_sample, _row_tile, _rows_per_sample
+from .adaln_layout import _check_activation, _modulation_layout, _per_sample, _row_tile
 from .fallback import cuda_at_least, kernel_runs
 from .fp8_linear import e4m3_quantize, e4m3_scales, fp8_native, quantize_rows_fp8_ref
 
@@ -151,9 +151,11 @@ def layernorm_modulate_triton(
     Shapes and dtypes as `layernorm_modulate`; inputs must have passed its checks."""
     d = x.shape[-1]
     n_rows = x.numel() // d if d else 0
-    sb, sd, _ = _modulation_layout(x, scale, "layernorm_modulate", "scale")
-    hb, hd, _ = _modulation_layout(x, shift, "layernorm_modulate", "shift")
-    rows_per_sample = _rows_per_sample(x, (scale, shift), "layernorm_modulate", ("scale", "shift"))
+    sb, sd, scale_rows = _modulation_layout(x, scale, "layernorm_modulate", "scale")
+    hb, hd, shift_rows = _modulation_layout(x, shift, "layernorm_modulate", "shift")
+    # A per-sample [B, D] vector's rows per sample, else all rows: broadcast vectors have batch stride 0, so any of
+    # them reads the right row at that granularity.
+    rows_per_sample = min(scale_rows, shift_rows)
     if out_fp8:
         y = torch.empty(x.shape, dtype=torch.float8_e4m3fn, device=x.device)
         q_scale = torch.empty((*x.shape[:-1], 1), dtype=torch.float32, device=x.device)
@@ -390,10 +392,10 @@ def gated_residual_modulate_triton(
     op = "gated_residual_modulate"
     d = x.shape[-1]
     n_rows = x.numel() // d if d else 0
-    gb, gd, _ = _modulation_layout(x, gate, op, "gate")
-    sb, sd, _ = _modulation_layout(x, scale, op, "scale")
-    hb, hd, _ = _modulation_layout(x, shift, op, "shift")
-    rows_per_sample = _rows_per_sample(x, (gate, scale, shift), op, ("gate", "scale", "shift"))
+    gb, gd, gate_rows = _modulation_layout(x, gate, op, "gate")
+    sb, sd, scale_rows = _modulation_layout(x, scale, op, "scale")
+    hb, hd, shift_rows = _modulation_layout(x, shift, op, "shift")
+    rows_per_sample = min(gate_rows, scale_rows, shift_rows)  # as in layernorm_modulate_triton
     x_new, y = torch.empty_like(x), torch.empty_like(x)
     if n_rows == 0:
         return x_new, y

@@ -52,12 +52,6 @@ def _per_sample(vec: Tensor, x: Tensor) -> Tensor:
     return vec
 
 
-def _rows_per_sample(x: Tensor, vectors: tuple[Tensor, ...], op: str, names: tuple[str, ...]) -> int:
-    """Rows of x [rows, D] per modulation sample shared by several vectors: a per-sample [B, D] vector's, else all
-    rows. Broadcast vectors have batch stride 0, so any of them reads the right row at that granularity."""
-    return min(_modulation_layout(x, v, op, name)[2] for v, name in zip(vectors, names, strict=True))
-
-
 def _row_tile(d: int, n_rows: int, elements: int) -> tuple[int, int, int]:
     """→ (BLOCK_D, rows per program, num_warps): a whole row per program; short rows are stacked up to `elements`."""
     block_d = triton.next_power_of_2(d)
