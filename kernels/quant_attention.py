@@ -43,7 +43,7 @@ Implementations by architecture (see ``_select_implementation``):
 | device                       | implementation                                          | P·V default              |
 |------------------------------|---------------------------------------------------------|--------------------------|
 | CUDA sm_90, head_dim 64, 128 | Triton prologue + Gluon core (quant_attention_wgmma.py) | FP8                      |
-| CUDA sm_89 and newer         | Triton kernels                                          | FP8 (FP16 acc: sm_89/12x)|
+| CUDA sm_89 and newer         | Triton kernels                                          | FP8 (FP16 acc: GeForce)  |
 | CUDA sm_80 .. sm_87          | Triton kernels                                          | FP16                     |
 | CUDA older than sm_80        | reference (logged once)                                 | FP16                     |
 | any, Triton interpreter on   | Triton kernels, interpreted                             | FP16 (FP8 refused there) |
@@ -54,13 +54,13 @@ Implementations by architecture (see ``_select_implementation``):
 
 from __future__ import annotations
 
-import functools
 import logging
 
 import torch
 
 from .attention_constants import K_BLOCK, K_BLOCKS, LOG2E, Q_BLOCK, SUPPORTED_DTYPES, SUPPORTED_HEAD_DIMS
 from .exact_attention import attention_fp32
+from .fallback import kernel_runs
 from .gluon_hopper import GLUON_AVAILABLE
 from .quant_attention_core import (
     CANDIDATE_CONFIGS,
@@ -108,23 +108,11 @@ __all__ = [
 logger = logging.getLogger(__name__)
 
 
-@functools.cache
-def _log_once(message: str) -> None:
-    logger.warning(message)
-
-
 def _select_implementation(device: torch.device) -> str:
     """'triton' or 'reference' for tensors on ``device`` (see the table in the module docstring)."""
-    if _triton_runs_on(device):
-        return "triton"
-    if device.type == "cuda":
-        major, minor = torch.cuda.get_device_capability(device)
-        _log_once(f"quant_attention: sm_{major}{minor} has no INT8 tensor-core path in Triton; running the reference")
-    else:
-        _log_once(
-            f"quant_attention: no Triton backend for {device.type!r} tensors (interpreter off); running the reference"
-        )
-    return "reference"
+    runs = _triton_runs_on(device)
+    kernel_runs(logger, "quant_attention", device, runs, "no INT8 tensor-core path in Triton below sm_80")
+    return "triton" if runs else "reference"
 
 
 def quant_attention(

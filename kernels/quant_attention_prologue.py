@@ -31,7 +31,7 @@ from .attention_constants import (
     V_FP16_ACC_MAX,
     on_device,
 )
-from .fallback import is_geforce
+from .fallback import cuda_at_least, device_label, is_geforce
 
 # Keeps 127 / absmax and 448 / absmax finite for all-zero blocks (e.g. K after smoothing when N == 1).
 _ABSMAX_FLOOR = 1e-30
@@ -95,12 +95,12 @@ def _interpreted() -> bool:
 
 
 def _has_fp8_tensor_cores(device: torch.device) -> bool:
-    return device.type == "cuda" and torch.cuda.get_device_capability(device) >= (8, 9)
+    return cuda_at_least(device, (8, 9))
 
 
 def _triton_runs_on(device: torch.device) -> bool:
     # Triton's INT8 tl.dot needs sm_80+; CPU tensors run only under the interpreter.
-    return _interpreted() or (device.type == "cuda" and torch.cuda.get_device_capability(device) >= (8, 0))
+    return _interpreted() or cuda_at_least(device, (8, 0))
 
 
 def _require_triton(device: torch.device) -> None:
@@ -120,8 +120,7 @@ def _resolve_pv_fp8(pv_fp8: bool | None, device: torch.device) -> bool:
     if pv_fp8 is None:
         return _has_fp8_tensor_cores(device)
     if pv_fp8 and device.type == "cuda" and not _has_fp8_tensor_cores(device):
-        major, minor = torch.cuda.get_device_capability(device)
-        raise ValueError(f"pv_fp8=True needs FP8 tensor cores (sm_89 or newer); found sm_{major}{minor}")
+        raise ValueError(f"pv_fp8=True needs FP8 tensor cores (sm_89 or newer); found {device_label(device)}")
     return bool(pv_fp8)
 
 
