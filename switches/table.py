@@ -67,24 +67,23 @@ def readme_table() -> str:
     return _markdown(headers, rows)
 
 
-def _block_span(readme_text: str) -> tuple[int, int] | str:
-    """(start, end) of the text between the markers, or a message saying why there is no single block."""
-    start, end = README_MARKERS
-    counts = (readme_text.count(start), readme_text.count(end))
+def marked_span(text: str, markers: tuple[str, str], what: str) -> tuple[int, int] | str:
+    """(start, end) of the text between one pair of marker lines, in order, or a message saying what is wrong
+    (`what` names the block, e.g. "the switches table"). README.md's generated blocks are found with it."""
+    start, end = markers
+    expected = f"README.md must hold {what} between one {start} line and one {end} line"
+    counts = (text.count(start), text.count(end))
     if counts != (1, 1):
-        return (
-            f"README.md must hold the switches table between one {start} line and one {end} line; "
-            f"found {counts[0]} and {counts[1]}"
-        )
-    begin, finish = readme_text.index(start) + len(start), readme_text.index(end)
+        return f"{expected}; found {counts[0]} and {counts[1]}"
+    begin, finish = text.index(start) + len(start), text.index(end)
     if finish < begin:
-        return f"README.md has {end} before {start}; expected the table between them"
+        return f"{expected} after it; found {end} before {start}"
     return begin, finish
 
 
 def check_readme(readme_text: str) -> str | None:
     """None when README.md's switches block equals readme_table(); otherwise what is wrong."""
-    span = _block_span(readme_text)
+    span = marked_span(readme_text, README_MARKERS, "the switches table")
     if isinstance(span, str):
         return span
     found = readme_text[span[0] : span[1]].strip().splitlines()
@@ -101,7 +100,7 @@ def check_readme(readme_text: str) -> str | None:
 
 def replace_readme_block(readme_text: str) -> str:
     """README text with the block between README_MARKERS replaced by the current readme_table()."""
-    span = _block_span(readme_text)
+    span = marked_span(readme_text, README_MARKERS, "the switches table")
     if isinstance(span, str):
         raise ValueError(span)
     return readme_text[: span[0]] + "\n" + readme_table() + "\n" + readme_text[span[1] :]

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from ..switches.table import marked_span
 from .acceptance_report import COLUMN_NOTES, PLAN_FILE, ROWS_FILE, is_peer_arm, table_lines
 from .records import SESSION_FILE, read_jsonl
 
@@ -168,14 +169,10 @@ def results_block(sessions_root: Path, readme_dir: Path) -> str:
 
 
 def _span(readme_text: str) -> tuple[int, int]:
-    start, end = RESULTS_MARKERS
-    counts = (readme_text.count(start), readme_text.count(end))
-    if counts != (1, 1) or readme_text.index(end) < readme_text.index(start):
-        raise ValueError(
-            f"README.md must hold the results between one {start} line and one {end} line after it; found "
-            f"{counts[0]} and {counts[1]}"
-        )
-    return readme_text.index(start) + len(start), readme_text.index(end)
+    span = marked_span(readme_text, RESULTS_MARKERS, "the results")
+    if isinstance(span, str):
+        raise ValueError(span)
+    return span
 
 
 def readme_block(readme_text: str) -> str:
