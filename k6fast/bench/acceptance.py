@@ -29,10 +29,6 @@ from .acceptance_report import PLAN_FILE, ROWS_FILE, is_peer_arm, latent_error, 
 from .records import append_jsonl, read_jsonl, write_json
 
 REFERENCE_ARM = "reference"
-DEFAULT_PROMPT = (
-    "A rain-slicked Tokyo alley at night, camera tracking forward past a glowing neon sign that reads OPEN in red "
-    "letters, reflections rippling in puddles. Audio: steady rain on metal awnings, a distant train."
-)
 
 
 @dataclass(frozen=True)

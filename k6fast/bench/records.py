@@ -18,6 +18,12 @@ from typing import Any
 
 from ..atomic import write_json_atomic
 
+# The request every bench and acceptance session asks for unless told otherwise.
+DEFAULT_PROMPT = (
+    "A rain-slicked Tokyo alley at night, camera tracking forward past a glowing neon sign that reads OPEN in red "
+    "letters, reflections rippling in puddles. Audio: steady rain on metal awnings, a distant train."
+)
+
 SESSION_FILE = "session.json"
 VISITS_FILE = "visits.jsonl"
 PLOT_FILE = "plot.png"

@@ -10,14 +10,11 @@ from typing import Any, Protocol
 
 import torch
 
+from .records import DEFAULT_PROMPT
 from .workload import Geometry
 
 COMPONENTS = ("pipeline", "dit", "block")
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
-DEFAULT_PROMPT = (
-    "A rain-slicked Tokyo alley at night, camera tracking forward past a glowing neon sign that reads OPEN in red "
-    "letters, reflections rippling in puddles. Audio: steady rain on metal awnings, a distant train."
-)
 
 
 @dataclass(frozen=True)

@@ -10,7 +10,6 @@ device. On a CPU "device" (tests) the same code runs with plain buffers.
 from __future__ import annotations
 
 import os
-from collections.abc import Iterator, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -124,7 +123,3 @@ def upload(
     if cuda:
         stream.synchronize()  # the staging buffers are freed on return
     return bind_quantized(out, compute)
-
-
-def iter_prefix(index: Mapping[str, TensorLocation], prefixes: tuple[str, ...]) -> Iterator[TensorLocation]:
-    return (loc for name, loc in sorted(index.items()) if name.startswith(prefixes))
