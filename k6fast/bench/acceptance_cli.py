@@ -76,7 +76,8 @@ def _header(model: str) -> dict:
 
 def cmd_acceptance(args: argparse.Namespace) -> int:
     from ..checkpoint import open_checkpoint
-    from .acceptance import DEFAULT_PROMPT, REFERENCE_ARM, Workload, build_plan, run_acceptance
+    from .acceptance import REFERENCE_ARM, Workload, build_plan, run_acceptance
+    from .records import DEFAULT_PROMPT
     from .workload import parse_geometry
 
     try:
