@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from server_testing import until
+from server_testing import DEADLINE_S, until
 
 from k6fast import media
 from k6fast.cancel import Cancelled
@@ -26,7 +26,6 @@ from k6fast.pipeline import Pipeline, Request
 from k6fast.switches import Options
 from k6fast.video_decode import run_ops
 
-DEADLINE_S = 60.0
 REQUEST = Request(prompt="a drum roll", width=64, height=64, frames=9, steps=3, seed=3)
 
 
