@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn.functional as F
+from dit_testing import tiny_dit
 from safetensors import safe_open
 
 from k6fast.checkpoint import CheckpointError, open_checkpoint
@@ -24,7 +25,6 @@ from k6fast.kernels.blockscaled import dequantize_mxfp8, quantize_mxfp8
 from k6fast.kernels.nvfp4 import dequantize_nvfp4, quantize_nvfp4
 from k6fast.quantize import quantize_checkpoint
 from k6fast.quantize_cli import register
-from k6fast.stream.runtime import build_dit
 from k6fast.switches import Options
 
 # mxfp8 checkpoints are quantized by torchao (the dev extra has it, so CI runs every format); a GPU machine without it
@@ -72,12 +72,6 @@ def _inputs(cfg, seed: int = 0, dtype: torch.dtype = torch.float32):
         pooled_projections=torch.randn(1, cfg.in_text_dim2, generator=g).to(dtype),
         timestep=torch.tensor([500.0]),
         audio_hidden_states=torch.randn(1, 4, cfg.in_audio_dim, generator=g).to(dtype),
-    )
-
-
-def _runtime(ckpt, dtype=torch.float32, **kwargs):
-    return build_dit(
-        ckpt.transformer_files, ckpt.dit, torch.device("cpu"), dtype, budget_bytes=1 << 40, tokens=(100, 10), **kwargs
     )
 
 
@@ -154,9 +148,9 @@ def test_diffusers_ignores_the_quantization_key(quantized):
 @pytest.mark.parametrize("fmt", FORMATS)
 def test_forward_streamed_equals_resident_and_tracks_the_unquantized_model(tiny_distill, quantized, fmt):
     base, ckpt = open_checkpoint(tiny_distill), open_checkpoint(_written(quantized, fmt))
-    reference = _runtime(base)
-    resident, streamed = _runtime(ckpt), _runtime(ckpt, max_resident=0)
-    switched = _runtime(ckpt, max_resident=1, backend=SwitchedBackend(Options(), torch.device("cpu")))
+    reference = tiny_dit(base)
+    resident, streamed = tiny_dit(ckpt), tiny_dit(ckpt, max_resident=0)
+    switched = tiny_dit(ckpt, max_resident=1, backend=SwitchedBackend(Options(), torch.device("cpu")))
     try:
         assert isinstance(resident.dit.weights[BLOCK_LINEAR], QuantizedWeight)
         assert streamed.streamer is not None and switched.streamer is not None
@@ -178,8 +172,8 @@ def test_forward_streamed_equals_resident_and_tracks_the_unquantized_model(tiny_
 
 def test_bf16_compute_streams_the_stored_bytes(tiny_distill, quantized):
     ckpt = open_checkpoint(quantized["nvfp4"])
-    base = _runtime(open_checkpoint(tiny_distill), torch.bfloat16, max_resident=0)
-    resident, streamed = _runtime(ckpt, torch.bfloat16), _runtime(ckpt, torch.bfloat16, max_resident=0)
+    base = tiny_dit(open_checkpoint(tiny_distill), "cpu", torch.bfloat16, max_resident=0)
+    resident, streamed = tiny_dit(ckpt, "cpu", torch.bfloat16), tiny_dit(ckpt, "cpu", torch.bfloat16, max_resident=0)
     try:
         w = resident.dit.weights[BLOCK_LINEAR]
         assert w.dtype == torch.bfloat16 and w.qdata.dtype == torch.uint8 and w.scale_2.dtype == torch.float32
@@ -333,12 +327,8 @@ def test_an_interrupted_run_leaves_nothing(tiny_distill, tmp_path, monkeypatch):
 @pytest.mark.parametrize("fmt", FORMATS)
 def test_stored_gemm_runs_on_gpu(quantized, fmt):
     ckpt = open_checkpoint(_written(quantized, fmt))
-    kw = dict(budget_bytes=1 << 40, tokens=(100, 10))
     fast = SwitchedBackend(Options().replace(gemm_min_rows=1), torch.device("cuda"))
-    runs = [
-        build_dit(ckpt.transformer_files, ckpt.dit, torch.device("cuda"), torch.bfloat16, backend=b, **kw)
-        for b in (None, fast)
-    ]
+    runs = [tiny_dit(ckpt, "cuda", torch.bfloat16, backend=b) for b in (None, fast)]
     try:
         inputs = {k: v.cuda() for k, v in _inputs(ckpt.dit, 0, torch.bfloat16).items()}
         dequantized, stored = (rt.dit(**inputs) for rt in runs)
