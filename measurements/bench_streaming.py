@@ -119,20 +119,12 @@ def main() -> None:
     for visit, mode in enumerate(["resident", "streamed", "streamed", "resident"]):
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats()
-        if mode == "resident":
+        resident = mode == "resident"
+        if resident:  # lift the previous visit's cap before asking what the card has free
             torch.cuda.set_per_process_memory_fraction(1.0, device)
-            runtime = build_dit(
-                ckpt.transformer_files,
-                ckpt.dit,
-                device,
-                torch.bfloat16,
-                budget_bytes=device_budget(device, 0),
-                tokens=tokens,
-            )
-        else:
-            capped = device_budget(device, args.budget_gb)
-            runtime = build_dit(ckpt.transformer_files, ckpt.dit, device, torch.bfloat16, budget_bytes=capped,
-                                tokens=tokens, max_resident=max_resident)  # fmt: skip
+        budget_bytes = device_budget(device, 0 if resident else args.budget_gb)
+        runtime = build_dit(ckpt.transformer_files, ckpt.dit, device, torch.bfloat16, budget_bytes=budget_bytes,
+                            tokens=tokens, max_resident=None if resident else max_resident)  # fmt: skip
         time_forwards(runtime, kwargs, 1)  # warm-up, discarded
         times, stream, out = time_forwards(runtime, kwargs, args.forwards)
         outputs.setdefault(mode, out)

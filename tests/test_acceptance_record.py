@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 
+from k6fast.dit.arch import TARGETS, resolve_for
 from k6fast.dit.config import DiTConfig
 from k6fast.stream.plan import GiB, activation_estimate
 from k6fast.switches import load_options
@@ -17,6 +18,7 @@ from k6fast.testing.synthetic import transformer_config
 
 RECORD = Path(__file__).resolve().parents[1] / "measurements" / "sessions" / "2026-12-01_acceptance-full"
 W1_PLANNED_TOKENS = (32 * 30 * 54, 218)  # what the pipeline plans W1 for: video tokens with the image tail frame
+SM_90 = next(t for t in TARGETS if t.capability == (9, 0))  # the record's GPU, an H200
 
 
 def _rows() -> list[dict]:
@@ -27,11 +29,9 @@ def _rows() -> list[dict]:
 def _estimate(arm: str) -> int:
     """The estimate the planner makes now for the arm as it resolves on an sm_90 GPU (the record's)."""
     cfg = DiTConfig.from_dict(transformer_config("pro-distill", None))
-    options = load_options(environ={}, arm=arm)
-    fp8 = options.gemm in ("fp8", "auto-lossy")  # auto-lossy resolves to fp8 on sm_90
-    quant = options.attn not in ("exact", "auto")  # auto resolves to exact on a datacenter GPU
+    options = resolve_for(load_options(environ={}, arm=arm), SM_90)
     return activation_estimate(*W1_PLANNED_TOKENS, cfg.model_dim, cfg.model_dim_a, ff_dim=cfg.ff_dim,
-                               fp8_gemm=fp8, quant_attention=quant)  # fmt: skip
+                               fp8_gemm=options.gemm == "fp8", quant_attention=options.attn != "exact")  # fmt: skip
 
 
 def test_the_record_has_every_arm_under_both_budgets() -> None:

@@ -17,7 +17,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from server_testing import until
+from dit_testing import tiny_dit
+from server_testing import DEADLINE_S, until
 
 from k6fast import media
 from k6fast.cancel import Cancelled
@@ -26,7 +27,6 @@ from k6fast.pipeline import Pipeline, Request
 from k6fast.switches import Options
 from k6fast.video_decode import run_ops
 
-DEADLINE_S = 60.0
 REQUEST = Request(prompt="a drum roll", width=64, height=64, frames=9, steps=3, seed=3)
 
 
@@ -112,7 +112,6 @@ def test_a_stop_before_the_request_starts_runs_nothing(pipe: Pipeline, monkeypat
 
 def test_a_streamed_dit_stopped_between_blocks_runs_the_next_forward_exactly(tiny_distill: Path) -> None:
     from k6fast.checkpoint import open_checkpoint
-    from k6fast.stream.runtime import build_dit
 
     ckpt = open_checkpoint(tiny_distill)
     cfg = ckpt.dit
@@ -124,11 +123,7 @@ def test_a_streamed_dit_stopped_between_blocks_runs_the_next_forward_exactly(tin
         timestep=torch.tensor([500.0]),
         audio_hidden_states=torch.randn(1, 4, cfg.in_audio_dim, generator=g),
     )
-    build = dict(device=torch.device("cpu"), dtype=torch.float32, budget_bytes=1 << 40, tokens=(100, 10))
-    resident, streamed = (
-        build_dit(ckpt.transformer_files, ckpt.dit, **build),
-        build_dit(ckpt.transformer_files, ckpt.dit, **build, max_resident=0),
-    )
+    resident, streamed = tiny_dit(ckpt), tiny_dit(ckpt, max_resident=0)
     try:
         assert streamed.streamer is not None
         units = Units(stop_at=1)

@@ -9,10 +9,10 @@ from __future__ import annotations
 
 import pytest
 import torch
+from dit_testing import tiny_dit
 
 from k6fast.checkpoint import open_checkpoint
 from k6fast.dit.backend import ExactBackend
-from k6fast.stream.runtime import build_dit
 
 
 class _FailingBackend(ExactBackend):
@@ -44,25 +44,13 @@ def _inputs(cfg, device, dtype, seed: int = 0):
             for k, v in kw.items()}  # fmt: skip
 
 
-def _runtime(ckpt, device, dtype, backend=None, **kwargs):
-    return build_dit(
-        ckpt.transformer_files,
-        ckpt.dit,
-        device,
-        dtype,
-        budget_bytes=1 << 40,
-        tokens=(100, 10),
-        backend=backend,
-        **kwargs,
-    )
-
-
 @pytest.mark.parametrize("fail_block", [0, 1])
 def test_a_forward_that_raises_in_a_block_leaves_the_stream_usable(tiny_distill, fail_block: int) -> None:
     ckpt = open_checkpoint(tiny_distill)
     cpu = torch.device("cpu")
     backend = _FailingBackend(fail_block, lambda: RuntimeError("injected fault"))
-    fresh, failing = _runtime(ckpt, cpu, torch.float32), _runtime(ckpt, cpu, torch.float32, backend, max_resident=0)
+    fresh = tiny_dit(ckpt, cpu, torch.float32)
+    failing = tiny_dit(ckpt, cpu, torch.float32, backend=backend, max_resident=0)
     try:
         kwargs = _inputs(ckpt.dit, cpu, torch.float32, seed=3)
         backend.armed = True
@@ -88,7 +76,8 @@ def test_a_real_oom_in_a_streamed_block_fails_only_that_request_gpu(tiny_distill
         return torch.empty(1 << 50, dtype=torch.uint8, device=cuda)
 
     backend = _FailingBackend(1, oom)
-    fresh, failing = _runtime(ckpt, cuda, torch.bfloat16), _runtime(ckpt, cuda, torch.bfloat16, backend, max_resident=0)
+    fresh = tiny_dit(ckpt, cuda, torch.bfloat16)
+    failing = tiny_dit(ckpt, cuda, torch.bfloat16, backend=backend, max_resident=0)
     try:
         streamer = failing.streamer
         kwargs = _inputs(ckpt.dit, cuda, torch.bfloat16, seed=1)

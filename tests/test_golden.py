@@ -19,23 +19,14 @@ import hashlib
 import json
 import sys
 import tempfile
-from collections.abc import Iterator
-from contextlib import contextmanager
 from pathlib import Path
 
 import numpy as np
-import PIL.Image
 import pytest
+from pipeline_testing import PROMPT, gradient_image, one_thread
 
 GOLDEN = Path(__file__).parent / "data" / "golden_tiny.json"
 SAMPLE_EVERY = 97
-PROMPT = "A brass band marches down a rainy street, trumpets echoing off the walls"
-
-
-def _image() -> PIL.Image.Image:
-    y, x = np.mgrid[0:80, 0:96]
-    rgb = np.stack([x * 2.5, y * 3.0, (x + y) * 1.4], axis=-1).clip(0, 255).astype(np.uint8)
-    return PIL.Image.fromarray(rgb)
 
 
 def _requests():
@@ -45,21 +36,11 @@ def _requests():
         "distill-text": ("distill", Request(prompt=PROMPT, width=64, height=48, frames=9, steps=4, seed=7)),
         "base-image": (
             "base",
-            Request(prompt=PROMPT, width=64, height=48, frames=9, steps=3, guidance=5.0, seed=11, image=_image()),
+            Request(
+                prompt=PROMPT, width=64, height=48, frames=9, steps=3, guidance=5.0, seed=11, image=gradient_image()
+            ),
         ),
     }
-
-
-@contextmanager
-def _one_thread() -> Iterator[None]:
-    import torch
-
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(before)
 
 
 def describe(array: np.ndarray) -> dict:
@@ -79,7 +60,7 @@ def generate_outputs(checkpoints: dict[str, Path]) -> dict[str, dict[str, np.nda
     from k6fast.switches import Options
 
     out = {}
-    with _one_thread():
+    with one_thread():
         for case, (variant, request) in _requests().items():
             result = Pipeline(checkpoints[variant], Options(), device="cpu").generate(request)
             assert result.audio is not None

@@ -5,20 +5,12 @@ on CPU, same seed: decoded frames and waveforms equal within 1e-4, distilled and
 from __future__ import annotations
 
 import numpy as np
-import PIL.Image
 import pytest
 import torch
+from pipeline_testing import PROMPT, gradient_image
 
 from k6fast.pipeline import Pipeline, Request
 from k6fast.switches import Options
-
-PROMPT = "A brass band marches down a rainy street, trumpets echoing off the walls"
-
-
-def _image() -> PIL.Image.Image:
-    y, x = np.mgrid[0:80, 0:96]
-    rgb = np.stack([x * 2.5, y * 3.0, (x + y) * 1.4], axis=-1).clip(0, 255).astype(np.uint8)
-    return PIL.Image.fromarray(rgb)
 
 
 @pytest.fixture(scope="module", params=["distill", "base"])
@@ -35,7 +27,7 @@ def pipelines(request, tiny_checkpoints):
 def test_generate_matches_diffusers(pipelines, with_image: bool) -> None:
     variant, ours, reference = pipelines
     steps, guidance = (4, 1.0) if variant == "distill" else (3, 5.0)
-    image = _image() if with_image else None
+    image = gradient_image() if with_image else None
     req = Request(prompt=PROMPT, width=64, height=48, frames=9, steps=steps, guidance=guidance, seed=7, image=image)
     result = ours.generate(req)
     expected = reference(

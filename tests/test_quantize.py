@@ -14,6 +14,8 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn.functional as F
+from dit_testing import tiny_dit
+from kernel_testing import rel_l2
 from safetensors import safe_open
 
 from k6fast.checkpoint import CheckpointError, open_checkpoint
@@ -24,7 +26,6 @@ from k6fast.kernels.blockscaled import dequantize_mxfp8, quantize_mxfp8
 from k6fast.kernels.nvfp4 import dequantize_nvfp4, quantize_nvfp4
 from k6fast.quantize import quantize_checkpoint
 from k6fast.quantize_cli import register
-from k6fast.stream.runtime import build_dit
 from k6fast.switches import Options
 
 # mxfp8 checkpoints are quantized by torchao (the dev extra has it, so CI runs every format); a GPU machine without it
@@ -41,10 +42,6 @@ BLOCK_LINEAR = "visual_transformer_blocks.1.video_dec_block.feed_forward.net.2.w
 def quantized(tiny_distill, tmp_path_factory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("quantized")
     return {fmt: _quantize(tiny_distill, root / fmt, fmt) for fmt in FORMATS}
-
-
-def _written(quantized: dict[str, Path], fmt: str) -> Path:
-    return quantized[fmt]
 
 
 def test_mxfp8_without_torchao_says_how_to_get_it(tiny_distill, tmp_path, monkeypatch):
@@ -75,16 +72,6 @@ def _inputs(cfg, seed: int = 0, dtype: torch.dtype = torch.float32):
     )
 
 
-def _runtime(ckpt, dtype=torch.float32, **kwargs):
-    return build_dit(
-        ckpt.transformer_files, ckpt.dit, torch.device("cpu"), dtype, budget_bytes=1 << 40, tokens=(100, 10), **kwargs
-    )
-
-
-def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
-    return ((a.double() - b.double()).norm() / b.double().norm()).item()
-
-
 # ---------------------------------------------------------------------------------------------------------------
 # What `k6fast quantize` writes
 # ---------------------------------------------------------------------------------------------------------------
@@ -92,9 +79,9 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
 
 @pytest.mark.parametrize("fmt", FORMATS)
 def test_quantized_checkpoint_layout(tiny_distill, quantized, fmt):
-    src, dst = open_checkpoint(tiny_distill), open_checkpoint(_written(quantized, fmt))
+    src, dst = open_checkpoint(tiny_distill), open_checkpoint(quantized[fmt])
     assert dst.quantization == fmt and src.quantization is None
-    config = json.loads((_written(quantized, fmt) / "transformer" / "config.json").read_text())
+    config = json.loads((quantized[fmt] / "transformer" / "config.json").read_text())
     assert config[QUANT_CONFIG_KEY] == {"format": fmt, "version": 1}
     assert [f.name for f in dst.transformer_files] == [f.name for f in src.transformer_files]
 
@@ -127,12 +114,12 @@ def test_quantized_checkpoint_layout(tiny_distill, quantized, fmt):
             assert after[f"{name}_scale"].dtype == torch.float8_e4m3fn and after[f"{name}_scale"].shape == (n, k // 16)
             assert after[f"{name}_scale_2"].shape == ()
             back = dequantize_nvfp4(after[name], after[f"{name}_scale"], after[f"{name}_scale_2"], torch.float32)
-        assert _rel(back, t) <= (0.04 if fmt == "fp8" else 0.12)
+        assert rel_l2(back, t) <= (0.04 if fmt == "fp8" else 0.12)
     assert not any("modulation" in n and n.endswith("_scale") for n in after)
     # Every other file is a hard link to the source's (no second copy of the text encoders).
     for file in (tiny_distill / "text_encoder").iterdir():
-        assert (_written(quantized, fmt) / "text_encoder" / file.name).stat().st_ino == file.stat().st_ino
-    index_file = _written(quantized, fmt) / "transformer" / "diffusion_pytorch_model.safetensors.index.json"
+        assert (quantized[fmt] / "text_encoder" / file.name).stat().st_ino == file.stat().st_ino
+    index_file = quantized[fmt] / "transformer" / "diffusion_pytorch_model.safetensors.index.json"
     index = json.loads(index_file.read_text())
     assert set(index["weight_map"]) == set(after)
 
@@ -153,10 +140,10 @@ def test_diffusers_ignores_the_quantization_key(quantized):
 
 @pytest.mark.parametrize("fmt", FORMATS)
 def test_forward_streamed_equals_resident_and_tracks_the_unquantized_model(tiny_distill, quantized, fmt):
-    base, ckpt = open_checkpoint(tiny_distill), open_checkpoint(_written(quantized, fmt))
-    reference = _runtime(base)
-    resident, streamed = _runtime(ckpt), _runtime(ckpt, max_resident=0)
-    switched = _runtime(ckpt, max_resident=1, backend=SwitchedBackend(Options(), torch.device("cpu")))
+    base, ckpt = open_checkpoint(tiny_distill), open_checkpoint(quantized[fmt])
+    reference = tiny_dit(base)
+    resident, streamed = tiny_dit(ckpt), tiny_dit(ckpt, max_resident=0)
+    switched = tiny_dit(ckpt, max_resident=1, backend=SwitchedBackend(Options(), torch.device("cpu")))
     try:
         assert isinstance(resident.dit.weights[BLOCK_LINEAR], QuantizedWeight)
         assert streamed.streamer is not None and switched.streamer is not None
@@ -168,7 +155,7 @@ def test_forward_streamed_equals_resident_and_tracks_the_unquantized_model(tiny_
             c = switched.dit(**_inputs(ckpt.dit, seed))
             for got_a, got_b, got_c, ref in zip(a, b, c, want, strict=True):
                 assert torch.equal(got_a, got_b) and torch.equal(got_a, got_c)
-                assert _rel(got_a, ref) <= FORWARD_BOUND[fmt]
+                assert rel_l2(got_a, ref) <= FORWARD_BOUND[fmt]
         counts = switched.dit.backend.gemm.counts
         assert counts[f"{fmt}-dequantized"] == 2 * 56 and counts[fmt] == 0
     finally:
@@ -178,8 +165,8 @@ def test_forward_streamed_equals_resident_and_tracks_the_unquantized_model(tiny_
 
 def test_bf16_compute_streams_the_stored_bytes(tiny_distill, quantized):
     ckpt = open_checkpoint(quantized["nvfp4"])
-    base = _runtime(open_checkpoint(tiny_distill), torch.bfloat16, max_resident=0)
-    resident, streamed = _runtime(ckpt, torch.bfloat16), _runtime(ckpt, torch.bfloat16, max_resident=0)
+    base = tiny_dit(open_checkpoint(tiny_distill), "cpu", torch.bfloat16, max_resident=0)
+    resident, streamed = tiny_dit(ckpt, "cpu", torch.bfloat16), tiny_dit(ckpt, "cpu", torch.bfloat16, max_resident=0)
     try:
         w = resident.dit.weights[BLOCK_LINEAR]
         assert w.dtype == torch.bfloat16 and w.qdata.dtype == torch.uint8 and w.scale_2.dtype == torch.float32
@@ -332,13 +319,9 @@ def test_an_interrupted_run_leaves_nothing(tiny_distill, tmp_path, monkeypatch):
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("fmt", FORMATS)
 def test_stored_gemm_runs_on_gpu(quantized, fmt):
-    ckpt = open_checkpoint(_written(quantized, fmt))
-    kw = dict(budget_bytes=1 << 40, tokens=(100, 10))
+    ckpt = open_checkpoint(quantized[fmt])
     fast = SwitchedBackend(Options().replace(gemm_min_rows=1), torch.device("cuda"))
-    runs = [
-        build_dit(ckpt.transformer_files, ckpt.dit, torch.device("cuda"), torch.bfloat16, backend=b, **kw)
-        for b in (None, fast)
-    ]
+    runs = [tiny_dit(ckpt, "cuda", torch.bfloat16, backend=b) for b in (None, fast)]
     try:
         inputs = {k: v.cuda() for k, v in _inputs(ckpt.dit, 0, torch.bfloat16).items()}
         dequantized, stored = (rt.dit(**inputs) for rt in runs)
@@ -346,7 +329,7 @@ def test_stored_gemm_runs_on_gpu(quantized, fmt):
         if fmt == "fp8" or (fmt == "mxfp8" and blockscaled):
             assert fast.gemm.counts[fmt] == 56 and f"{fmt}-dequantized" not in fast.gemm.counts
             for a, b in zip(stored, dequantized, strict=True):
-                assert _rel(a, b) <= 0.06  # the activations are quantized too (≈2.5% per layer)
+                assert rel_l2(a, b) <= 0.06  # the activations are quantized too (≈2.5% per layer)
         else:
             # nvfp4 layers (without K6_GEMM=nvfp4), and mxfp8 layers without block-scaled MMA, are dequantized on the
             # GPU and multiplied by cuBLAS: the same computation as the reference backend's, so the same bits.

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import io
 import threading
-import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -17,6 +16,7 @@ from typing import Any
 import numpy as np
 import PIL.Image
 import pytest
+import server_testing
 
 from k6fast.server.config import ServerConfig
 from k6fast.server.jobs import JobFiles, JobSpec, JobStore
@@ -220,12 +220,7 @@ class Ingress:
         self.dispatcher.start()
 
     def until(self, check: Callable[[], Any], what: str) -> Any:
-        deadline = time.monotonic() + DEADLINE_S
-        while time.monotonic() < deadline:
-            if value := check():
-                return value
-            time.sleep(0.01)
-        raise AssertionError(f"timed out waiting for {what}")
+        return server_testing.until(check, what, DEADLINE_S)
 
     def finished(self, status: str) -> Any:
         """The job once it has `status` and the dispatcher is done with it (metrics counted, files settled)."""

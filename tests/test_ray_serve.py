@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from server_testing import until
+import server_testing
 
 from k6fast.media import probe_mp4
 from k6fast.server.config import ServerConfig
@@ -49,6 +49,11 @@ RESTART_S = 60.0  # from killing the ingress to its jobs running again (Serve no
 SMALL = {"size": "64x64", "seconds": "0.167", "extra_body": {"num_inference_steps": 2}}  # 5 frames, 2 steps
 # A job of a few seconds on the tiny model (~10 ms a step on one core), long enough to act on mid-job.
 LONG = {"size": "64x64", "seconds": "0.167", "extra_body": {"num_inference_steps": 400}}
+
+
+def until(check: Any, what: str, timeout: float = DEADLINE_S) -> Any:
+    """server_testing.until with this file's longer deadline: Ray's start and Serve's restarts take longer."""
+    return server_testing.until(check, what, timeout)
 
 
 class FaultyPipeline:

@@ -29,6 +29,7 @@ from dataclasses import dataclass
 
 import pytest
 import triton
+from kernel_testing import W1_TOKENS
 from triton import knobs
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
@@ -59,7 +60,7 @@ def spill_bound(name: str, variant: int | None = None) -> int:
     return SPILL_BOUNDS.get((name, variant), MAX_SPILL_STORES)
 
 
-W1_TOKENS, DIM, FF_DIM = 50220, 4096, 16384
+DIM, FF_DIM = 4096, 16384
 
 
 @dataclass(frozen=True)

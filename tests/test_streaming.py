@@ -4,13 +4,13 @@ from __future__ import annotations
 
 import pytest
 import torch
+from dit_testing import tiny_dit
 from safetensors import safe_open
 
 from k6fast.checkpoint import open_checkpoint
 from k6fast.safetensors_index import index_safetensors
 from k6fast.stream.plan import RESERVE_BYTES, GiB, plan_residency
 from k6fast.stream.reader import FileReader, torch_dtype
-from k6fast.stream.runtime import build_dit
 
 
 def _inputs(cfg, seed: int = 0):
@@ -21,18 +21,6 @@ def _inputs(cfg, seed: int = 0):
         pooled_projections=torch.randn(1, cfg.in_text_dim2, generator=g),
         timestep=torch.tensor([500.0]),
         audio_hidden_states=torch.randn(1, 4, cfg.in_audio_dim, generator=g),
-    )
-
-
-def _runtime(ckpt, **kwargs):
-    return build_dit(
-        ckpt.transformer_files,
-        ckpt.dit,
-        torch.device("cpu"),
-        torch.float32,
-        budget_bytes=1 << 40,
-        tokens=(100, 10),
-        **kwargs,
     )
 
 
@@ -56,8 +44,8 @@ def test_reader_returns_the_file_bytes(tiny_distill) -> None:
 @pytest.mark.parametrize(("max_resident", "prefetch"), [(0, 1), (1, 1), (0, 2)])
 def test_streamed_forward_is_bit_identical_to_resident(tiny_distill, max_resident: int, prefetch: int) -> None:
     ckpt = open_checkpoint(tiny_distill)
-    resident = _runtime(ckpt)
-    streamed = _runtime(ckpt, max_resident=max_resident, prefetch=prefetch)
+    resident = tiny_dit(ckpt)
+    streamed = tiny_dit(ckpt, max_resident=max_resident, prefetch=prefetch)
     try:
         assert resident.streamer is None and streamed.streamer is not None
         assert streamed.plan.resident_blocks == max_resident
@@ -72,7 +60,7 @@ def test_streamed_forward_is_bit_identical_to_resident(tiny_distill, max_residen
 
 def test_an_interrupted_forward_does_not_desynchronise_the_stream(tiny_distill) -> None:
     ckpt = open_checkpoint(tiny_distill)
-    resident, streamed = _runtime(ckpt), _runtime(ckpt, max_resident=0)
+    resident, streamed = tiny_dit(ckpt), tiny_dit(ckpt, max_resident=0)
     try:
         blocks = streamed.dit.blocks
         blocks.begin_forward()
@@ -115,10 +103,9 @@ def test_planner_refuses_a_budget_too_small_to_stream() -> None:
 def test_bf16_streamed_forward_matches_resident_and_fp32(tiny_distill) -> None:
     # The GPU path runs bf16 with fp32 modulation/time/pooled layers; this checks the dtype plumbing on CPU.
     ckpt = open_checkpoint(tiny_distill)
-    kw = dict(budget_bytes=1 << 40, tokens=(100, 10))
-    fp32 = build_dit(ckpt.transformer_files, ckpt.dit, torch.device("cpu"), torch.float32, **kw)
-    bf16 = build_dit(ckpt.transformer_files, ckpt.dit, torch.device("cpu"), torch.bfloat16, **kw)
-    streamed = build_dit(ckpt.transformer_files, ckpt.dit, torch.device("cpu"), torch.bfloat16, max_resident=0, **kw)
+    fp32 = tiny_dit(ckpt, "cpu", torch.float32)
+    bf16 = tiny_dit(ckpt, "cpu", torch.bfloat16)
+    streamed = tiny_dit(ckpt, "cpu", torch.bfloat16, max_resident=0)
     try:
         assert bf16.dit.weights["video_time_embeddings.timestep_embedder.linear_1.weight"].dtype == torch.float32
         assert bf16.dit.weights["video_pooled_text_embeddings.in_layer.weight"].dtype == torch.float32

@@ -28,16 +28,10 @@ from k6fast.testing.tokenizers import QWEN_CROP_START, QWEN_SPECIAL_TOKENS, qwen
 
 
 @pytest.fixture(scope="module")
-def checkpoints(tiny_checkpoints: dict[str, Path]) -> dict[str, Path]:
-    """The session's tiny checkpoints (conftest.py): `make_tiny(dir, variant, seed=0)` for both variants."""
-    return tiny_checkpoints
-
-
-@pytest.fixture(scope="module")
-def pipelines(checkpoints: dict[str, Path]) -> dict:
+def pipelines(tiny_checkpoints: dict[str, Path]) -> dict:
     from diffusers import Kandinsky6TI2VAPipeline
 
-    return {variant: Kandinsky6TI2VAPipeline.from_pretrained(path) for variant, path in checkpoints.items()}
+    return {variant: Kandinsky6TI2VAPipeline.from_pretrained(path) for variant, path in tiny_checkpoints.items()}
 
 
 def _files(root: Path) -> dict[str, bytes]:
@@ -49,8 +43,8 @@ def _read_json(path: Path) -> dict:
 
 
 @pytest.mark.parametrize("variant", ["distill", "base"])
-def test_layout_matches_a_diffusers_checkpoint(checkpoints: dict[str, Path], variant: str) -> None:
-    root = checkpoints[variant]
+def test_layout_matches_a_diffusers_checkpoint(tiny_checkpoints: dict[str, Path], variant: str) -> None:
+    root = tiny_checkpoints[variant]
     index = _read_json(root / "model_index.json")
     assert index["_class_name"] == "Kandinsky6TI2VAPipeline"
     assert {k: v for k, v in index.items() if not k.startswith("_")} == {
@@ -83,8 +77,8 @@ def test_layout_matches_a_diffusers_checkpoint(checkpoints: dict[str, Path], var
 
 
 @pytest.mark.parametrize("variant", ["distill", "base"])
-def test_configs_agree_across_components(checkpoints: dict[str, Path], variant: str) -> None:
-    root = checkpoints[variant]
+def test_configs_agree_across_components(tiny_checkpoints: dict[str, Path], variant: str) -> None:
+    root = tiny_checkpoints[variant]
     dit = _read_json(root / "transformer" / "config.json")
     vae = _read_json(root / "vae" / "config.json")
     audio_vae = _read_json(root / "audio_vae" / "config.json")
@@ -119,7 +113,7 @@ def test_configs_agree_across_components(checkpoints: dict[str, Path], variant: 
 
 
 def test_same_seed_same_bytes_other_seed_other_weights(
-    tmp_path: Path, checkpoints: dict[str, Path], monkeypatch: pytest.MonkeyPatch
+    tmp_path: Path, tiny_checkpoints: dict[str, Path], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     rng_state = torch.random.get_rng_state()
     (tmp_path / "again").mkdir()  # an existing empty folder is accepted
@@ -127,7 +121,7 @@ def test_same_seed_same_bytes_other_seed_other_weights(
     other = make_tiny(tmp_path / "other", "distill", seed=1)
     assert torch.equal(torch.random.get_rng_state(), rng_state), "building must leave the global RNG alone"
 
-    reference = _files(checkpoints["distill"])
+    reference = _files(tiny_checkpoints["distill"])
     assert _files(again) == reference
     other_files = _files(other)
     assert other_files.keys() == reference.keys()

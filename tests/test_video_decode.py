@@ -13,6 +13,7 @@ import contextlib
 
 import pytest
 import torch
+from pipeline_testing import one_thread
 
 from k6fast import video_decode as vd
 from k6fast.vae import decode_video, load_video_vae
@@ -80,10 +81,8 @@ def _smooth_latents(t: int, h: int, w: int) -> torch.Tensor:
 @pytest.fixture(scope="module", autouse=True)
 def _one_thread():
     # Many small convolutions per decode: on shared cores, one thread spends a third of the CPU time two do.
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+    with one_thread():
+        yield
 
 
 @pytest.fixture(scope="module")

@@ -1,0 +1,22 @@
+"""Shared by the tests that build the streaming DiT runtime on a tiny checkpoint: one build whose budget no tiny
+checkpoint reaches, so every block stays resident unless the test caps `max_resident`."""
+
+from __future__ import annotations
+
+import torch
+
+from k6fast.checkpoint import Checkpoint
+from k6fast.stream.runtime import DiTRuntime, build_dit
+
+UNLIMITED_BUDGET_BYTES = 1 << 40
+TOKENS = (100, 10)  # (video, audio) tokens the activations are sized for: more than any tiny-test geometry has
+
+
+def tiny_dit(
+    ckpt: Checkpoint, device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32, **kwargs
+) -> DiTRuntime:
+    """build_dit for `ckpt`'s transformer on `device` computing in `dtype`; `kwargs` (max_resident, prefetch,
+    backend) go to build_dit as they are."""
+    return build_dit(
+        ckpt.transformer_files, ckpt.dit, device, dtype, budget_bytes=UNLIMITED_BUDGET_BYTES, tokens=TOKENS, **kwargs
+    )
