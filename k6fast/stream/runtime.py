@@ -3,11 +3,12 @@ uploaded once, the rest streamed."""
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from torch import Tensor
 
 from ..allocator import resolve_device
 from ..dit.backend import Backend
@@ -28,15 +29,67 @@ from .streamer import BlockStreamer, MixedBlocks
 
 @dataclass
 class DiTRuntime:
+    """The DiT on its device, with the inputs of its residency plan kept so that each request can be planned for its
+    own geometry (`fit`): a larger request than the one the runtime was built for streams more blocks, and the
+    blocks it sent away come back for the next smaller one."""
+
     dit: K6DiT
-    plan: ResidencyPlan
+    plan: ResidencyPlan  # the plan in force now
+    base_plan: ResidencyPlan  # the plan for the geometry the runtime was built for: at most this many stay resident
     streamer: BlockStreamer | None
     reader: FileReader
+    index: Mapping[str, TensorLocation]
+    cfg: DiTConfig
+    device: torch.device
+    dtype: torch.dtype
+    planner: Callable[[tuple[int, int]], ResidencyPlan]  # (video, audio) tokens -> the plan at that geometry
+
+    def plan_for(self, tokens: tuple[int, int]) -> ResidencyPlan:
+        """The plan a request of `tokens` runs under: its own geometry's, never more resident blocks than the base
+        plan's (a small request keeps the blocks where they are). Raises ResidencyError when it cannot fit."""
+        plan = self.planner(tokens)
+        if plan.resident_blocks >= self.base_plan.resident_blocks:
+            return self.base_plan
+        return plan
+
+    def fit(self, tokens: tuple[int, int]) -> ResidencyPlan:
+        """Put the DiT under `plan_for(tokens)`: resident blocks beyond it leave the device and stream, blocks it
+        holds resident again are uploaded. The slots and staging are rebuilt only when the plan changes."""
+        plan = self.plan_for(tokens)
+        if plan == self.plan:
+            return plan
+        blocks = self.dit.blocks
+        keep = plan.resident_blocks
+        for i in [b for b in blocks.resident if b >= keep]:
+            del blocks.resident[i]
+        missing = [loc for name, loc in sorted(self.index.items()) if (b := block_of(name)) is not None
+                   and self.plan.resident_blocks <= b < keep]  # fmt: skip
+        if self.streamer is not None:
+            self.streamer.close()
+            self.streamer = None
+        blocks.resident.update(_by_block(upload(self.reader, missing, self.device, self.dtype), keep))
+        if plan.streamed_blocks:
+            self.streamer = BlockStreamer(
+                self.index, self.reader, self.cfg.num_visual_blocks, keep, plan.slots, self.device, self.dtype
+            )
+        blocks.streamer = self.streamer
+        self.plan = plan
+        return plan
 
     def close(self) -> None:
         if self.streamer is not None:
             self.streamer.close()
         self.reader.close()
+
+
+def _by_block(weights: Mapping[str, Tensor], below: int) -> dict[int, dict[str, Tensor]]:
+    """Uploaded block tensors grouped per fused block (names relative to the block), blocks < `below` only."""
+    out: dict[int, dict[str, Tensor]] = {}
+    for name, tensor in weights.items():
+        b = block_of(name)
+        if b is not None and b < below:
+            out.setdefault(b, {})[name[len(f"{BLOCK_PREFIX}{b}.") :]] = tensor
+    return out
 
 
 def _activation_profile(backend: Backend | None, index: Mapping[str, TensorLocation]) -> dict[str, bool]:
@@ -69,30 +122,33 @@ def build_dit(
     index = index_safetensors(files)
     fixed_bytes, block_bytes = index_footprint(index, cfg.num_visual_blocks, dtype.itemsize)
     profile = _activation_profile(backend, index)
-    plan = plan_residency(
-        budget_bytes=budget_bytes,
-        fixed_bytes=fixed_bytes,
-        block_bytes=block_bytes,
-        num_blocks=cfg.num_visual_blocks,
-        activation_bytes=activation_estimate(
-            tokens[0], tokens[1], cfg.model_dim, cfg.model_dim_a, ff_dim=cfg.ff_dim, **profile
-        ),
-        prefetch=prefetch,
-        max_resident=max_resident,
-    )
+
+    def planner(at: tuple[int, int]) -> ResidencyPlan:
+        return plan_residency(
+            budget_bytes=budget_bytes,
+            fixed_bytes=fixed_bytes,
+            block_bytes=block_bytes,
+            num_blocks=cfg.num_visual_blocks,
+            activation_bytes=activation_estimate(
+                at[0], at[1], cfg.model_dim, cfg.model_dim_a, ff_dim=cfg.ff_dim, **profile
+            ),
+            prefetch=prefetch,
+            max_resident=max_resident,
+        )
+
+    plan = planner(tokens)
     reader = FileReader({loc.file for loc in index.values()})
     resident_names = [
         loc for name, loc in sorted(index.items()) if (b := block_of(name)) is None or b < plan.resident_blocks
     ]
     weights = upload(reader, resident_names, device, dtype)
-    resident = {
-        i: {k[len(f"{BLOCK_PREFIX}{i}.") :]: v for k, v in weights.items() if block_of(k) == i}
-        for i in range(plan.resident_blocks)
-    }
+    resident = _by_block(weights, plan.resident_blocks)
+    # The fused blocks' tensors live in `resident` only, so that a block sent to the stream by `fit` frees its memory.
+    fixed = {name: t for name, t in weights.items() if block_of(name) is None}
     streamer = None
     if plan.streamed_blocks:
         streamer = BlockStreamer(index, reader, cfg.num_visual_blocks, plan.resident_blocks, plan.slots, device, dtype)
-    dit = K6DiT(cfg, weights, backend=backend, blocks=MixedBlocks(resident, streamer))
+    dit = K6DiT(cfg, fixed, backend=backend, blocks=MixedBlocks(resident, streamer))
     if compile_blocks:
         dit.compile_blocks()
-    return DiTRuntime(dit, plan, streamer, reader)
+    return DiTRuntime(dit, plan, plan, streamer, reader, index, cfg, device, dtype, planner)

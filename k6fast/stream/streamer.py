@@ -101,7 +101,6 @@ class BlockStreamer:
         self._generation = 0
         self._error: BaseException | None = None
         self._stop = False
-        self.timings: list[BlockTiming] = []
         self._pending: list[tuple] = []  # released blocks of the forwards since the last collect_timings
         self._in_flight: tuple | None = None  # the block handed out by `get`, not yet released
         self._thread = threading.Thread(target=self._run, name="k6-stream", daemon=True)
@@ -213,7 +212,8 @@ class BlockStreamer:
         self._pending.clear()
 
     def collect_timings(self) -> list[BlockTiming]:
-        """Resolve the events of the forwards since the last call (synchronises the device once)."""
+        """Resolve the events of the forwards since the last call (synchronises the device once). Nothing is kept
+        here: the caller's per-request telemetry owns them, so a server that runs for weeks does not grow."""
         if not self.cuda or not self._pending:
             return []
         torch.cuda.synchronize(self.device)
@@ -222,7 +222,6 @@ class BlockStreamer:
             copy_s = copy[0].elapsed_time(copy[1]) / 1e3 if copy is not None else 0.0
             out.append(BlockTiming(block, copy_s, after.elapsed_time(done) / 1e3, before.elapsed_time(after) / 1e3))
         self._pending.clear()
-        self.timings.extend(out)
         return out
 
     def close(self) -> None:
