@@ -18,11 +18,12 @@ import logging
 import os
 from typing import TYPE_CHECKING
 
+from .memory import OUTSIDE_ALLOCATOR_BYTES, GiB
+
 if TYPE_CHECKING:
     import torch
 
 logger = logging.getLogger(__name__)
-GiB = 2**30
 
 ENV = "PYTORCH_CUDA_ALLOC_CONF"
 SETTING = "expandable_segments:True"
@@ -68,12 +69,6 @@ def resolve_device(device: torch.device | str) -> torch.device:
     if device.type == "cuda" and device.index is None:
         return torch.device("cuda", torch.cuda.current_device())
     return device
-
-
-# What CUDA adds outside PyTorch's caching allocator once work starts (cuBLAS/cuDNN handles, kernel images of Triton
-# and flash-attn-4). The full-size acceptance run saw nvidia-smi's use exceed the allocator's reserved peak by the
-# CUDA context plus this much (measurements/sessions/2026-12-01_acceptance-full).
-OUTSIDE_ALLOCATOR_BYTES = GiB // 2
 
 
 def device_budget(device: torch.device, budget_gb: float) -> int:

@@ -77,7 +77,8 @@ def test_activation_estimate_covers_a_pro_blocks_measured_peak_gpu(arm: str) -> 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_the_whole_card_means_what_is_free_less_what_cuda_adds_gpu(caplog) -> None:
-    from k6fast.allocator import OUTSIDE_ALLOCATOR_BYTES, device_budget
+    from k6fast.allocator import device_budget
+    from k6fast.memory import OUTSIDE_ALLOCATOR_BYTES
 
     device = torch.device("cuda", torch.cuda.current_device())
     free, total = torch.cuda.mem_get_info(device)

@@ -9,11 +9,11 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
 from ..dit.config import held_itemsize
+from ..memory import PLANNER_RESERVE_BYTES, GiB
 from ..safetensors_index import TensorLocation
 
 BLOCK_PREFIX = "visual_transformer_blocks."
 
-GiB = 2**30
 # Peak activation bytes of one fused block per (video token x model_dim) for k6fast's exact BF16 block: the fp32
 # AdaLN temporaries (x.float(), the normalised copy, the affine result: 12 bytes) and the feed-forward's 4x-wide
 # hidden state and GELU output (16 bytes) on top of the bf16 stream, plus what the runtime keeps beside the blocks
@@ -26,8 +26,7 @@ ACTIVATION_BYTES_PER_TOKEN_DIM = 36
 # head-major bf16 copies of q, k and v (6 x model_dim) and their 8-bit forms (3 x model_dim).
 FP8_GEMM_EXTRA_PER_DIM = 1  # x (ff_dim + model_dim)
 QUANT_ATTENTION_EXTRA_PER_DIM = 9  # x model_dim
-# What the allocator, cuBLAS/cuDNN workspaces and the CUDA context take outside our tensors.
-RESERVE_BYTES = 2 * GiB
+RESERVE_BYTES = PLANNER_RESERVE_BYTES  # the planner's share of the one memory budget (k6fast/memory.py)
 
 
 class ResidencyError(ValueError):

@@ -10,14 +10,10 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from ..memory import decode_reserve, decode_workspace
 from .decoder import _Conv, _first_streamable, _fusable, _Geom, _geometry, _Op, decoder_ops
 from .norm_stats import _NORM_BLOCK_BYTES
 
-# Room left in the budget for cuDNN's workspace and the caching allocator's rounding.
-_RESERVE_FRACTION = 0.08
-_RESERVE_MIN_BYTES = 256 << 20
-# ... and at most this much: workspaces and rounding do not grow with the budget (an unbudgeted CPU run has 2^62 B).
-_RESERVE_MAX_BYTES = 4 << 30
 # The reach of a tile edge's replicate padding counted over every convolution left (114 output pixels from the mid
 # block on) is a worst-case bound; its effect fades within a few pixels per level. Past this cap the blend ramp, not
 # exclusion, absorbs what remains: tiles stream with their own statistics, already not exact.
@@ -301,8 +297,7 @@ def _plan(
         raise ValueError(f"split must be in [{first}, {len(ops)}) (after the attention), found {split}")
     geoms = _geometry(ops, t, h, w)
     elt = torch.empty((), dtype=dtype or vae.dtype).element_size()
-    reserve = min(_RESERVE_MAX_BYTES, max(_RESERVE_MIN_BYTES, int(budget_bytes * _RESERVE_FRACTION)))
-    workspace = max(64 << 20, min(1 << 30, budget_bytes // 16))
+    reserve, workspace = decode_reserve(budget_bytes), decode_workspace(budget_bytes)
     out_bytes = geoms[-1].t * geoms[-1].h * geoms[-1].w * 3 * 4
     usable = budget_bytes - reserve - out_bytes
 
