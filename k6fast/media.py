@@ -1,7 +1,8 @@
-"""MP4 writing and reading: H.264 + mono AAC muxed with PyAV, string metadata, atomic writes.
+"""MP4 writing: H.264 + mono AAC muxed with PyAV, string metadata, atomic writes.
 
-`write_mp4` is the only way k6fast puts a clip on disk; `probe_mp4` and `read_mp4` read one back for tests and the
-quality gate. What a written file guarantees:
+`write_mp4` (all frames at once) and `Mp4Writer` (frames handed over as they are made, the same file byte for byte)
+are the only ways k6fast puts a clip on disk; `probe_mp4` and `read_mp4` (media_read.py, re-exported here) read one
+back for tests and the quality gate. What a written file guarantees:
 
 - video: H.264 (libx264), yuv420p, BT.709 limited range, tagged as such, constant frame rate `fps`;
 - audio: AAC-LC mono at `sample_rate`, exactly round(T / fps * sample_rate) samples long as declared by the
@@ -18,7 +19,6 @@ from __future__ import annotations
 import contextlib
 import numbers
 from collections.abc import Mapping
-from dataclasses import dataclass, field
 from fractions import Fraction
 from pathlib import Path
 from typing import Literal
@@ -29,8 +29,9 @@ from av.video.reformatter import ColorRange, Colorspace
 
 from .atomic import atomic_path
 from .cancel import StopCheck, check_stop
+from .media_read import Mp4Info, probe_mp4, read_mp4
 
-__all__ = ["Mp4Info", "prepare_audio", "probe_mp4", "read_mp4", "write_mp4"]
+__all__ = ["Mp4Info", "Mp4Writer", "prepare_audio", "probe_mp4", "read_mp4", "write_mp4"]
 
 # crf 18 is x264's usual "visually lossless" point. K6 clips are short (5 s at 864x480 is a few MB at crf 18),
 # so size is no concern, and a low crf keeps the quality gate measuring the model rather than the codec.
@@ -106,209 +107,175 @@ def write_mp4(
     The clip is written to a hidden temporary file next to `path` (faststart rewrites the file in a second pass, so
     it must be a real seekable file on the same filesystem), flushed to disk, then renamed over `path`. On any error
     the temporary file is removed and `path` is left as it was. All inputs are validated before anything is created.
+    `Mp4Writer` writes the same file from frames handed over a few at a time.
     """
-    path = Path(path)
     rgb = _check_frames(frames)
-    rate = _check_fps(fps)
-    tags = _check_metadata(metadata)
-    wave: np.ndarray | None = None
-    if audio is not None:
-        if (
-            isinstance(sample_rate, bool)
-            or not isinstance(sample_rate, numbers.Integral)
-            or sample_rate not in _AAC_RATES
-        ):
-            raise ValueError(f"write_mp4: expected sample_rate to be one AAC supports {_AAC_RATES}, got {sample_rate}")
-        sample_rate = int(sample_rate)
-        wave = _fit_audio(_check_audio(audio), rgb.shape[0], rate, sample_rate)
-    if not path.parent.is_dir():
-        raise FileNotFoundError(f"write_mp4: expected an existing directory for {path}, found none")
-    if path.is_dir():
-        raise IsADirectoryError(f"write_mp4: expected a file path, {path} is a directory")
+    t, h, w, _ = rgb.shape
+    with Mp4Writer(path, t, h, w, fps, audio, sample_rate, metadata, should_stop) as writer:
+        writer.write(rgb)
 
-    # atomic_path fsyncs the file and the rename: a job recorded as done must still find its clip after a crash.
-    with atomic_path(path) as tmp:
-        options = {"movflags": "+faststart+use_metadata_tags"}
-        if wave is not None:
-            # Edit lists are written in the movie timescale (1000 by default): the audio one, which trims the AAC
-            # priming and padding, would cut the declared length to whole milliseconds (up to 44 samples short).
-            options["movie_timescale"] = str(sample_rate)
-        container = av.open(str(tmp), "w", format="mp4", options=options)
+
+class Mp4Writer:
+    """`write_mp4` with the frames handed over a few at a time, as they are made: the file is byte for byte the one
+    `write_mp4` writes for the same frames, audio, metadata and settings (the same encoder calls in the same order).
+
+    num_frames, height, width: the clip's frame count and size, known up front (the audio is fitted to the clip's
+    duration and interleaved with the frames as they are encoded). The other arguments are `write_mp4`'s.
+    `write(frames)` encodes the next frames; `close()` finishes the file (all num_frames written) and renames it
+    over `path`; `abort()` (or any error, or leaving a `with` block by an exception) removes the temporary file and
+    leaves `path` as it was. Not thread-safe: one thread at a time (not necessarily the one that made it).
+    """
+
+    def __init__(
+        self,
+        path: str | Path,
+        num_frames: int,
+        height: int,
+        width: int,
+        fps: float,
+        audio: np.ndarray | None = None,
+        sample_rate: int = 44100,
+        metadata: Mapping[str, str] | None = None,
+        should_stop: StopCheck | None = None,
+    ):
+        path = Path(path)
+        _check_size(num_frames, height, width)
+        rate = _check_fps(fps)
+        tags = _check_metadata(metadata)
+        wave: np.ndarray | None = None
+        if audio is not None:
+            if (
+                isinstance(sample_rate, bool)
+                or not isinstance(sample_rate, numbers.Integral)
+                or sample_rate not in _AAC_RATES
+            ):
+                raise ValueError(
+                    f"write_mp4: expected sample_rate to be one AAC supports {_AAC_RATES}, got {sample_rate}"
+                )
+            sample_rate = int(sample_rate)
+            wave = _fit_audio(_check_audio(audio), num_frames, rate, sample_rate)
+        if not path.parent.is_dir():
+            raise FileNotFoundError(f"write_mp4: expected an existing directory for {path}, found none")
+        if path.is_dir():
+            raise IsADirectoryError(f"write_mp4: expected a file path, {path} is a directory")
+        self.path, self.num_frames, self.written = path, num_frames, 0
+        self._shape = (height, width, 3)
+        self._rate, self._wave, self._sample_rate, self._should_stop = rate, wave, sample_rate, should_stop
+        self._audio_pos = 0
+        self._container: av.container.OutputContainer | None = None
+        # atomic_path fsyncs the file and the rename: a job recorded as done must still find its clip after a crash.
+        self._atomic = atomic_path(path)
+        tmp = self._atomic.__enter__()
         try:
-            _mux(container, rgb, rate, wave, sample_rate, tags, should_stop)
-        except BaseException:
+            options = {"movflags": "+faststart+use_metadata_tags"}
+            if wave is not None:
+                # Edit lists are written in the movie timescale (1000 by default): the audio one, which trims the
+                # AAC priming and padding, would cut the declared length to whole milliseconds (up to 44 samples
+                # short).
+                options["movie_timescale"] = str(sample_rate)
+            self._container = av.open(str(tmp), "w", format="mp4", options=options)
+            self._vstream, self._astream = _add_streams(self._container, height, width, rate, wave, sample_rate, tags)
+        except BaseException as exc:
+            self.abort(exc)
+            raise
+
+    def __enter__(self) -> Mp4Writer:
+        return self
+
+    def __exit__(self, kind, exc, tb) -> None:
+        if exc is None:
+            self.close()
+        else:
+            self.abort(exc)
+
+    def write(self, frames: np.ndarray) -> None:
+        """Encode the next frames: uint8 [n, H, W, 3] RGB (n >= 1, at most the frames still to come), interleaved
+        with the audio up to the end of each frame."""
+        self._check_open()
+        try:
+            if not isinstance(frames, np.ndarray) or frames.dtype != np.uint8 or frames.shape[1:] != self._shape:
+                found = (
+                    f"{frames.dtype} {list(frames.shape)}" if isinstance(frames, np.ndarray) else type(frames).__name__
+                )
+                raise ValueError(
+                    f"Mp4Writer.write: expected uint8 frames [n, {', '.join(map(str, self._shape))}], got {found}"
+                )
+            if not 1 <= len(frames) <= self.num_frames - self.written:
+                raise ValueError(
+                    f"Mp4Writer.write: expected 1 to {self.num_frames - self.written} more frames (of "
+                    f"{self.num_frames}), got {len(frames)}"
+                )
+            container, t, rate = self._container, self.num_frames, self._rate
+            for rgb in frames:
+                i = self.written
+                check_stop(self._should_stop, "mux", f"before frame {i + 1} of {t}")
+                frame = _video_frame(np.ascontiguousarray(rgb))
+                frame.pts, frame.time_base = i, 1 / rate
+                for packet in self._vstream.encode(frame):
+                    container.mux(packet)
+                self.written += 1
+                if self._astream is not None:
+                    # Feed audio up to the end of this video frame so the muxer receives both streams in time order
+                    # and the mdat is interleaved (a player streaming the file never has to seek far ahead for audio).
+                    end = min(len(self._wave), round((i + 1) / rate * self._sample_rate))
+                    self._audio_pos = _encode_audio(
+                        container, self._astream, self._wave, self._audio_pos, end, self._sample_rate
+                    )
+        except BaseException as exc:
+            self.abort(exc)
+            raise
+
+    def close(self) -> None:
+        """Flush the encoders, finish the file and rename it over `path`. All num_frames must have been written."""
+        self._check_open()
+        try:
+            if self.written != self.num_frames:
+                raise ValueError(f"Mp4Writer.close: expected {self.num_frames} frames written, got {self.written}")
+            container = self._container
+            for packet in self._vstream.encode(None):
+                container.mux(packet)
+            if self._astream is not None:
+                wave = self._wave
+                _encode_audio(container, self._astream, wave, self._audio_pos, len(wave), self._sample_rate)
+                for packet in self._astream.encode(None):
+                    container.mux(packet)
+            self._container = None
+            container.close()
+        except BaseException as exc:
+            self.abort(exc)
+            raise
+        atomic, self._atomic = self._atomic, None
+        atomic.__exit__(None, None, None)
+
+    def abort(self, exc: BaseException | None = None) -> None:
+        """Give up: close the container, remove the temporary file; `path` is left as it was. Idempotent."""
+        container, self._container = self._container, None
+        atomic, self._atomic = self._atomic, None
+        if container is not None:
             # The original error is the one worth reporting; a second one from tearing down is not.
             with contextlib.suppress(Exception):
                 container.close()
-            raise
-        container.close()
+        if atomic is not None:
+            exc = exc if exc is not None else RuntimeError("MP4 write abandoned")
+            atomic.__exit__(type(exc), exc, exc.__traceback__)  # removes the temporary file; the error is not raised
+
+    def _check_open(self) -> None:
+        if self._atomic is None:
+            raise RuntimeError(f"Mp4Writer: {self.path} is already closed or aborted")
 
 
-@dataclass(frozen=True)
-class Mp4Info:
-    """What `probe_mp4` found in an MP4 file. Audio fields are None when the file has no audio stream.
-
-    video_duration_s and audio_duration_s are the container's stream durations (what a player shows; for audio
-    this is after the encoder's priming and padding are trimmed). frame_count and audio_decoded_samples come from
-    decoding; the decoder emits whole AAC frames, so audio_decoded_samples may exceed the declared length by up to
-    1023 samples. audio_priming_samples is how many leading encoder-delay samples the file tells the decoder to drop
-    (1024 for FFmpeg's AAC encoder); 0 means the priming is played and the audio starts that much late.
-    metadata is every container tag, including the muxer's own (major_brand, minor_version, compatible_brands,
-    encoder). top_level_boxes lists the MP4 box types in file order.
-    """
-
-    video_codec: str
-    pix_fmt: str
-    width: int
-    height: int
-    frame_count: int
-    fps: float
-    video_duration_s: float
-    video_first_pts_s: float
-    audio_codec: str | None
-    audio_channels: int | None
-    audio_sample_rate: int | None
-    audio_duration_s: float | None
-    audio_first_pts_s: float | None
-    audio_decoded_samples: int | None
-    audio_priming_samples: int | None
-    metadata: dict[str, str] = field(hash=False)
-    top_level_boxes: tuple[str, ...]
-    moov_before_mdat: bool
-
-
-def probe_mp4(path: str | Path) -> Mp4Info:
-    """Describe the first video stream, the first audio stream (if any), the tags and the box order of an MP4.
-
-    Decodes every frame and audio packet (frame_count, first pts and sample counts are measured, not trusted from
-    headers), so it costs about as much as `read_mp4`. Raises ValueError if the file has no video stream.
-    """
-    path = Path(path)
-    boxes = _top_level_boxes(path)
-    with av.open(str(path)) as container:
-        tags = dict(container.metadata)
-        if not container.streams.video:
-            raise ValueError(f"probe_mp4: expected a video stream in {path}, found none")
-        vstream = container.streams.video[0]
-        astream = container.streams.audio[0] if container.streams.audio else None
-        frame_count = 0
-        video_first_pts_s: float | None = None
-        audio_first_pts_s: float | None = None
-        audio_decoded_samples = 0
-        first_audio_packet: av.Packet | None = None
-        for packet in container.demux(*(s for s in (vstream, astream) if s is not None)):
-            is_video = packet.stream.index == vstream.index
-            if not is_video and first_audio_packet is None and packet.pts is not None:
-                first_audio_packet = packet
-            for frame in packet.decode():
-                if is_video:
-                    if video_first_pts_s is None:
-                        video_first_pts_s = _seconds(frame.pts, frame.time_base)
-                    frame_count += 1
-                else:
-                    if audio_first_pts_s is None:
-                        audio_first_pts_s = _seconds(frame.pts, frame.time_base)
-                    audio_decoded_samples += frame.samples
-        if frame_count == 0:
-            raise ValueError(f"probe_mp4: expected at least one decodable video frame in {path}, found none")
-        vcc = vstream.codec_context
-        video_codec, pix_fmt, width, height = vcc.name, vcc.format.name, vcc.width, vcc.height
-        declared = _seconds(vstream.duration, vstream.time_base)
-        rate = vstream.average_rate or vstream.guessed_rate
-        if rate is None and declared:
-            rate = Fraction(frame_count) / Fraction(declared)
-        fps = float(rate)
-        video_duration_s = declared if declared is not None else frame_count / fps
-
-        audio_codec = audio_channels = audio_sample_rate = audio_duration_s = audio_priming_samples = None
-        if astream is not None:
-            acc = astream.codec_context
-            audio_codec, audio_channels, audio_sample_rate = acc.name, acc.channels, acc.sample_rate
-            audio_priming_samples = 0
-            if first_audio_packet is not None and first_audio_packet.pts < 0:
-                priming_s = -first_audio_packet.pts * first_audio_packet.time_base
-                audio_priming_samples = round(priming_s * audio_sample_rate)
-            audio_duration_s = _seconds(astream.duration, astream.time_base)
-            if audio_duration_s is None:
-                audio_duration_s = audio_decoded_samples / audio_sample_rate
-        else:
-            audio_decoded_samples = None
-    return Mp4Info(
-        video_codec=video_codec,
-        pix_fmt=pix_fmt,
-        width=width,
-        height=height,
-        frame_count=frame_count,
-        fps=fps,
-        video_duration_s=video_duration_s,
-        video_first_pts_s=video_first_pts_s,
-        audio_codec=audio_codec,
-        audio_channels=audio_channels,
-        audio_sample_rate=audio_sample_rate,
-        audio_duration_s=audio_duration_s,
-        audio_first_pts_s=audio_first_pts_s,
-        audio_decoded_samples=audio_decoded_samples,
-        audio_priming_samples=audio_priming_samples,
-        metadata=tags,
-        top_level_boxes=boxes,
-        moov_before_mdat="moov" in boxes and "mdat" in boxes and boxes.index("moov") < boxes.index("mdat"),
-    )
-
-
-def read_mp4(path: str | Path) -> tuple[np.ndarray, np.ndarray | None, int]:
-    """Decode an MP4 to (frames uint8 [T, H, W, 3] RGB, audio float32 [N] mono or None, sample rate).
-
-    Colour conversion follows the stream's tags (BT.709 limited for files from `write_mp4`). Audio is the first
-    audio stream, channels averaged to mono (a stereo file holding duplicated mono gives that mono back), trimmed to
-    the container's declared duration so the AAC frame padding is not returned; sample i is presented at
-    `probe_mp4(path).audio_first_pts_s + i / sample_rate`. The sample rate is 0 when there is no audio.
-    """
-    path = Path(path)
-    with av.open(str(path)) as container:
-        if not container.streams.video:
-            raise ValueError(f"read_mp4: expected a video stream in {path}, found none")
-        vstream = container.streams.video[0]
-        astream = container.streams.audio[0] if container.streams.audio else None
-        images: list[np.ndarray] = []
-        chunks: list[np.ndarray] = []
-        resampler: av.AudioResampler | None = None
-        for frame in container.decode(*(s for s in (vstream, astream) if s is not None)):
-            if isinstance(frame, av.VideoFrame):
-                images.append(frame.to_ndarray(format="rgb24"))
-                continue
-            if frame.format.name != "fltp":
-                # Format conversion only (same layout and rate), so swresample adds no delay and no mixing.
-                resampler = resampler or av.AudioResampler(format="fltp", layout=frame.layout, rate=frame.rate)
-                converted = resampler.resample(frame)
-            else:
-                converted = [frame]
-            chunks.extend(f.to_ndarray().mean(axis=0, dtype=np.float64) for f in converted)
-        if not images:
-            raise ValueError(f"read_mp4: expected at least one decodable video frame in {path}, found none")
-        frames = np.stack(images)
-        if astream is None:
-            return frames, None, 0
-        sample_rate = astream.codec_context.sample_rate
-        declared = _seconds(astream.duration, astream.time_base)
-    wave = np.concatenate(chunks).astype(np.float32) if chunks else np.zeros(0, np.float32)
-    if declared is not None:
-        wave = wave[: round(declared * sample_rate)]
-    return frames, wave, sample_rate
-
-
-def _mux(
+def _add_streams(
     container: av.container.OutputContainer,
-    rgb: np.ndarray,
+    h: int,
+    w: int,
     rate: Fraction,
     wave: np.ndarray | None,
     sample_rate: int,
     tags: dict[str, str],
-    should_stop: StopCheck | None = None,
-) -> None:
-    """Encode rgb [T, H, W, 3] uint8 and wave [N] float32 into an open mp4 container, interleaved in time order."""
+) -> tuple[av.video.stream.VideoStream, av.audio.stream.AudioStream | None]:
+    """The metadata, the H.264 stream and (with audio) the AAC stream of an open mp4 container."""
     for key, value in tags.items():
         container.metadata[key] = value
-    t, h, w, _ = rgb.shape
     vstream = container.add_stream("libx264", rate=rate, options={"crf": str(_CRF), "preset": _PRESET})
     vstream.width, vstream.height, vstream.pix_fmt = w, h, "yuv420p"
     vcc = vstream.codec_context
@@ -320,25 +287,7 @@ def _mux(
     if wave is not None:
         astream = container.add_stream("aac", rate=sample_rate, layout="mono")
         astream.codec_context.bit_rate = _AAC_BIT_RATE
-
-    audio_pos = 0
-    for i in range(t):
-        check_stop(should_stop, "mux", f"before frame {i + 1} of {t}")
-        frame = _video_frame(np.ascontiguousarray(rgb[i]))
-        frame.pts, frame.time_base = i, 1 / rate
-        for packet in vstream.encode(frame):
-            container.mux(packet)
-        if astream is not None:
-            # Feed audio up to the end of this video frame so the muxer receives both streams in time order and
-            # the mdat is interleaved (a player streaming the file never has to seek far ahead for audio).
-            audio_end = min(len(wave), round((i + 1) / rate * sample_rate))
-            audio_pos = _encode_audio(container, astream, wave, audio_pos, audio_end, sample_rate)
-    for packet in vstream.encode(None):
-        container.mux(packet)
-    if astream is not None:
-        _encode_audio(container, astream, wave, audio_pos, len(wave), sample_rate)
-        for packet in astream.encode(None):
-            container.mux(packet)
+    return vstream, astream
 
 
 def _encode_audio(
@@ -382,6 +331,14 @@ def _check_frames(frames: np.ndarray) -> np.ndarray:
     if h == 0 or w == 0 or h % 2 or w % 2:
         raise ValueError(f"write_mp4: expected even, non-zero H and W (yuv420p subsamples chroma 2x2), got {h}x{w}")
     return frames
+
+
+def _check_size(num_frames: int, height: int, width: int) -> None:
+    for name, value in (("num_frames", num_frames), ("height", height), ("width", width)):
+        if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 1:
+            raise ValueError(f"write_mp4: expected {name} as an integer >= 1, got {value!r}")
+    if height % 2 or width % 2:
+        raise ValueError(f"write_mp4: expected even H and W (yuv420p subsamples chroma 2x2), got {height}x{width}")
 
 
 def _check_fps(fps: float) -> Fraction:
@@ -439,35 +396,3 @@ def _check_metadata(metadata: Mapping[str, str] | None) -> dict[str, str]:
             raise ValueError(f"write_mp4: metadata key {key!r} is written by the muxer itself; choose another key")
         tags[key] = value
     return tags
-
-
-def _top_level_boxes(path: Path) -> tuple[str, ...]:
-    """Types of the top-level ISO BMFF boxes in file order (e.g. ('ftyp', 'moov', 'free', 'mdat'))."""
-    boxes = []
-    size_total = path.stat().st_size
-    with open(path, "rb") as f:
-        offset = 0
-        while offset < size_total:
-            f.seek(offset)
-            header = f.read(8)
-            if len(header) < 8:
-                raise ValueError(f"probe_mp4: expected an 8-byte box header at offset {offset} of {path}, file ends")
-            size = int.from_bytes(header[:4], "big")
-            if size == 1:
-                large = f.read(8)
-                if len(large) < 8:
-                    raise ValueError(f"probe_mp4: expected a 64-bit box size at offset {offset + 8} of {path}")
-                size = int.from_bytes(large, "big")
-            elif size == 0:
-                size = size_total - offset
-            if size < 8:
-                raise ValueError(f"probe_mp4: expected a box size >= 8 at offset {offset} of {path}, found {size}")
-            boxes.append(header[4:8].decode("latin-1"))
-            offset += size
-    return tuple(boxes)
-
-
-def _seconds(pts: int | None, time_base: Fraction | None) -> float | None:
-    if pts is None or time_base is None:
-        return None
-    return float(pts * time_base)

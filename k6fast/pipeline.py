@@ -1,7 +1,8 @@
-"""One request, top to bottom: text → denoise → video decode → audio decode. The pipeline owns which model holds
+"""One request, top to bottom: text → denoise → audio decode → video decode. The pipeline owns which model holds
 the device in each phase: the text encoders are loaded for the text phase and dropped before denoising.
 
-`Pipeline.generate` returns frames and audio in memory; writing the MP4 (with provenance) is `output.py`'s job.
+`Pipeline.generate` returns frames and audio in memory, and hands them to a frame sink as they are decoded if given
+one; writing the MP4 (with provenance) is `output.py`'s job (`generate_to_mp4` encodes while the video decodes).
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from .allocator import configure_runtime, device_budget, resolve_device
 from .cancel import StopCheck, check_stop
 from .checkpoint import Checkpoint, open_checkpoint
 from .dit.backend import SwitchedBackend
+from .frame_sink import FrameSink
 from .request import (
     TEMPORAL_STRIDE,
     W1,
@@ -182,14 +184,23 @@ class Pipeline:
             return None
 
     def _decode_video(
-        self, latents: torch.Tensor, telemetry: Telemetry, should_stop: StopCheck | None = None
+        self,
+        latents: torch.Tensor,
+        telemetry: Telemetry,
+        should_stop: StopCheck | None = None,
+        on_frames: Callable[[int, int, torch.Tensor], None] | None = None,
     ) -> torch.Tensor:
         """latents [1, T, H, W, C] → frames [1, F, 8H, 8W, 3] in [0, 1], by K6_VIDEO_DECODE (see the switch).
-        `should_stop` is checked between the decode's ops (diffusers' tiled decode runs whole)."""
+        `should_stop` is checked between the decode's ops (diffusers' tiled decode runs whole). `on_frames(f0, f1,
+        frames [f1 - f0, 8H, 8W, 3])` is handed the frames as they are final (`decode_video_fast`; all at the end
+        for the tiled decode)."""
         mode = self.options.video_decode
         if mode == "tiled":
             telemetry.video_decode = "tiled (diffusers)"
-            return decode_video(self.vae, latents, tiled=True)
+            frames = decode_video(self.vae, latents, tiled=True)
+            if on_frames is not None:
+                on_frames(0, frames.shape[1], frames[0])
+            return frames
         shape = tuple(latents.shape[1:4])
         plan = self._plan_decode(shape)
         # What the decode may send away when it needs the room: the DiT's resident blocks (the next request reloads
@@ -220,6 +231,7 @@ class Pipeline:
             cudnn_benchmark=cuda,
             triton_norm=cuda,
             should_stop=should_stop,
+            on_frames=on_frames,
         )
 
     def close(self) -> None:
@@ -241,10 +253,12 @@ class Pipeline:
         on_step: Callable[[StepEvent], None] | None = None,
         should_stop: Callable[[], bool] | None = None,
         initial_noise: tuple[torch.Tensor, torch.Tensor | None] | None = None,
+        frame_sink: FrameSink | None = None,
     ) -> Result:
         """Run one request. `initial_noise` (video [1,T,H,W,C], audio [1,L,C]) replaces the seeded draw (tests).
         `should_stop` (k6fast.cancel) is checked before every phase, before every denoising step, between the DiT's
-        fused blocks and between the video decode's ops; `Cancelled` says where it stopped."""
+        fused blocks and between the video decode's ops; `Cancelled` says where it stopped. `frame_sink` (output.py's
+        MP4 sink) is handed the audio, then the frames as the video decode finishes them."""
         steps, guidance = self.resolve(request)
         cfg, device, dtype = self.ckpt.dit, self.device, self.dtype
         telemetry = Telemetry(device=str(device))
@@ -323,12 +337,18 @@ class Pipeline:
         if out.audio is not None:
             denoised["audio"] = out.audio.cpu()
 
-        check_stop(should_stop, "video_decode", "before the video decode")
-        with telemetry.phase("video_decode"):
-            frames = self._decode_video(out.video, telemetry, should_stop)[0].cpu().numpy()
+        # The audio first: a frame sink muxes each frame with the audio up to its end, so it needs the whole waveform
+        # before the first frame (and the audio decode is small next to the video's).
         audio = None
         if out.audio is not None:
             check_stop(should_stop, "audio_decode", "before the audio decode")
             with telemetry.phase("audio_decode"):
                 audio = decode_audio(self.audio_vae, self.vocoder, out.audio)[0].cpu().numpy()
+        check_stop(should_stop, "video_decode", "before the video decode")
+        on_frames = None
+        if frame_sink is not None:
+            frame_sink.begin(request.frames, request.height, request.width, request.fps, audio, self.sample_rate)
+            on_frames = frame_sink.frames
+        with telemetry.phase("video_decode"):
+            frames = self._decode_video(out.video, telemetry, should_stop, on_frames)[0].cpu().numpy()
         return Result(frames, audio, self.sample_rate, request.fps, steps, guidance, telemetry, denoised)

@@ -58,6 +58,11 @@ class Telemetry:
     video_decode: str = ""  # how the video was decoded (the decode plan)
     compile_s: float = 0.0  # torch.compile time spent inside this request's phases (Dynamo + Inductor)
     compiled_graphs: int = 0  # graphs compiled inside them (a recompile is one more)
+    # The MP4 mux (output.py). Streamed, it encodes on its own thread while the video decode goes on, and its
+    # "mux" phase is only the wait after the decode; sequential, it starts after the decode and is all exposed.
+    mux_streamed: bool = False
+    mux_encode_s: float | None = None  # seconds the encoder worked (frame conversion, encode, finishing the file)
+    mux_exposed_s: float | None = None  # seconds from the last decoded frame to the finished MP4
     # Restart CUDA's peak counters per phase. Off where work runs outside any phase (a peer's denoising loop, timed
     # between phases): there the caller reads the whole request's peak itself.
     per_phase_peaks: bool = True
@@ -124,6 +129,9 @@ class Telemetry:
             "video_decode": self.video_decode,
             "compile_s": round(self.compile_s, 3),
             "compiled_graphs": self.compiled_graphs,
+            "mux_streamed": self.mux_streamed,
+            "mux_encode_s": None if self.mux_encode_s is None else round(self.mux_encode_s, 6),
+            "mux_exposed_s": None if self.mux_exposed_s is None else round(self.mux_exposed_s, 6),
             "peak_host_rss_bytes": peak_host_rss_bytes(),
         }
 
@@ -143,6 +151,11 @@ class Telemetry:
             lines.append(f"streaming: copies {copy:.2f} s, exposed {exposed:.3f} s, hidden {share}")
         if self.video_decode:
             lines.append(f"video decode: {self.video_decode}")
+        if self.mux_exposed_s is not None:
+            how = "streamed beside the video decode" if self.mux_streamed else "after the video decode"
+            lines.append(
+                f"mux: {how}, encoding {self.mux_encode_s:.2f} s, {self.mux_exposed_s:.2f} s of it after the last frame"
+            )
         if self.compiled_graphs:
             lines.append(f"torch.compile: {self.compiled_graphs} graphs in {self.compile_s:.1f} s")
         if self.peak_vram_bytes:

@@ -196,6 +196,42 @@ def test_failed_overwrite_keeps_existing_file(tmp_path: Path, monkeypatch: pytes
     assert path.read_bytes() == before
 
 
+@pytest.mark.parametrize("audio", [True, False])
+def test_mp4_writer_in_chunks_writes_the_bytes_write_mp4_writes(tmp_path: Path, audio: bool) -> None:
+    # 13 frames in chunks of 1, 4, 5 and 3 (the chunks a streamed decode hands over), against all at once.
+    frames, wave = _frames(t=13), _tone(SR // 3) if audio else None
+    whole, chunked = tmp_path / "whole.mp4", tmp_path / "chunked.mp4"
+    write_mp4(whole, frames, FPS, wave, SR, {"k6fast.commit": "abc"})
+    with media.Mp4Writer(chunked, 13, H, W, FPS, wave, SR, {"k6fast.commit": "abc"}) as writer:
+        for start, stop in ((0, 1), (1, 5), (5, 10), (10, 13)):
+            assert not chunked.exists()  # published only when closed
+            writer.write(frames[start:stop])
+    assert chunked.read_bytes() == whole.read_bytes()
+    assert _listing(tmp_path) == ["chunked.mp4", "whole.mp4"]
+
+
+def test_mp4_writer_refuses_wrong_frames_and_an_early_close_and_leaves_the_old_file(tmp_path: Path) -> None:
+    path = tmp_path / "clip.mp4"
+    path.write_bytes(b"the previous clip")
+
+    def attempt(use) -> None:
+        writer = media.Mp4Writer(path, 6, H, W, FPS, _tone(SR // 4), SR)
+        assert len(_listing(tmp_path)) == 2  # the temporary file beside the old clip
+        use(writer)
+
+    with pytest.raises(ValueError, match=rf"expected uint8 frames \[n, {H}, {W}, 3\], got uint8 \[2, {H}, 32, 3\]"):
+        attempt(lambda w: w.write(_frames(t=2, w=32)))
+    with pytest.raises(ValueError, match=r"expected 1 to 6 more frames \(of 6\), got 7"):
+        attempt(lambda w: w.write(_frames(t=7)))
+    with pytest.raises(ValueError, match="expected 6 frames written, got 4"):
+        attempt(lambda w: (w.write(_frames(t=4)), w.close()))
+    with pytest.raises(RuntimeError, match="already closed or aborted"):
+        attempt(lambda w: (w.abort(), w.write(_frames(t=1))))
+    with pytest.raises(ValueError, match="num_frames as an integer >= 1, got 0"):
+        media.Mp4Writer(path, 0, H, W, FPS)
+    assert _listing(tmp_path) == ["clip.mp4"] and path.read_bytes() == b"the previous clip"
+
+
 def test_written_file_mode_follows_umask(tmp_path: Path) -> None:
     path = tmp_path / "clip.mp4"
     write_mp4(path, _frames(t=2), FPS)

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 
 import torch
 from torch import Tensor, nn
@@ -67,9 +67,12 @@ def _decode_sample(
     ctx: _Ctx,
     out: Tensor,
     frozen: Mapping[str, _Moments] | None,
+    finished: Callable[[int, int], None],
 ) -> dict[str, _Moments]:
-    """z [1, C, T, H, W] (unscaled, post_quant_conv applied) → raw decoder output accumulated into out [F, H, W, 3].
-    Returns the GroupNorm statistics the decode used (whole-clip ones when the plan is exact)."""
+    """z [1, C, T, H, W] (unscaled, post_quant_conv applied) → the decoder output accumulated into out [F, H, W, 3].
+    finished(f0, f1) is called, in order and once per frame, as soon as frames [f0, f1) of `out` hold their final
+    value: chunk by chunk of the last op's convolution, over the last spatial tile (the earlier tiles have been
+    blended in by then). Returns the GroupNorm statistics the decode used (whole-clip ones when the plan is exact)."""
     ops = decoder_ops(vae)
     fusions = _check_fusions(ops, plan)
     scale = _geometry(ops, *z.shape[2:])[-1].s_ratio
@@ -78,6 +81,7 @@ def _decode_sample(
     def emit_whole(stream: _Stream, t0: int, t1: int, y: Tensor) -> None:
         f0 = stream.frames_out
         out[f0 + t0 : f0 + t1].copy_(y[0].permute(1, 2, 3, 0))
+        finished(f0 + t0, f0 + t1)
 
     ctx.emit = emit_whole
     x = _run(ops[: plan.split], z, prefix, ctx, fusions)
@@ -97,12 +101,13 @@ def _decode_sample(
     row_w = dict(zip(rows, _edge_weights(rows, plan.halo, out.device), strict=True))
     col_w = dict(zip(cols, _edge_weights(cols, plan.halo, out.device), strict=True))
     moments: dict[str, _Moments] = dict(prefix.moments)
-    for r0, r1, c0, c1 in plan.tiles:
+    for n, (r0, r1, c0, c1) in enumerate(plan.tiles):
         rs, cs = (r0 * ratio, r1 * ratio), (c0 * ratio, c1 * ratio)
         wr, wc = row_w[rs], col_w[cs]
         weight = None if wr is None and wc is None else _outer(wr, wc, rs, cs, out.device)
+        last = n + 1 == len(plan.tiles)
 
-        def emit_tile(stream: _Stream, t0: int, t1: int, y: Tensor, rs=rs, cs=cs, weight=weight) -> None:
+        def emit_tile(stream: _Stream, t0: int, t1: int, y: Tensor, rs=rs, cs=cs, weight=weight, last=last) -> None:
             f0 = stream.frames_out
             region = out[f0 + t0 : f0 + t1, rs[0] : rs[1], cs[0] : cs[1]]
             frames = y[0].permute(1, 2, 3, 0)
@@ -110,6 +115,8 @@ def _decode_sample(
                 region.copy_(frames)
             else:
                 region.addcmul_(frames, weight)
+            if last:
+                finished(f0 + t0, f0 + t1)
 
         ctx.emit = emit_tile
         stream = _Stream(frozen)
@@ -141,11 +148,12 @@ def _decode(
     max_chunk_frames: int | None = None,
     raw: bool = False,
     should_stop: StopCheck | None = None,
+    on_frames: Callable[[int, int, Tensor], None] | None = None,
 ) -> tuple[Tensor, dict[str, _Moments]]:
     """`decode_video_fast` with an explicit plan; also returns the GroupNorm statistics of the last sample.
     For tests: `frozen` replaces running statistics with given ones (the whole-clip ones make any plan exact);
     `max_chunk_frames` caps the frames of every chunk; `raw` returns the decoder's output as is (in [-1, 1] but
-    neither shifted nor clamped). `should_stop`: see `decode_video_fast`."""
+    neither shifted nor clamped). `should_stop`, `on_frames`: see `decode_video_fast`."""
     if layout not in LAYOUTS:
         raise ValueError(f"layout must be one of {', '.join(LAYOUTS)}, found {layout!r}")
     if latents.ndim != 5 or latents.shape[-1] != vae.config.latent_channels:
@@ -153,6 +161,8 @@ def _decode(
     b, t, h, w, _ = latents.shape
     if (t, h, w) != plan.latent_shape:
         raise ValueError(f"expected latents of (T, H, W) {plan.latent_shape} as planned, found {(t, h, w)}")
+    if on_frames is not None and b != 1:
+        raise ValueError(f"on_frames hands over the frames of one clip: expected a batch of 1, found {b}")
     device, dtype = vae.device, vae.dtype
     z = latents.to(device).permute(0, 4, 1, 2, 3).to(dtype) / vae.config.scaling_factor  # [B, C, T, H, W]
     from ..kernels.groupnorm_silu import groupnorm_silu, groupnorm_silu_ref
@@ -169,8 +179,34 @@ def _decode(
     with _cudnn_benchmark(cudnn_benchmark) if device.type == "cuda" else contextlib.nullcontext():
         for i in range(b):
             zi = vae.post_quant_conv(z[i : i + 1]).contiguous(memory_format=ctx.memory_format)
-            moments = _decode_sample(vae, zi, plan, ctx, out[i], frozen)
-    return (out if raw else out.mul_(0.5).add_(0.5).clamp_(0, 1)), moments
+            finished = _Finisher(out[i], frames, raw, on_frames)
+            moments = _decode_sample(vae, zi, plan, ctx, out[i], frozen, finished)
+            finished.check_done()
+    return out, moments
+
+
+class _Finisher:
+    """Takes frames of one sample's output out[F, H, W, 3] as the decode finishes them: maps the decoder's [-1, 1]
+    to [0, 1] (unless raw) on those frames only, elementwise and so exactly as over the whole clip at once, and hands
+    them to on_frames(f0, f1, frames)."""
+
+    def __init__(self, out: Tensor, frames: int, raw: bool, on_frames: Callable[[int, int, Tensor], None] | None):
+        self.out, self.frames, self.raw, self.on_frames = out, frames, raw, on_frames
+        self.done = 0
+
+    def __call__(self, f0: int, f1: int) -> None:
+        if f0 != self.done or not f0 < f1 <= self.frames:
+            raise RuntimeError(f"video decode: frames finished out of order: [{f0}, {f1}) after {self.done}")
+        self.done = f1
+        region = self.out[f0:f1]
+        if not self.raw:
+            region.mul_(0.5).add_(0.5).clamp_(0, 1)
+        if self.on_frames is not None:
+            self.on_frames(f0, f1, region)
+
+    def check_done(self) -> None:
+        if self.done != self.frames:
+            raise RuntimeError(f"video decode: expected {self.frames} frames finished, found {self.done}")
 
 
 def decode_video_fast(
@@ -185,6 +221,7 @@ def decode_video_fast(
     upsample_fusion: str = "auto",
     plan: VideoDecodePlan | None = None,
     should_stop: StopCheck | None = None,
+    on_frames: Callable[[int, int, Tensor], None] | None = None,
 ) -> Tensor:
     """latents [B, T, H, W, C] (scaled) → frames fp32 [B, F, 8H, 8W, 3] in [0, 1], F = 4(T-1)+1: the output of
     `k6fast.vae.decode_video`, without diffusers' overlapping tiles.
@@ -200,6 +237,10 @@ def decode_video_fast(
     (kernels/groupnorm_silu.py) instead of PyTorch's three passes through fp32. Samples of a batch are decoded one
     after another. `should_stop` (k6fast.cancel) is checked before every op of every slab and tile: when it says
     stop, `Cancelled` is raised and the decode's buffers are dropped with it.
+    `on_frames(f0, f1, frames)` (a batch of 1 only) is handed frames [f0, f1) of the output as soon as they are final
+    (frames: fp32 [f1 - f0, 8H, 8W, 3] in [0, 1], a view of the returned tensor on the VAE's device): in order, each
+    frame once, chunk by chunk of the last op. So a whole-clip decode hands them over during its last op only (every
+    GroupNorm before it needs the whole clip's statistics), a streamed one slab by slab of its last tile.
     """
     if latents.ndim != 5:
         raise ValueError(f"expected latents [B, T, H, W, C], found {tuple(latents.shape)}")
@@ -224,5 +265,6 @@ def decode_video_fast(
         cudnn_benchmark=cudnn_benchmark,
         triton_norm=triton_norm,
         should_stop=should_stop,
+        on_frames=on_frames,
     )
     return frames
