@@ -16,8 +16,9 @@ import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from .fit import largest_frames
 from .request import W1, dit_tokens
-from .stream.plan import GiB, activation_estimate, index_footprint, plan_residency
+from .stream.plan import GiB, ResidencyError, activation_estimate, activation_profile, index_footprint, plan_residency
 
 GB = 1e9
 # The Pro DiT in BF16 (60 fused blocks, text blocks, embeddings): the size a user would download.
@@ -106,19 +107,65 @@ def measure_read(path: Path, nbytes: int = 512 << 20) -> tuple[float, str]:
     return done / seconds / GB, f"{done / 2**20:.0f} MiB of {path.name}, cached pages dropped first"
 
 
-def dit_plan(model: Path, budget_bytes: int) -> dict:
-    """The residency plan the runtime would make at W1 for this checkpoint and budget (bf16 compute, exact arm)."""
+# The sizes whose longest clip `k6fast doctor` reports per arm: the headline size and the largest the server takes.
+CAPACITY_SIZES = ((864, 480), (1280, 720))
+
+
+def dit_plan(model: Path, budget_bytes: int, gpu: Gpu | None = None) -> dict:
+    """The residency plan the runtime would make at W1 for this checkpoint and budget (bf16 compute, exact arm), and
+    per arm the longest clip whose DiT phase fits at each of CAPACITY_SIZES (the runtime's own check; the exact video
+    decode is checked per request on top)."""
     from .checkpoint import open_checkpoint
     from .safetensors_index import index_safetensors
 
     ckpt = open_checkpoint(model)
     cfg = ckpt.dit
-    fixed, block = index_footprint(index_safetensors(ckpt.transformer_files), cfg.num_visual_blocks, 2)
-    activations = activation_estimate(*W1_TOKENS, cfg.model_dim, cfg.model_dim_a, ff_dim=cfg.ff_dim)
-    plan = plan_residency(budget_bytes=budget_bytes, fixed_bytes=fixed, block_bytes=block,
-                          num_blocks=cfg.num_visual_blocks, activation_bytes=activations)  # fmt: skip
+    index = index_safetensors(ckpt.transformer_files)
+    fixed, block = index_footprint(index, cfg.num_visual_blocks, 2)
+
+    def planner(tokens: tuple[int, int], profile: dict[str, bool] | None = None):
+        activations = activation_estimate(*tokens, cfg.model_dim, cfg.model_dim_a, ff_dim=cfg.ff_dim, **(profile or {}))
+        return plan_residency(budget_bytes=budget_bytes, fixed_bytes=fixed, block_bytes=block,
+                              num_blocks=cfg.num_visual_blocks, activation_bytes=activations)  # fmt: skip
+
+    stored_fp8 = any(loc.dtype == "F8_E4M3" for loc in index.values())
+    capacity = {arm: _arm_capacity(arm, planner, stored_fp8, gpu) for arm in _arm_names()}
     stored = sum(f.stat().st_size for f in ckpt.transformer_files)
-    return {"variant": ckpt.variant, "dit_file_bytes": stored, **plan.as_dict(), "describe": plan.describe()}
+    try:
+        plan = planner(W1_TOKENS)
+    except ResidencyError as exc:
+        return {"variant": ckpt.variant, "dit_file_bytes": stored, "describe": f"at W1: {exc}", "capacity": capacity}
+    return {"variant": ckpt.variant, "dit_file_bytes": stored, **plan.as_dict(), "describe": plan.describe(),
+            "capacity": capacity}  # fmt: skip
+
+
+def _arm_names() -> list[str]:
+    from .switches.arms import list_arms
+
+    return list_arms()
+
+
+def _arm_capacity(arm: str, planner, stored_fp8: bool, gpu: Gpu | None) -> dict[str, int | None]:
+    """{"WxH": the most frames of a clip at that size whose DiT phase fits, None when none does} for `arm` on `gpu`."""
+    from .dit.arch import Target, resolve_for
+    from .switches import load_options
+
+    if gpu is None:
+        target = Target("cpu", None)
+    else:
+        major, _, minor = gpu.compute_capability.partition(".")
+        target = Target(gpu.name, (int(major), int(minor or 0)), gpu.geforce)
+    options = resolve_for(load_options({}, arm=arm), target)
+    profile = activation_profile(options.gemm, options.attn, stored_fp8)
+
+    def fits(w: int, h: int, f: int) -> bool:
+        try:
+            planner(dit_tokens(w, h, f), profile)
+        except ResidencyError:
+            return False
+        return True
+
+    return {f"{w}x{h}": largest_frames(fits, w, h) for w, h in CAPACITY_SIZES}
 
 
 def advise(report: Report, dit_bytes: int, plan: dict | None) -> list[str]:
@@ -136,9 +183,14 @@ def advise(report: Report, dit_bytes: int, plan: dict | None) -> list[str]:
     budget = gpu.memory_bytes
     out.append(f"budget: the whole card, {budget / GiB:.1f} GiB (K6_VRAM_BUDGET_GB=0); lower it by what the display "
                "and other programs hold")  # fmt: skip
-    if plan is not None:
+    if plan is not None and "resident_blocks" in plan:
         out.append(f"residency at W1: {plan['resident_blocks']} of {plan['num_blocks']} blocks resident, the rest "
                    f"streamed through {plan['slots']} slots")  # fmt: skip
+    for arm, sizes in (plan or {}).get("capacity", {}).items():
+        longest = ", ".join(
+            f"{size} up to {frames} frames" if frames else f"{size} none" for size, frames in sizes.items()
+        )
+        out.append(f"largest clip, arm {arm}: {longest} (a larger request is refused before any work)")
     cache_room = report.host_ram_bytes - PROCESS_HOST_BYTES
     fp8_bytes = int(dit_bytes * 0.58)
     if dit_bytes > cache_room:
@@ -149,7 +201,7 @@ def advise(report: Report, dit_bytes: int, plan: dict | None) -> list[str]:
     else:
         out.append(f"page cache: the DiT's {dit_bytes / GB:.0f} GB fit in {report.host_ram_bytes / GB:.0f} GB of RAM "
                    "after the first request")  # fmt: skip
-    if report.read_gb_s is not None and plan is not None:
+    if report.read_gb_s is not None and plan is not None and "resident_blocks" in plan:
         streamed = (plan["num_blocks"] - plan["resident_blocks"]) * plan["block_bytes"]
         out.append(f"disk: {report.read_gb_s:.2f} GB/s; a step that misses the page cache reads "
                    f"{streamed / GB:.0f} GB: {streamed / GB / report.read_gb_s:.1f} s of reading per step")  # fmt: skip
@@ -166,7 +218,7 @@ def run_doctor(model: str | None = None, budget_gb: float = 0.0, measure: bool =
     dit_bytes = PRO_DIT_BF16_BYTES
     if model and Path(model).is_dir():
         budget = int(budget_gb * GiB) if budget_gb > 0 else (report.gpus[0].memory_bytes if report.gpus else 32 * GiB)
-        report.plan = dit_plan(Path(model), budget)
+        report.plan = dit_plan(Path(model), budget, report.gpus[0] if report.gpus else None)
         dit_bytes = report.plan["dit_file_bytes"]
         if measure:
             from .checkpoint import open_checkpoint
@@ -191,6 +243,9 @@ def render(report: Report) -> str:
     if report.plan is not None:
         lines.append(f"checkpoint: {report.plan['variant']}, DiT {report.plan['dit_file_bytes'] / GB:.1f} GB")
         lines.append(report.plan["describe"])
+        for arm, sizes in report.plan.get("capacity", {}).items():
+            longest = ", ".join(f"{size} up to {n} frames" if n else f"{size} none" for size, n in sizes.items())
+            lines.append(f"largest clip, arm {arm}: {longest} (a larger request is refused before any work)")
     lines += [f"- {a}" for a in report.advice]
     return "\n".join(lines)
 

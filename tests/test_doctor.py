@@ -6,6 +6,8 @@ import stat
 import subprocess
 import sys
 
+import torch
+
 from k6fast.doctor import GB, Gpu, Report, advise, dit_plan, measure_read, read_gpus, render, run_doctor
 from k6fast.stream.plan import GiB
 
@@ -70,3 +72,34 @@ def test_read_speed_and_a_whole_report(tiny_distill, tmp_path) -> None:
     text = render(report)
     assert report.plan is not None and report.read_gb_s is not None and report.host_ram_bytes > GB
     assert "residency plan" in text and "checkpoint read speed" in text
+
+
+def test_the_largest_clip_per_arm_is_what_the_runtime_accepts(tiny_distill) -> None:
+    """The doctor's per-arm capacity, from the headers alone, equals the longest clip the pipeline itself lets
+    through at the same budget (its DiT check; the decode is streamed here so that only the DiT decides)."""
+    from k6fast.checkpoint import open_checkpoint
+    from k6fast.fit import largest_frames
+    from k6fast.pipeline import Pipeline
+    from k6fast.request import dit_tokens
+    from k6fast.safetensors_index import index_safetensors
+    from k6fast.stream.plan import RESERVE_BYTES, activation_estimate, index_footprint
+    from k6fast.switches import load_options
+
+    cfg = open_checkpoint(tiny_distill).dit
+    fixed, block = index_footprint(index_safetensors(open_checkpoint(tiny_distill).transformer_files),
+                                   cfg.num_visual_blocks, 2)  # fmt: skip
+    act = activation_estimate(*dit_tokens(864, 480, 41), cfg.model_dim, cfg.model_dim_a, ff_dim=cfg.ff_dim)
+    budget_gb = (fixed + act + RESERVE_BYTES + 2 * block) / GiB + 1e-6
+    report = run_doctor(str(tiny_distill), budget_gb, measure=False)
+    capacity = report.plan["capacity"]
+    assert set(capacity) >= {"reference", "final", "fast"}
+    assert capacity["reference"]["864x480"] == 41
+    env = {"K6_VRAM_BUDGET_GB": repr(budget_gb), "K6_VIDEO_DECODE": "streamed"}
+    pipe = Pipeline(tiny_distill, load_options(env), device="cpu", dtype=torch.bfloat16)
+    try:
+        for size in ("864x480", "1280x720"):
+            w, h = map(int, size.split("x"))
+            assert largest_frames(pipe.fits, w, h) == capacity["reference"][size]
+    finally:
+        pipe.close()
+    assert "largest clip, arm reference: 864x480 up to 41 frames" in render(report)

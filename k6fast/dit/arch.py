@@ -26,10 +26,10 @@ import functools
 import importlib.util
 import logging
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-import torch
-
-from ..kernels.fallback import is_geforce
+if TYPE_CHECKING:  # torch only where a device is asked about: `k6fast doctor` resolves the arms without it
+    import torch
 
 logger = logging.getLogger(__name__)
 
@@ -54,6 +54,10 @@ TARGETS = (
 
 
 def target_of(device: torch.device) -> Target:
+    import torch
+
+    from ..kernels.fallback import is_geforce
+
     if device.type != "cuda":
         return Target(device.type, None)
     major, minor = torch.cuda.get_device_capability(device)

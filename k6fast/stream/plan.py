@@ -134,6 +134,13 @@ def activation_estimate(
     return per_token * video_tokens + ACTIVATION_BYTES_PER_TOKEN_DIM * audio_tokens * model_dim_a
 
 
+def activation_profile(gemm: str, attn: str, stored_fp8: bool) -> dict[str, bool]:
+    """Which lossy kernels hold activations beyond the exact block's, from the GEMM and attention kinds that run
+    (after `auto` is resolved): fp8 GEMMs (whatever K6_GEMM says when the checkpoint stores e4m3 weights) and
+    quantized attention. `activation_estimate`'s keyword arguments."""
+    return {"fp8_gemm": gemm == "fp8" or stored_fp8, "quant_attention": attn != "exact"}
+
+
 def plan_residency(
     *,
     budget_bytes: int,

@@ -19,6 +19,7 @@ from .plan import (
     BLOCK_PREFIX,
     ResidencyPlan,
     activation_estimate,
+    activation_profile,
     block_of,
     index_footprint,
     plan_residency,
@@ -93,13 +94,10 @@ def _by_block(weights: Mapping[str, Tensor], below: int) -> dict[int, dict[str, 
 
 
 def _activation_profile(backend: Backend | None, index: Mapping[str, TensorLocation]) -> dict[str, bool]:
-    """Which lossy kernels run, for the activation estimate: the switched backend's resolved choices (a plain
-    ExactBackend runs neither), and fp8 GEMMs whenever the checkpoint stores e4m3 weights (they run whatever
-    K6_GEMM says)."""
+    """`activation_profile` of the switched backend's resolved choices (a plain ExactBackend runs neither)."""
     gemm = getattr(getattr(backend, "gemm", None), "kind", "bf16")
     attn = getattr(getattr(backend, "attn", None), "kind", "exact")
-    stored_fp8 = any(loc.dtype == "F8_E4M3" for loc in index.values())
-    return {"fp8_gemm": gemm == "fp8" or stored_fp8, "quant_attention": attn != "exact"}
+    return activation_profile(gemm, attn, any(loc.dtype == "F8_E4M3" for loc in index.values()))
 
 
 def build_dit(
