@@ -20,8 +20,10 @@ from .allocator import configure_runtime, device_budget, resolve_device
 from .cancel import StopCheck, check_stop
 from .checkpoint import Checkpoint, open_checkpoint
 from .dit.backend import SwitchedBackend
+from .fit import oversize_message
 from .frame_sink import FrameSink
 from .request import (
+    SPATIAL_MULTIPLE,
     TEMPORAL_STRIDE,
     W1,
     Request,
@@ -31,7 +33,7 @@ from .request import (
     resolve_request,
 )
 from .sampler import StepEvent, sample
-from .stream.plan import RESERVE_BYTES
+from .stream.plan import RESERVE_BYTES, ResidencyError
 from .stream.runtime import DiTRuntime, build_dit
 from .switches import Options
 from .telemetry import Telemetry
@@ -124,11 +126,52 @@ class Pipeline:
 
     def _load_dit(self) -> None:
         if self.runtime is None:
-            self.runtime = build_dit(
-                self.ckpt.transformer_files, self.ckpt.dit, self.device, self.dtype, **self._dit_args
-            )
+            files, cfg = self.ckpt.transformer_files, self.ckpt.dit
+            try:
+                self.runtime = build_dit(files, cfg, self.device, self.dtype, **self._dit_args)
+            except ResidencyError as exc:
+                # The base geometry does not fit this budget: plan for the smallest request instead, so that what
+                # does fit can run; `resolve` refuses the rest, naming what fits.
+                logger.warning("%s; planning residency for the smallest request instead", exc)
+                self._dit_args["tokens"] = dit_tokens(SPATIAL_MULTIPLE, SPATIAL_MULTIPLE, 1)
+                self.runtime = build_dit(files, cfg, self.device, self.dtype, **self._dit_args)
             self.dit = self.runtime.dit
             self.runtime_plan = self.runtime.plan  # kept when the DiT leaves the device (the plan does not change)
+            self._dit_planner = self.runtime.planner
+
+    def fits(self, width: int, height: int, frames: int) -> bool:
+        """Whether a request of this geometry fits the VRAM budget: the DiT with every block streamed if need be,
+        and (K6_VIDEO_DECODE=exact) the whole-clip decode beside the decoders. Arithmetic only."""
+        return self._dit_fits(width, height, frames) and self._exact_decode_fits(width, height, frames)
+
+    def _dit_fits(self, width: int, height: int, frames: int) -> bool:
+        try:
+            self._dit_planner(dit_tokens(width, height, frames))
+        except ResidencyError:
+            return False
+        return True
+
+    def _exact_decode_fits(self, width: int, height: int, frames: int) -> bool:
+        if self.options.video_decode != "exact":
+            return True
+        shape = ((frames - 1) // TEMPORAL_STRIDE + 1, height // 8, width // 8)
+        try:
+            return plan_video_decode(self.vae, shape, budget_bytes=self.budget_bytes - self._decoder_bytes).exact
+        except ValueError:
+            return False
+
+    def check_fits(self, request: Request) -> None:
+        """Refuse, before any work, a request that cannot fit this pipeline's budget, naming what fits instead."""
+        if not self.fits(request.width, request.height, request.frames):
+            w, h, f = request.width, request.height, request.frames
+            budget = f"the VRAM budget of {self.budget_bytes / 2**30:.1f} GiB (K6_VRAM_BUDGET_GB)"
+            message = oversize_message(self.fits, w, h, f, budget)
+            if self._dit_fits(w, h, f) and not self._exact_decode_fits(w, h, f):
+                message += (
+                    "; the exact video decode is what does not fit: K6_VIDEO_DECODE=streamed (slabs with running "
+                    "GroupNorm statistics) or tiled would fit a larger clip"
+                )
+            raise RequestError(message)
 
     def _drop_dit(self) -> None:
         if self.runtime is not None:
@@ -156,25 +199,6 @@ class Pipeline:
         if self._text is not None:
             self._text.close()
             self._text = None
-
-    def _check_decode_fits(self, request: Request) -> None:
-        """Refuse up front a request whose exact decode cannot fit even with only the decoders on the device, rather
-        than after its denoising."""
-        if self.options.video_decode != "exact":
-            return
-        shape = ((request.frames - 1) // TEMPORAL_STRIDE + 1, request.height // 8, request.width // 8)
-        room = self.budget_bytes - self._decoder_bytes
-        try:
-            exact = plan_video_decode(self.vae, shape, budget_bytes=room).exact
-        except ValueError:
-            exact = False
-        if not exact:
-            raise RequestError(
-                f"the exact video decode of {request.width}x{request.height}x{request.frames} does not fit the "
-                f"{room / 2**30:.1f} GiB the VRAM budget leaves beside the decoders; expected a larger "
-                "K6_VRAM_BUDGET_GB, a smaller geometry, or K6_VIDEO_DECODE=streamed (slabs with running GroupNorm "
-                "statistics) or tiled"
-            )
 
     def _plan_decode(self, shape: tuple[int, int, int]) -> VideoDecodePlan | None:
         """The decode's plan inside what the budget leaves now; None where not even a streamed decode fits."""
@@ -243,8 +267,10 @@ class Pipeline:
         return int(self.audio_vae.config.sample_rate)
 
     def resolve(self, request: Request) -> tuple[int, float]:
-        """Validate the request against the checkpoint; returns (steps, guidance)."""
-        return resolve_request(self.ckpt, self.options, request)
+        """Validate the request against the checkpoint and this pipeline's budget; returns (steps, guidance)."""
+        resolved = resolve_request(self.ckpt, self.options, request)
+        self.check_fits(request)
+        return resolved
 
     @torch.no_grad()
     def generate(
@@ -268,7 +294,6 @@ class Pipeline:
         # (image posterior, video, audio) is the reference pipeline's.
         generator = torch.Generator("cpu").manual_seed(request.seed)
 
-        self._check_decode_fits(request)
         check_stop(should_stop, "text_encode", "before the text encoders")
         if self.dit_leaves_for_text:
             self._drop_dit()
@@ -282,6 +307,11 @@ class Pipeline:
             check_stop(should_stop, "dit_load", "before loading the DiT")
             with telemetry.phase("dit_load"):
                 self._load_dit()
+        # This request's own residency: a larger geometry than the base streams more blocks (and a later smaller
+        # one brings them back); the time it takes is the request's "dit_fit" phase.
+        if self.runtime.plan_for(dit_tokens(request.width, request.height, request.frames)) != self.runtime.plan:
+            with telemetry.phase("dit_fit"):
+                self.runtime.fit(dit_tokens(request.width, request.height, request.frames))
 
         first_frame = None
         if request.image is not None:

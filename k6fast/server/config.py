@@ -98,6 +98,39 @@ class ServerConfig:
         return self.data_dir / "jobs.sqlite3"
 
 
+@dataclass(frozen=True)
+class Limits:
+    """The request limits `k6fast serve` starts with when none are given: the API's largest on a GPU (what a request
+    there may ask for; what the VRAM budget cannot fit is refused per request, naming what fits), and on the CPU
+    what the tiny test checkpoints finish in about a minute, not hours (a 1280x720 CPU request's first step alone
+    ran for minutes)."""
+
+    max_size: tuple[int, int]
+    max_frames: int
+    max_steps: int
+    default_size: tuple[int, int]
+    default_seconds: str
+
+    def describe(self) -> str:
+        return (f"max size {fmt_size(self.max_size)}, max {self.max_frames} frames, max {self.max_steps} steps, "
+                f"default {fmt_size(self.default_size)} for {self.default_seconds} s")  # fmt: skip
+
+
+GPU_LIMITS = Limits((1280, 720), 241, 100, (864, 480), "5")
+CPU_LIMITS = Limits((256, 256), 33, 20, (256, 144), "1")
+
+
+def device_limits(cpu: bool, **given: object) -> Limits:
+    """The limits for this device, with each one the user gave (not None) in place of its default."""
+    base = CPU_LIMITS if cpu else GPU_LIMITS
+    return Limits(**{name: given.get(name) if given.get(name) is not None else getattr(base, name)
+                     for name in Limits.__dataclass_fields__})  # fmt: skip
+
+
+def limits_of(config: ServerConfig) -> Limits:
+    return Limits(config.max_size, config.max_frames, config.max_steps, config.default_size, config.default_seconds)
+
+
 def fmt_size(size: tuple[int, int]) -> str:
     return f"{size[0]}x{size[1]}"
 
