@@ -34,6 +34,7 @@ from .. import __version__
 from ..switches import Options, provenance
 from .body import read_fields
 from .config import ServerConfig
+from .datadir import own_data_dir
 from .errors import ApiError, error_body
 from .images import decode_image
 from .jobs import (
@@ -44,11 +45,11 @@ from .jobs import (
     JobStore,
     QueueFull,
     UnknownJob,
-    make_private_dir,
     new_job_id,
     write_image,
 )
 from .metrics import CONTENT_TYPE, Metrics
+from .storage import INSUFFICIENT_STORAGE, is_disk_full
 from .validation import parse_create, parse_list_query, parse_variant, resolve_spec
 from .worker import Worker, load_pipeline
 
@@ -122,7 +123,7 @@ class ServerState:
         self._decode_slot = threading.BoundedSemaphore(1)
 
     def start(self) -> None:
-        make_private_dir(self.config.data_dir)
+        own_data_dir(self.config.data_dir)  # refuses a folder that holds what the server did not write (datadir.py)
         self._lock.acquire()
         try:
             self.store = JobStore(self.config.jobs_db, clock=self._clock)
@@ -229,6 +230,9 @@ class ServerState:
         except QueueFull as exc:  # filled up while this upload was decoded
             self.files.remove(job_id)
             raise self.queue_full(exc.depth) from None
+        except BaseException:  # not stored (a full disk, for one): nor is its input
+            self.files.remove(job_id)
+            raise
         self.worker.notify()
         return job
 
@@ -237,6 +241,15 @@ class ServerState:
         if job is None:
             raise not_found(video_id)
         return job
+
+
+def insufficient_storage(what: str) -> ApiError:
+    """507: the data directory's disk is full (storage.py); `what` says what could not be stored."""
+    return ApiError(
+        507,
+        f"the server's disk is full, so {what}; retry once there is room (deleting finished videos frees it)",
+        code=INSUFFICIENT_STORAGE,
+    )
 
 
 def not_found(video_id: str) -> ApiError:
@@ -346,12 +359,17 @@ def create_app(
             if detailed and state.load_error:
                 status["error"] = state.load_error
             return JSONResponse(status, status_code=503, headers={"Retry-After": str(_LOADING_RETRY_S)})
+        # Still 200 when degraded: the server answers and frees space on DELETE; `reason` says what is wrong.
+        problem = state.files.storage.problem
+        status = {"status": "degraded"} if problem else {"status": "ok"}
         if not detailed:  # alive and ready, and nothing about what it serves
-            return JSONResponse({"status": "ok"})
+            return JSONResponse(status)
+        if problem:
+            status["reason"] = problem
         pipeline = state.pipeline
         return JSONResponse(
             {
-                "status": "ok",
+                **status,
                 "model": config.served_model_name,
                 "variant": pipeline.ckpt.variant,
                 "device": str(pipeline.device),
@@ -370,8 +388,14 @@ def create_app(
     @app.post("/v1/videos", dependencies=[Depends(authenticate)])
     async def create_video(request: Request) -> JSONResponse:
         require_ready()
-        fields = await read_fields(request, config.max_upload_bytes, config.body_timeout_s)
-        job = await run_in_threadpool(state.accept, fields)
+        try:
+            fields = await read_fields(request, config.max_upload_bytes, config.body_timeout_s)
+            job = await run_in_threadpool(state.accept, fields)
+        except Exception as exc:
+            if not is_disk_full(exc):
+                raise
+            state.files.storage.full()
+            raise insufficient_storage("this job could not be stored") from None
         return JSONResponse(video_object(job), headers=poll_headers)
 
     @app.get("/v1/videos", dependencies=[Depends(authenticate)])
@@ -423,7 +447,18 @@ def create_app(
 
     @app.delete("/v1/videos/{video_id}", dependencies=[Depends(authenticate)])
     def delete_video(video_id: str) -> JSONResponse:
-        job = state.store.delete(video_id) if JOB_ID_RE.fullmatch(video_id) else None
+        if not JOB_ID_RE.fullmatch(video_id):
+            raise not_found(video_id)
+        try:
+            # DELETE is how space is freed, so it must work on a full disk: there the job's files go first, to make
+            # room for the record's deletion (storage.py).
+            job = state.files.storage.write_with_room(
+                lambda: state.store.delete(video_id), free=lambda: state.files.remove(video_id)
+            )
+        except Exception as exc:
+            if not is_disk_full(exc):
+                raise
+            raise insufficient_storage("the record of this video could not be deleted (its files were)") from None
         if job is None:
             raise not_found(video_id)
         if job.status == "in_progress" and state.worker is not None:

@@ -1,9 +1,11 @@
 """`k6fast serve`: the OpenAI-compatible video server on uvicorn (also `python -m k6fast.server`).
 
-Every option is checked, the device looked for, the data directory made private (0700) and locked and the socket
-bound before anything loads, so a bad setting, a missing GPU, a taken port or a busy data directory fails at once with
-one line `error: ...` and exit status 2; the model then loads in the background while `/health` answers 503. If
-loading fails, the server stops with exit status 1.
+Every option is checked, the device looked for, the data directory owned (datadir.py), made private (0700) and
+locked, its job store opened and checked, and the socket bound before anything loads, so a bad setting, a missing GPU,
+a taken port, a folder holding someone else's files, a busy or unreadable data directory, a corrupt store or a full
+disk fails at once with one line `error: ...` (with the recovery step where there is one) and exit status 2; the
+model then loads in the background while `/health` answers 503. If loading fails, the server stops with exit
+status 1.
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ import argparse
 import logging
 import math
 import socket
+import sqlite3
 import sys
 from pathlib import Path
 
@@ -117,10 +120,38 @@ def _listen(host: str, port: int) -> socket.socket:
     return sock
 
 
+def check_data_dir(config: ServerConfig) -> None:
+    """What the server does to its data directory at start, done once here so that any failure is a ServeError: own
+    it, lock it, open and check its job store."""
+    from .datadir import DataDirBusy, DataDirLock, DataDirRefused, own_data_dir
+    from .jobs import JobStore, StoreUnreadable
+    from .storage import is_disk_full
+
+    probe = DataDirLock(config.data_dir)
+    try:
+        own_data_dir(config.data_dir)
+        probe.acquire()
+        JobStore(config.jobs_db).close()
+    except (DataDirBusy, DataDirRefused, StoreUnreadable) as exc:
+        raise ServeError(str(exc)) from None
+    except (OSError, sqlite3.Error) as exc:
+        if is_disk_full(exc):
+            raise ServeError(
+                f"the disk holding the data directory {config.data_dir} is full; free space there (or choose "
+                "another --data-dir) and start again"
+            ) from None
+        why = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc) or "not usable"
+        raise ServeError(
+            f"cannot use the data directory {config.data_dir} ({why}); expected a directory this user can create, "
+            "read and write"
+        ) from None
+    finally:
+        probe.release()
+
+
 def cmd_serve(args: argparse.Namespace) -> int:
     from ..checkpoint import open_checkpoint
     from ..switches import load_options
-    from .jobs import DataDirBusy, DataDirLock, make_private_dir
 
     options = load_options(arm=args.arm)
     config = config_from_args(args, options.data_dir)
@@ -133,18 +164,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         raise ServeError(str(exc)) from None
     if not _is_hub_id(config.model):
         open_checkpoint(config.model)  # configs and safetensors headers only: a broken checkpoint fails now
-    probe = DataDirLock(config.data_dir)
-    try:
-        make_private_dir(config.data_dir)
-        probe.acquire()
-    except DataDirBusy as exc:
-        raise ServeError(str(exc)) from None
-    except OSError as exc:
-        raise ServeError(
-            f"cannot use the data directory {config.data_dir} ({exc.strerror or 'not usable'}); expected a directory "
-            "this user can create and write"
-        ) from None
-    probe.release()
+    check_data_dir(config)
     if ray_settings is not None:  # Serve's proxy listens, the replicas load the model (ray_cli.py)
         from .ray_cli import serve_on_ray
 

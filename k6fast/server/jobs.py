@@ -1,9 +1,11 @@
 """Jobs that survive: a SQLite record per video job plus one folder of files per job in the data directory.
 
 Layout of a data directory:
+    k6fast-data-dir.txt the marker that makes the folder the server's (datadir.py: what it may contain)
     jobs.sqlite3        the records (WAL journal, synchronous=FULL: a job acknowledged to a client is on disk)
     jobs/<id>/          input.png (the uploaded reference, re-encoded), video.mp4 + video.mp4.json, thumbnail.jpg
     server.lock         held (flock) by the one server using the directory
+    storage.reserve     room kept for the records on a full disk (storage.py)
 
 Everything in it is private to the server's user (prompts and videos are the clients' data): the directory and its
 folders 0700, the database, the lock and job files 0600, whatever the umask.
@@ -11,7 +13,10 @@ folders 0700, the database, the lock and job files 0600, whatever the umask.
 Ordering rules that keep records and files consistent across a crash at any instant:
 - a job's files are written (atomically) before its record says `completed`; a crash in between re-runs the job;
 - a job's record is deleted before its files; a crash in between leaves files without a record, which `sweep`
-  removes at the next start. So a record never points at missing files.
+  removes at the next start. So a record never points at missing files (except on a full disk, where a DELETE
+  removes the files first to make room for the record's deletion: see storage.py).
+Only what the server wrote is ever removed or re-permissioned: a job folder's own files (datadir.JOB_FILES), never
+anything else a user put in `jobs/`.
 
 This module knows nothing of torch or the pipeline, so the store can be tested (and inspected) on its own.
 """
@@ -19,12 +24,10 @@ This module knows nothing of torch or the pipeline, so the store can be tested (
 from __future__ import annotations
 
 import contextlib
-import fcntl
 import json
+import logging
 import os
-import re
 import secrets
-import shutil
 import sqlite3
 import threading
 import time
@@ -34,14 +37,16 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from ..atomic import atomic_path
+from .datadir import JOB_ID_RE, PRIVATE_DIR, PRIVATE_FILE, is_job_file, is_job_temporary, make_private_dir
+from .datadir import DataDirBusy as DataDirBusy
+from .datadir import DataDirLock as DataDirLock
+from .storage import Storage
 
 if TYPE_CHECKING:
     import PIL.Image
 
-PRIVATE_DIR = 0o700
-PRIVATE_FILE = 0o600
+log = logging.getLogger("k6fast.server")
 STATUSES = ("queued", "in_progress", "completed", "failed")
-JOB_ID_RE = re.compile(r"video_[0-9a-f]{32}")
 SCHEMA_VERSION = 1
 RESTART_LIMIT_CODE = "restart_limit"
 
@@ -78,16 +83,8 @@ class UnknownJob(KeyError):
     pass
 
 
-class DataDirBusy(RuntimeError):
-    """Another server holds the data directory's lock."""
-
-
-def make_private_dir(path: Path) -> None:
-    """Create `path` (and missing parents) if needed and make it 0700; an existing data directory is tightened."""
-    path = Path(path)
-    path.mkdir(mode=PRIVATE_DIR, parents=True, exist_ok=True)
-    if path.stat().st_mode & 0o777 != PRIVATE_DIR:
-        os.chmod(path, PRIVATE_DIR)
+class StoreUnreadable(RuntimeError):
+    """jobs.sqlite3 is not a job store this version can read (corrupt, not SQLite, another schema version)."""
 
 
 def make_private_file(path: Path) -> None:
@@ -181,6 +178,17 @@ class JobStore:
                 os.chmod(companion, PRIVATE_FILE)
         self._db = sqlite3.connect(self.path, check_same_thread=False, isolation_level=None, timeout=30.0)
         self._db.row_factory = sqlite3.Row
+        try:
+            self._open()
+        except BaseException as exc:
+            self._db.close()
+            # DatabaseError proper is a corrupt file or not SQLite at all; an OperationalError (locked, full,
+            # unwritable) says nothing about the file's content.
+            if isinstance(exc, sqlite3.DatabaseError) and not isinstance(exc, sqlite3.OperationalError):
+                raise self._unreadable(str(exc)) from None
+            raise
+
+    def _open(self) -> None:
         self._db.execute("PRAGMA journal_mode=WAL")
         self._db.execute("PRAGMA synchronous=FULL")
         version = self._db.execute("PRAGMA user_version").fetchone()[0]
@@ -188,11 +196,25 @@ class JobStore:
             # One script, one transaction: a crash while creating leaves no half-made schema behind.
             self._db.executescript(f"BEGIN;\n{_SCHEMA}\nPRAGMA user_version = {SCHEMA_VERSION};\nCOMMIT;")
         elif version != SCHEMA_VERSION:
-            self._db.close()
-            raise RuntimeError(
+            raise StoreUnreadable(
                 f"{self.path}: job store schema version {version}, expected {SCHEMA_VERSION} "
                 "(written by another k6fast version); use another --data-dir"
             )
+        # Reads every page (the store holds records only, so this is quick): a damaged page fails the start, not a
+        # request days later.
+        problems = [row[0] for row in self._db.execute("PRAGMA quick_check(3)")]
+        if problems != ["ok"]:
+            raise self._unreadable("; ".join(problems))
+
+    def _unreadable(self, why: str) -> StoreUnreadable:
+        name = self.path.name
+        why = " ".join(why.split())  # SQLite's report spans lines; the error is one
+        why = why if len(why) <= 160 else why[:157] + "..."
+        return StoreUnreadable(
+            f"{self.path} is not a readable job store ({why}); move it aside together with {name}-wal and "
+            f"{name}-shm beside it if present (the server then starts with an empty store), or choose another "
+            "--data-dir"
+        )
 
     def close(self) -> None:
         with self._lock:
@@ -375,11 +397,14 @@ class JobStore:
 
 
 class JobFiles:
-    """Where a job's files live: one folder per job, removed as a whole."""
+    """Where a job's files live: one folder per job, removed with its files (only those the server names: anything
+    else put there keeps the folder). `storage` is the data directory's room for writes (storage.py), shared by
+    everything that writes into it."""
 
     def __init__(self, data_dir: Path):
         self.root = Path(data_dir) / "jobs"
         make_private_dir(self.root)
+        self.storage = Storage(data_dir)
 
     def folder(self, job_id: str, create: bool = False) -> Path:
         if not JOB_ID_RE.fullmatch(job_id):
@@ -389,10 +414,13 @@ class JobFiles:
             path.mkdir(mode=PRIVATE_DIR, exist_ok=True)
         return path
 
+    def _own_files(self, folder: Path) -> list[Path]:
+        return [entry for entry in folder.iterdir() if is_job_file(entry.name) and not entry.is_symlink()]
+
     def make_private(self, job_id: str) -> None:
         """0600 on every file of a job (written through atomic_path, which follows the umask): the folder is 0700
         already, this keeps the files private wherever they are copied with their modes."""
-        for entry in self.folder(job_id).iterdir():
+        for entry in self._own_files(self.folder(job_id)):
             if entry.is_file():
                 os.chmod(entry, PRIVATE_FILE)
 
@@ -406,23 +434,46 @@ class JobFiles:
         return self.folder(job_id) / "input.png"
 
     def remove(self, job_id: str) -> None:
-        shutil.rmtree(self.folder(job_id), ignore_errors=True)
+        self._remove_folder(self.folder(job_id))
+
+    def _remove_folder(self, folder: Path) -> list[Path]:
+        """The job's own files and then its folder; anything else in it stays (and so does the folder). Returns what
+        stayed."""
+        try:
+            for entry in self._own_files(folder):
+                entry.unlink(missing_ok=True)
+            folder.rmdir()
+        except FileNotFoundError:
+            return []
+        except OSError:  # not empty: something the server did not write is in it
+            with contextlib.suppress(OSError):
+                return sorted(folder.iterdir())
+        return []
 
     def sweep(self, known: set[str]) -> list[str]:
-        """At start (no writer is running): remove folders without a record and half-written temporary files.
+        """At start (no writer is running): remove the files of jobs without a record and half-written temporary
+        files. Only a job folder's own files go; anything else in the jobs folder is left as it is and logged.
         Returns what was removed, relative to the jobs folder."""
-        removed = []
+        removed, foreign = [], []
         for entry in sorted(self.root.iterdir()):
-            if entry.name not in known:
-                if entry.is_dir():
-                    shutil.rmtree(entry, ignore_errors=True)
-                else:
-                    entry.unlink(missing_ok=True)
-                removed.append(entry.name)
-                continue
-            for tmp in entry.glob(".*.tmp"):
-                tmp.unlink(missing_ok=True)
-                removed.append(f"{entry.name}/{tmp.name}")
+            if not JOB_ID_RE.fullmatch(entry.name) or entry.is_symlink() or not entry.is_dir():
+                foreign.append(entry.name)
+            elif entry.name not in known:
+                left = self._remove_folder(entry)
+                foreign += [f"{entry.name}/{path.name}" for path in left]
+                removed += [] if left else [entry.name]
+            else:
+                for tmp in self._own_files(entry):
+                    if is_job_temporary(tmp.name):
+                        tmp.unlink(missing_ok=True)
+                        removed.append(f"{entry.name}/{tmp.name}")
+        if foreign:
+            log.warning(
+                "left %d thing(s) in %s that this server did not write, as they are: %s",
+                len(foreign),
+                self.root,
+                ", ".join(foreign[:5]) + (" ..." if len(foreign) > 5 else ""),
+            )
         return removed
 
 
@@ -431,32 +482,3 @@ def write_image(image: PIL.Image.Image, path: Path, format: str, **params: Any) 
     with atomic_path(path) as tmp:
         os.chmod(tmp, PRIVATE_FILE)
         image.save(tmp, format=format, **params)
-
-
-class DataDirLock:
-    """An exclusive flock on <data_dir>/server.lock for the life of a server. The kernel drops it when the process
-    dies, however it dies, so a SIGKILLed server never leaves a stale lock behind."""
-
-    def __init__(self, data_dir: Path):
-        self.path = Path(data_dir) / "server.lock"
-        self._fd: int | None = None
-
-    def acquire(self) -> None:
-        fd = os.open(self.path, os.O_RDWR | os.O_CREAT, PRIVATE_FILE)
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            holder = os.read(fd, 32).decode(errors="replace").strip() or "unknown"
-            os.close(fd)
-            raise DataDirBusy(
-                f"the data directory {self.path.parent} is in use by another k6fast server (pid {holder}); "
-                "expected one server per data directory"
-            ) from None
-        os.ftruncate(fd, 0)
-        os.write(fd, str(os.getpid()).encode())
-        self._fd = fd
-
-    def release(self) -> None:
-        if self._fd is not None:
-            os.close(self._fd)
-            self._fd = None

@@ -6,6 +6,8 @@ a Serve deployment handle, keeping the job contract of the one-GPU worker (worke
   a frame of the mux) and frees itself;
 - files: written atomically into the data directory before the record says `completed` (by the ingress from the
   bytes the replica returned, or by the replica itself into a shared data directory);
+- a full disk (storage.py): files that do not fit fail the job (`insufficient_storage`), nothing is claimed until
+  there is room again, and an outcome that cannot be recorded yet is retried by the job's thread;
 - faults: a replica that dies mid-job (killed, node lost, host OOM) costs the job one attempt; it starts again from
   its first step on a live replica while it has attempts left (`max_attempts`, the same bound as a server crash),
   and every lost attempt is recorded in the job's telemetry (`ray.lost`). A job's own error (CUDA out of memory
@@ -32,6 +34,7 @@ from .metrics import Metrics
 from .ray_messages import Finished, JobPayload, Progress, ReplicaIdentity, Started
 from .ray_replica import CANCELLED_CODE
 from .ray_settings import RaySettings
+from .storage import INSUFFICIENT_STORAGE, RECHECK_S, QueueReader, is_disk_full
 from .worker import FAILURES, InputUnreadable, classify_failure, progress_after_step
 
 if TYPE_CHECKING:
@@ -43,7 +46,6 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("k6fast.server")
 _IDLE_POLL_S = 1.0
-_ERROR_BACKOFF_S = 1.0
 
 
 @dataclass(frozen=True)
@@ -124,6 +126,7 @@ class RayDispatcher:
         self.options = options
         self.config = config
         self.metrics = metrics
+        self.storage = files.storage
         self.generator = generator
         self.settings = settings
         self.caller = caller
@@ -138,6 +141,7 @@ class RayDispatcher:
         self._cancelled_errors = _cancelled_errors()
 
     def start(self) -> None:
+        self.storage.ensure_reserve()
         self._thread.start()
 
     def notify(self) -> None:
@@ -183,6 +187,7 @@ class RayDispatcher:
         return not any(thread.is_alive() for thread in threads)
 
     def _loop(self) -> None:
+        queue = QueueReader(self.store.claim_next, self.storage)
         while not self._stopping.is_set():
             self._wake.clear()
             with self._lock:
@@ -190,14 +195,12 @@ class RayDispatcher:
             if full:
                 self._wake.wait(_IDLE_POLL_S)
                 continue
-            try:
-                job = self.store.claim_next()
-            except Exception:
-                log.exception("could not read the job queue")
-                self._stopping.wait(_ERROR_BACKOFF_S)
-                continue
+            job = queue.claim()
             if job is None:
-                self._wake.wait(_IDLE_POLL_S)
+                if queue.blocked:  # a full disk or a failing store: a new job changes nothing, so no early wake-up
+                    self._stopping.wait(RECHECK_S)
+                else:
+                    self._wake.wait(_IDLE_POLL_S)
                 continue
             run = _Run(job.id)
             run.thread = threading.Thread(target=self._run_job, args=(run, job), name=f"k6fast-{job.id}", daemon=True)
@@ -226,17 +229,17 @@ class RayDispatcher:
                 image = self.files.input_image(job.id).read_bytes()
             except OSError as exc:
                 log.error("job %s: the stored input reference is unreadable (%s)", job.id, exc)
-                self._fail(job, *classify_failure(InputUnreadable(), "prepare"))
+                self._fail(run, job, *classify_failure(InputUnreadable(), "prepare"))
                 return
         while True:
             outcome = self._attempt(run, job, image)
             if isinstance(outcome, Finished):
                 if outcome.error is None:
-                    self._complete(job, outcome, lost, started)
+                    self._complete(run, job, outcome, lost, started)
                 elif outcome.error[0] == CANCELLED_CODE:
                     self._cancelled(run, job)
                 else:
-                    self._fail(job, *outcome.error)
+                    self._fail(run, job, *outcome.error)
                 return
             if outcome is _CANCELLED or self._stopping.is_set() or run.cancelled:
                 self._cancelled(run, job)
@@ -247,6 +250,7 @@ class RayDispatcher:
                     "job %s: replica lost on attempt %d, the last allowed (%s)", job.id, job.attempts, outcome.message
                 )
                 self._fail(
+                    run,
                     job,
                     RESTART_LIMIT_CODE,
                     f"the replica running this job stopped {len(lost)} time(s) here and it was started "
@@ -293,15 +297,21 @@ class RayDispatcher:
         log.error("job %s: the replica ended the call without an outcome", job.id)
         return Finished(run.replica, 0.0, error=_REPLICA_ERROR)
 
-    def _complete(self, job: Job, finished: Finished, lost: list[dict[str, Any]], started: float) -> None:
+    def _complete(self, run: _Run, job: Job, finished: Finished, lost: list[dict[str, Any]], started: float) -> None:
         from ..output import sidecar_path
 
         if finished.files is not None:
-            self.files.folder(job.id, create=True)
-            # The thumbnail and sidecar first: a clip that is present is complete with its companions.
-            write_bytes_atomic(self.files.thumbnail(job.id), finished.files.thumbnail)
-            write_bytes_atomic(sidecar_path(self.files.video(job.id)), finished.files.sidecar)
-            write_bytes_atomic(self.files.video(job.id), finished.files.video)
+            try:
+                self.files.folder(job.id, create=True)
+                # The thumbnail and sidecar first: a clip that is present is complete with its companions.
+                write_bytes_atomic(self.files.thumbnail(job.id), finished.files.thumbnail)
+                write_bytes_atomic(sidecar_path(self.files.video(job.id)), finished.files.sidecar)
+                write_bytes_atomic(self.files.video(job.id), finished.files.video)
+            except OSError as exc:
+                if not is_disk_full(exc):
+                    raise
+                self._fail(run, job, *classify_failure(exc, "write"))
+                return
             self.files.make_private(job.id)
         seconds = time.perf_counter() - started
         telemetry = dict(finished.telemetry)
@@ -312,7 +322,12 @@ class RayDispatcher:
             "lost": lost,
             "files": "shared data dir" if finished.files is None else "object store",
         }
-        if self.store.complete(job.id, telemetry, self.config.ttl_seconds):
+        recorded = self.storage.write_with_room(
+            lambda: self.store.complete(job.id, telemetry, self.config.ttl_seconds),
+            gone=lambda: run.cancelled,
+            stopping=self._stopping,
+        )
+        if recorded:
             self.files.input_image(job.id).unlink(missing_ok=True)
             self.metrics.observe_job("completed", seconds, int(telemetry.get("peak_vram_bytes", 0)))
             log.info("job %s: completed in %.1f s on replica %s", job.id, seconds, finished.replica.replica)
@@ -320,9 +335,16 @@ class RayDispatcher:
             self.files.remove(job.id)  # deleted after its last check
             self.metrics.observe_job("cancelled")
 
-    def _fail(self, job: Job, code: str, message: str) -> None:
-        # Record first, files second (see worker.py).
-        recorded = self.store.fail(job.id, code, message, self.config.ttl_seconds)
+    def _fail(self, run: _Run, job: Job, code: str, message: str) -> None:
+        if code == INSUFFICIENT_STORAGE:
+            self.storage.full()
+        # Record first, files second (see worker.py), unless the disk is too full to record anything.
+        recorded = self.storage.write_with_room(
+            lambda: self.store.fail(job.id, code, message, self.config.ttl_seconds),
+            free=lambda: self.files.remove(job.id),
+            gone=lambda: run.cancelled,
+            stopping=self._stopping,
+        )
         self.files.remove(job.id)
         if recorded:
             log.error("job %s: failed (%s) %s", job.id, code, message)

@@ -7,6 +7,10 @@ A job's outcome is decided here, and each outcome touches only that job: an exce
 fails the job and the worker takes the next one. A failed job's error says what happened in fixed words; the
 exception and its traceback go to the server log under the job's id. Files are written before the record says
 `completed`; a record that vanished while the job ran (DELETE) means the files just written are removed again.
+
+A full disk (storage.py) fails the job that could not write its files (`insufficient_storage`), and the worker then
+starts nothing until there is room again. A job whose outcome cannot be recorded for want of space stays with the
+worker, which retries, so no job is `in_progress` in the store without a worker holding it.
 """
 
 from __future__ import annotations
@@ -17,11 +21,13 @@ import io
 import logging
 import threading
 import time
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from .config import ServerConfig
 from .jobs import Job, JobFiles, JobSpec, JobStore, write_image
 from .metrics import Metrics
+from .storage import INSUFFICIENT_STORAGE, RECHECK_S, QueueReader, is_disk_full
 
 if TYPE_CHECKING:
     from ..pipeline import Pipeline, Result
@@ -31,7 +37,6 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("k6fast.server")
 _IDLE_POLL_S = 1.0  # the worker also looks at the queue this often without being woken
-_ERROR_BACKOFF_S = 1.0
 WARMUP_SIZE = 64  # width and height of the warm-up clip
 WARMUP_FRAMES = 5
 
@@ -72,6 +77,10 @@ FAILURES = {
         "smaller size or fewer frames may fit"
     ),
     "invalid_input": "the stored input_reference image of this job could not be read back; submit the job again",
+    INSUFFICIENT_STORAGE: (
+        "the server's disk was full {stage}, so the video could not be stored; submit the job again once there is "
+        "room (deleting finished videos frees it)"
+    ),
     "generation_failed": "generation failed {stage} because of an error in the server; its log has the details",
 }
 STAGES = {
@@ -89,7 +98,9 @@ def classify_failure(exc: BaseException, stage: str = "prepare") -> tuple[str, s
 
     from ..request import RequestError
 
-    if isinstance(exc, (torch.cuda.OutOfMemoryError, MemoryError)):
+    if is_disk_full(exc):
+        code = INSUFFICIENT_STORAGE
+    elif isinstance(exc, (torch.cuda.OutOfMemoryError, MemoryError)):
         code = "out_of_memory"
     elif isinstance(exc, RequestError):
         code = "invalid_request"
@@ -124,6 +135,7 @@ class Worker:
         self.options = options
         self.config = config
         self.metrics = metrics
+        self.storage = files.storage
         self._wake = threading.Event()
         self._stopping = threading.Event()
         self._lock = threading.Lock()
@@ -134,6 +146,7 @@ class Worker:
         self._thread = threading.Thread(target=self._run, name="k6fast-gpu-worker", daemon=True)
 
     def start(self) -> None:
+        self.storage.ensure_reserve()
         self._thread.start()
 
     def notify(self) -> None:
@@ -165,16 +178,15 @@ class Worker:
         return self._stopping.is_set() or self._cancel_current
 
     def _run(self) -> None:
+        queue = QueueReader(self.store.claim_next, self.storage)
         while not self._stopping.is_set():
             self._wake.clear()
-            try:
-                job = self.store.claim_next()
-            except Exception:
-                log.exception("could not read the job queue")
-                self._stopping.wait(_ERROR_BACKOFF_S)
-                continue
+            job = queue.claim()
             if job is None:
-                self._wake.wait(_IDLE_POLL_S)
+                if queue.blocked:  # a full disk or a failing store: a new job changes nothing, so no early wake-up
+                    self._stopping.wait(RECHECK_S)
+                else:
+                    self._wake.wait(_IDLE_POLL_S)
                 continue
             with self._lock:
                 self._current, self._cancel_current = job.id, job.id in self._doomed
@@ -184,7 +196,7 @@ class Worker:
             except Exception:
                 # Only the store itself failing lands here (the job's own errors are handled in _execute).
                 log.exception("job %s: could not record its outcome", job.id)
-                self._stopping.wait(_ERROR_BACKOFF_S)
+                self._stopping.wait(RECHECK_S)
             finally:
                 with self._lock:
                     self._current, self._cancel_current = None, False
@@ -215,7 +227,12 @@ class Worker:
         def on_step(event: StepEvent) -> None:
             stage[0] = "decode" if event.index + 1 == event.total else "denoise"
             self.metrics.observe_step(event.seconds)
-            self.store.set_progress(job.id, progress_after_step(event.index, event.total))
+            try:
+                self.store.set_progress(job.id, progress_after_step(event.index, event.total))
+            except Exception as exc:  # progress is a hint: a full disk shows when the job's files are written
+                if not is_disk_full(exc):
+                    raise
+                self.storage.full()
 
         try:
             request = self._request(job)
@@ -237,8 +254,14 @@ class Worker:
             return
         except Exception as exc:
             code, message = classify_failure(exc, stage[0])
-            # Record first, files second: a crash in between must not leave a re-runnable job without its input.
-            recorded = self.store.fail(job.id, code, message, self.config.ttl_seconds)
+            if code == INSUFFICIENT_STORAGE:
+                self.storage.full()
+            # Record first, files second: a crash in between must not leave a re-runnable job without its input
+            # (unless the disk is too full to record anything: the files then go first, to make room).
+            recorded = self._record(
+                lambda: self.store.fail(job.id, code, message, self.config.ttl_seconds),
+                free=lambda: self.files.remove(job.id),
+            )
             self.files.remove(job.id)
             if recorded:
                 log.error("job %s: failed (%s) %s", job.id, code, STAGES[stage[0]], exc_info=exc)
@@ -248,7 +271,7 @@ class Worker:
             return
         seconds = time.perf_counter() - started
         telemetry["job_s"] = round(seconds, 6)
-        if self.store.complete(job.id, telemetry, self.config.ttl_seconds):
+        if self._record(lambda: self.store.complete(job.id, telemetry, self.config.ttl_seconds)):
             self.files.input_image(job.id).unlink(missing_ok=True)
             self.metrics.observe_job("completed", seconds, int(telemetry.get("peak_vram_bytes", 0)))
             log.info("job %s: completed in %.1f s", job.id, seconds)
@@ -256,6 +279,13 @@ class Worker:
             # Deleted after its last step boundary: the record is gone, so the files must go too.
             self.files.remove(job.id)
             self.metrics.observe_job("cancelled")
+
+    def _record(self, write: Callable[[], bool], free: Callable[[], None] | None = None) -> bool:
+        """A store write of the running job's outcome, retried until the disk has room for it (storage.py); False
+        when the job no longer exists (deleted meanwhile)."""
+        return bool(
+            self.storage.write_with_room(write, free=free, gone=lambda: self._cancel_current, stopping=self._stopping)
+        )
 
     def _write(self, job: Job, request: Request, result: Result) -> dict[str, Any]:
         from ..output import frames_to_uint8, write_result
