@@ -1,16 +1,22 @@
 """`k6fast acceptance` on the CPU: the plan's order, a real session on the tiny checkpoint (fresh `k6fast generate`
-processes, latents compared with the reference's, the table), a failing run recorded as such, the ballast's sizing."""
+processes, latents compared with the reference's, the table), a failing run recorded as such, the ballast's sizing,
+the bytes a run reads from disk, and a synthetic checkpoint written with real-size text encoders in another folder
+(recorded as such)."""
 
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
 
 import pytest
 import torch
 from safetensors.torch import save_file
 
-from k6fast.bench.acceptance import build_plan
-from k6fast.bench.acceptance_report import latent_error, render_table, request_summary
+from k6fast.bench.acceptance import ProcessWatch, build_plan
+from k6fast.bench.acceptance_cli import filesystem_type, text_encoder_note
+from k6fast.bench.acceptance_report import COLUMNS, EXTRA_COLUMNS, latent_error, render_table, request_summary
 from k6fast.bench.ballast import CHUNK, bytes_to_hold
 from k6fast.bench.records import read_jsonl
 from k6fast.cli import main
@@ -78,9 +84,98 @@ def test_acceptance_session_on_the_tiny_checkpoint(tiny_distill, tmp_path) -> No
     assert 0 < cached["vs_reference"]["video"]["rel_l2"] == warm["vs_reference"]["video"]["rel_l2"]
     assert cached["dit_calls"] == ref["dit_calls"] - 1 and ref["steps"] == cached["steps"] == 10
     assert ref["peak_rss_bytes"] > 0 and ref["request_s"] > 0 and ref["residency"]["num_blocks"] == 2
+    assert all(isinstance(r["disk_read_bytes"], int) for r in rows)  # /proc/PID/io of each `k6fast generate`
     assert set(ref["phases_s"]) >= {"text_encode", "denoise", "video_decode", "mux"}
     plan = json.loads((out / "acceptance.json").read_text())
     assert plan["finished"] and plan["steps"] == 10 and len(plan["runs"]) == 3 and plan["parts"] == 2
     table = (out / "README.md").read_text()
-    assert "3 of 3 runs passed" in table and table.count("| PASS |") == 3
+    assert "3 of 3 runs passed" in table and table.count("| PASS |") == 3 and "| disk read GB |" in table
     assert ref["clip_bytes"] > 0 and (work / "runs" / "reference-8-cold" / "clip.mp4.json").is_file()
+
+
+def _evicted_file(path, nbytes: int) -> None:
+    """A file of random bytes that is on disk and not in the page cache (read again, it comes from storage)."""
+    with open(path, "wb") as f:
+        f.write(os.urandom(nbytes))
+        f.flush()
+        os.fsync(f.fileno())
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    finally:
+        os.close(fd)
+
+
+def test_process_watch_counts_the_bytes_a_child_reads_from_disk_per_window(tmp_path) -> None:
+    if filesystem_type(tmp_path) == "tmpfs":
+        pytest.skip("a RAM-backed temporary folder has no storage reads to count")
+    mib = 2**20
+    _evicted_file(tmp_path / "a.bin", 8 * mib)
+    _evicted_file(tmp_path / "b.bin", 4 * mib)
+    child = ("import sys\nfor name in sys.argv[1:]:\n    open(name, 'rb').read()\n    print(name, flush=True)\n"
+             "    sys.stdin.readline()\n")  # fmt: skip
+    proc = subprocess.Popen([sys.executable, "-c", child, str(tmp_path / "a.bin"), str(tmp_path / "b.bin")],
+                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)  # fmt: skip
+    watch = ProcessWatch(proc.pid, interval_s=0.05, smi="")
+    try:
+        proc.stdout.readline()
+        peak_a, read_a = watch.mark()  # the start-up and the first file
+        proc.stdin.write("\n")
+        proc.stdin.flush()
+        proc.stdout.readline()
+        peak_b, read_b = watch.mark()  # the second file alone
+        proc.stdin.write("\n")
+        proc.stdin.flush()
+        proc.wait(timeout=30)
+    finally:
+        proc.kill()
+        row = watch.stop()
+    assert read_a >= 8 * mib and 4 * mib <= read_b < 8 * mib, (read_a, read_b)
+    assert row["disk_read_bytes"] >= read_a + read_b and row["peak_rss_bytes"] >= max(peak_a, peak_b) > 0
+
+
+def test_disk_read_columns_only_where_the_rows_have_them() -> None:
+    plan = {"model": "m", "geometry": "864x480x121", "steps": 10, "argv": ["k6fast"]}
+    old = {"run": "final @ 32 GiB, warm", "arm": "final", "passed": True, "request_s": 50.0,
+           "phases_s": {"text_encode": 1.0, "denoise": 40.0, "video_decode": 8.0, "mux": 1.0}}  # fmt: skip
+    header = "| " + " | ".join(COLUMNS) + " |"
+    assert header in render_table([old], plan) and "disk read" not in render_table([old], plan)
+    new = {**old, "disk_read_bytes": 12_340_000_000, "phases_s": {**old["phases_s"], "dit_load": 2.5}}
+    table = render_table([old, new], plan)
+    assert "| " + " | ".join(COLUMNS + EXTRA_COLUMNS) + " |" in table
+    rows = [line for line in table.splitlines() if line.startswith("| final")]
+    assert rows[0].endswith("| — | 0.0 |") and rows[1].endswith("| 12.34 | 2.5 |")
+    assert "read_bytes of /proc/PID/io" in table
+
+
+def test_acceptance_writes_full_text_encoders_into_a_folder_and_records_them(tmp_path, monkeypatch) -> None:
+    from test_synthetic import REDUCED_CLIP, REDUCED_QWEN_TEXT, REDUCED_QWEN_VISION
+
+    from k6fast.testing import synthetic, synthetic_text
+
+    for name, reduced in (("QWEN_7B_TEXT", REDUCED_QWEN_TEXT), ("QWEN_7B_VISION", REDUCED_QWEN_VISION),
+                          ("CLIP_L_TEXT", REDUCED_CLIP)):  # fmt: skip
+        monkeypatch.setattr(synthetic_text, name, {**getattr(synthetic_text, name), **reduced})
+    calls = []
+    real = synthetic.make_synthetic
+
+    def one_block(out_dir, **kwargs):  # the acceptance writes full depth; one block keeps the test small
+        calls.append(kwargs)
+        return real(out_dir, blocks=1, **kwargs)
+
+    monkeypatch.setattr(synthetic, "make_synthetic", one_block)
+    model, text_dir = tmp_path / "syn", tmp_path / "shm" / "k6-text"
+    argv = ["acceptance", "--model", str(model), "--make-synthetic", "lite-distill", "--only", "no-such-run"]
+    assert main([*argv, "--text-encoder-dir", str(text_dir)]) == 2  # a folder holds full-size encoders only
+    assert not calls
+    assert main([*argv, "--text-encoders", "full", "--text-encoder-dir", str(text_dir)]) == 2  # --only refused
+    assert calls == [{"preset": "lite-distill", "text_encoders": "full", "text_encoder_dir": str(text_dir)}]
+    note = text_encoder_note(model)
+    marker = json.loads((model / "synthetic.json").read_text())
+    assert note["linked"] and note["folder"] == str(text_dir.resolve())
+    # The files' bytes (what a run reads), the tensors' bytes that synthetic.json notes and their headers.
+    assert note["bytes"] == sum(f.stat().st_size for f in text_dir.rglob("*.safetensors"))
+    assert note["bytes"] > marker["text_encoder_bytes"] > 0 and note["synthetic"] == marker["text_encoders"]
+    assert note["filesystem"] == filesystem_type(text_dir.resolve())
+    table = render_table([], {"model": str(model), "text_encoders": note})
+    assert "- text encoders: real shapes, random weights" in table and "linked from the checkpoint" in table

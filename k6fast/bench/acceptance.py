@@ -5,9 +5,10 @@ peer in the same session.
 
 A run's row (appended to `runs.jsonl` as it ends, so an interrupted session keeps what it measured): pass/fail and
 why, process wall time, the request's phases, compile seconds and graphs, peak VRAM (allocator; per phase; and what
-nvidia-smi saw, CUDA context included), peak host RSS, share of the weight copies hidden, and the final latents'
-rel. L2 / cosine against the reference arm's (same seed): the whole chain's numerical cost. `README.md` in the
-record folder is the table (`acceptance_report.py`).
+nvidia-smi saw, CUDA context included), peak host RSS, bytes the process read from disk, share of the weight copies
+hidden, and the final latents' rel. L2 / cosine against the reference arm's (same seed): the whole chain's numerical
+cost. `README.md` in the record folder is the table (`acceptance_report.py`), with the records of
+`measurements/bench_serve_defaults.py` in its `serve/` folder (the same arms through `k6fast serve`) below it.
 """
 
 from __future__ import annotations
@@ -25,7 +26,15 @@ from pathlib import Path
 from typing import Any
 
 from ..atomic import write_bytes_atomic
-from .acceptance_report import PLAN_FILE, ROWS_FILE, is_peer_arm, latent_error, render_table, request_summary
+from .acceptance_report import (
+    PLAN_FILE,
+    ROWS_FILE,
+    SERVE_DIR,
+    is_peer_arm,
+    latent_error,
+    render_table,
+    request_summary,
+)
 from .records import append_jsonl, read_jsonl, write_json
 
 REFERENCE_ARM = "reference"
@@ -80,14 +89,20 @@ def build_plan(
 
 
 class ProcessWatch:
-    """Peak RSS of a child process (VmRSS and RssAnon from /proc, sampled) and the GPU memory nvidia-smi reports in
-    use above what it showed before the child started (the CUDA context and everything outside the allocator)."""
+    """Peak RSS of a child process (VmRSS and RssAnon from /proc, sampled), the bytes it has caused to be read from
+    storage (read_bytes of /proc/PID/io: page-cache misses, which a host short of memory pays on every run; None where
+    the file cannot be read) and the GPU memory nvidia-smi reports in use above what it showed before the child
+    started (the CUDA context and everything outside the allocator). `mark()` splits the run into windows (a server's
+    jobs)."""
 
     def __init__(self, pid: int, interval_s: float = 0.25, smi: str | None = None):
         self.pid, self.interval_s = pid, interval_s
         self.smi = smi if smi is not None else shutil.which("nvidia-smi")
-        self.peak_rss = self.peak_anon = self.peak_smi_mib = 0
+        self.peak_rss = self.peak_anon = self.peak_smi_mib = self.window_rss = 0
+        self.read_bytes: int | None = None
+        self._read_at_mark = 0
         self.baseline_smi_mib = self._smi_used()
+        self._lock = threading.Lock()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="k6fast-acceptance-watch", daemon=True)
         self._thread.start()
@@ -104,14 +119,32 @@ class ProcessWatch:
 
     def _sample(self) -> None:
         try:
-            text = Path(f"/proc/{self.pid}/status").read_text()
+            status = Path(f"/proc/{self.pid}/status").read_text()
         except OSError:
             return
-        for line in text.splitlines():
-            if line.startswith("VmRSS:"):
-                self.peak_rss = max(self.peak_rss, int(line.split()[1]) * 1024)
-            elif line.startswith("RssAnon:"):
-                self.peak_anon = max(self.peak_anon, int(line.split()[1]) * 1024)
+        try:
+            io = Path(f"/proc/{self.pid}/io").read_text()
+        except OSError:
+            io = ""
+        with self._lock:
+            for line in status.splitlines():
+                if line.startswith("VmRSS:"):
+                    rss = int(line.split()[1]) * 1024
+                    self.peak_rss, self.window_rss = max(self.peak_rss, rss), max(self.window_rss, rss)
+                elif line.startswith("RssAnon:"):
+                    self.peak_anon = max(self.peak_anon, int(line.split()[1]) * 1024)
+            for line in io.splitlines():
+                if line.startswith("read_bytes:"):
+                    self.read_bytes = max(self.read_bytes or 0, int(line.split()[1]))
+
+    def mark(self) -> tuple[int, int | None]:
+        """(peak RSS, bytes read) since the last mark, or since the start; the next window starts now."""
+        self._sample()
+        with self._lock:
+            peak, self.window_rss = self.window_rss, 0
+            read = None if self.read_bytes is None else self.read_bytes - self._read_at_mark
+            self._read_at_mark = self.read_bytes or 0
+            return peak, read
 
     def _run(self) -> None:
         tick = 0
@@ -121,11 +154,11 @@ class ProcessWatch:
             if tick % 4 == 0:  # nvidia-smi is a process start per call: once a second is enough
                 self.peak_smi_mib = max(self.peak_smi_mib, self._smi_used() - self.baseline_smi_mib)
 
-    def stop(self) -> dict[str, int]:
+    def stop(self) -> dict[str, int | None]:
         self._stop.set()
         self._thread.join()
         return {"peak_rss_bytes": self.peak_rss, "peak_rss_anon_bytes": self.peak_anon,
-                "peak_smi_used_mib": self.peak_smi_mib}  # fmt: skip
+                "peak_smi_used_mib": self.peak_smi_mib, "disk_read_bytes": self.read_bytes}  # fmt: skip
 
 
 class Ballast:
@@ -274,11 +307,24 @@ def run_acceptance(
             hold_earlier_rows(out / ROWS_FILE, work, reference)
         verdict = "PASS" if row["passed"] else f"FAIL ({row.get('error', '')[:200]})"
         log(f"acceptance:   {verdict} in {row['process_s']:.1f} s")
-        (out / "README.md").write_text(render_table(read_jsonl(out / ROWS_FILE), plan))
+        write_readme(out, plan)
     plan["finished"] = now()
     write_json(out / PLAN_FILE, plan)
-    (out / "README.md").write_text(render_table(read_jsonl(out / ROWS_FILE), plan))
+    write_readme(out, plan)
     return out
+
+
+def write_readme(out: Path, plan: dict[str, Any] | None = None) -> bool:
+    """Render `out/README.md` from the record's runs, its plan (read from `out` when not given) and the serve records
+    in `out/serve/`; False (nothing written) when `out` holds no plan yet."""
+    if plan is None:
+        if not (out / PLAN_FILE).is_file():
+            return False
+        plan = json.loads((out / PLAN_FILE).read_text())
+    rows = read_jsonl(out / ROWS_FILE) if (out / ROWS_FILE).is_file() else []
+    serve = [json.loads(path.read_text()) for path in sorted((out / SERVE_DIR).glob("*.json"))]
+    write_bytes_atomic(out / "README.md", render_table(rows, plan, serve).encode("utf-8"))
+    return True
 
 
 def hold_earlier_rows(rows_file: Path, work: Path, reference: Path) -> None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import datetime as dt
+import json
 import sys
 import time
 from pathlib import Path
@@ -37,6 +38,10 @@ def register(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--model", required=True, help="checkpoint directory (with --make-synthetic: where to write one)")
     p.add_argument("--make-synthetic", metavar="PRESET", help="write a full-depth synthetic checkpoint of this "
                    "preset (pro-distill, pro, lite-distill, lite) at --model first, unless one is there")  # fmt: skip
+    p.add_argument("--text-encoders", choices=("one-layer", "full"), default="one-layer", help="with --make-synthetic: "
+                   "one-layer text encoders (default) or Qwen2.5-VL-7B and CLIP-L at their real sizes")  # fmt: skip
+    p.add_argument("--text-encoder-dir", help="with --make-synthetic --text-encoders full: write the text encoders "
+                   "into this missing or empty folder (e.g. one in /dev/shm), linked from the checkpoint")  # fmt: skip
     p.add_argument("--arms", type=list_of, default=list_of(DEFAULT_ARMS), help=f"default {DEFAULT_ARMS}")
     p.add_argument("--budgets", type=_budgets, default=[32.0, 31.0], help="K6_VRAM_BUDGET_GB values (default 32,31)")
     p.add_argument("--ballast-arms", type=list_of, default=["reference", "final"], help="arms also run beside a "
@@ -71,7 +76,43 @@ def _header(model: str) -> dict:
     marker = Path(model) / "synthetic.json"
     if marker.is_file():
         note = f"{model} (synthetic random weights, real shapes: {marker.read_text().strip()[:300]})"
-    return {"gpus": gpu_inventory(), "versions": versions, "checkpoint_note": note, "python": sys.version.split()[0]}
+    return {"gpus": gpu_inventory(), "versions": versions, "checkpoint_note": note, "python": sys.version.split()[0],
+            "text_encoders": text_encoder_note(Path(model))}  # fmt: skip
+
+
+def filesystem_type(path: Path, mounts: str = "/proc/mounts") -> str | None:
+    """The type of the filesystem holding `path` (tmpfs: RAM-backed), from the longest mount point above it."""
+    try:
+        lines = Path(mounts).read_text().splitlines()
+    except OSError:
+        return None
+    best, kind = "", None
+    for line in lines:
+        fields = line.split()
+        if len(fields) >= 3:
+            point = fields[1].replace("\\040", " ")
+            inside = str(path) == point or str(path).startswith(point.rstrip("/") + "/")
+            if inside and len(point) >= len(best):
+                best, kind = point, fields[2]
+    return kind
+
+
+def text_encoder_note(model: Path) -> dict | None:
+    """Which text encoders a run reads: the synthetic kind (`synthetic.json`), their bytes, the folder they are read
+    from (through links), its filesystem (a RAM-backed tmpfs reads nothing from disk) and whether it is linked."""
+    folders = [model / name for name in ("text_encoder", "text_encoder_2") if (model / name).is_dir()]
+    if not folders:
+        return None
+    resolved = [f.resolve() for f in folders]
+    marker = model / "synthetic.json"
+    synthetic = json.loads(marker.read_text()).get("text_encoders") if marker.is_file() else None
+    return {
+        "synthetic": synthetic,
+        "bytes": sum(f.stat().st_size for folder in resolved for f in folder.glob("*.safetensors")),
+        "folder": str(resolved[0].parent),
+        "filesystem": filesystem_type(resolved[0]),
+        "linked": any(f.is_symlink() for f in folders),
+    }
 
 
 def cmd_acceptance(args: argparse.Namespace) -> int:
@@ -87,11 +128,15 @@ def cmd_acceptance(args: argparse.Namespace) -> int:
         return 2
     model = Path(args.model)
     made = None
+    if args.text_encoder_dir and args.text_encoders != "full":
+        print("error: --text-encoder-dir holds full-size text encoders; add --text-encoders full", file=sys.stderr)
+        return 2
     if args.make_synthetic and not (model / "model_index.json").is_file():
         from ..testing.synthetic import make_synthetic
 
         start = time.perf_counter()
-        make_synthetic(model, preset=args.make_synthetic)
+        make_synthetic(model, preset=args.make_synthetic, text_encoders=args.text_encoders,
+                       text_encoder_dir=args.text_encoder_dir)  # fmt: skip
         made = time.perf_counter() - start
         print(f"acceptance: wrote the synthetic checkpoint in {made:.1f} s", file=sys.stderr)
     ckpt = open_checkpoint(str(model))

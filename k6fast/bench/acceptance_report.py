@@ -12,6 +12,7 @@ from typing import Any
 
 ROWS_FILE = "runs.jsonl"
 PLAN_FILE = "acceptance.json"
+SERVE_DIR = "serve"  # measurements/bench_serve_defaults.py's records of the same session
 GiB = 2**30
 
 
@@ -94,6 +95,10 @@ def _gib(value: int | None) -> str:
     return "—" if not value else f"{value / GiB:.2f}"
 
 
+def _gb(value: int | None) -> str:
+    return "—" if value is None else f"{value / 1e9:.2f}"
+
+
 def _latents(row: dict[str, Any]) -> str:
     errors = row.get("vs_reference")
     if not errors:
@@ -120,6 +125,17 @@ COLUMN_NOTES = (
     "in use above the idle level while the process ran (CUDA context included); peak host RSS = VmRSS sampled every "
     "0.25 s; copies hidden = share of the streamed weight copies overlapped with compute."
 )
+# Shown where a record has them (rows measured since the disk-read column was added): older tables stay as they were.
+EXTRA_COLUMNS = ("disk read GB", "DiT re-upload s")
+EXTRA_NOTES = (
+    "disk read GB = bytes the process caused to be read from storage (read_bytes of /proc/PID/io, sampled with the "
+    "RSS; page-cache hits and files in a RAM-backed folder such as /dev/shm read nothing); DiT re-upload s = the "
+    "request's `dit_load` phase: the DiT's resident blocks uploaded again after leaving the device for the text phase."
+)
+
+
+def has_extra_columns(rows: list[dict[str, Any]]) -> bool:
+    return any("disk_read_bytes" in row for row in rows)
 
 
 def peer_request_s(rows: list[dict[str, Any]]) -> tuple[str, float] | None:
@@ -138,7 +154,7 @@ def _vs_peer(row: dict[str, Any], peer: tuple[str, float] | None) -> str:
     return f"{peer[1] / row['request_s']:.2f}×"
 
 
-def table_row(row: dict[str, Any], peer: tuple[str, float] | None = None) -> str:
+def table_row(row: dict[str, Any], peer: tuple[str, float] | None = None, extra: bool = False) -> str:
     phases = row.get("phases_s") or {}
     split = " / ".join(_s(phases.get(k)) for k in ("text_encode", "denoise", "video_decode", "mux"))
     denoise_peak = (row.get("phase_peaks") or {}).get("denoise", {}).get("reserved")
@@ -159,17 +175,87 @@ def table_row(row: dict[str, Any], peer: tuple[str, float] | None = None) -> str
         "—" if hidden is None else f"{100 * hidden:.1f} %",
         _latents(row),
     ]
+    if extra:
+        reload = "—" if not phases or is_peer_arm(str(row.get("arm", ""))) else _s(phases.get("dit_load", 0.0))
+        cells += [_gb(row.get("disk_read_bytes")), reload]
     return "| " + " | ".join(str(c) for c in cells) + " |"
 
 
 def table_lines(rows: list[dict[str, Any]]) -> list[str]:
-    """The Markdown table of an acceptance run: a header and a row per run, each row's request against the peer's."""
+    """The Markdown table of an acceptance run: a header and a row per run, each row's request against the peer's
+    (with EXTRA_COLUMNS where the rows have them)."""
     peer = peer_request_s(rows)
-    return ["| " + " | ".join(COLUMNS) + " |", "|" + "---|" * len(COLUMNS), *(table_row(r, peer) for r in rows)]
+    extra = has_extra_columns(rows)
+    columns = COLUMNS + EXTRA_COLUMNS if extra else COLUMNS
+    return ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns), *(table_row(r, peer, extra) for r in rows)]
 
 
-def render_table(rows: list[dict[str, Any]], plan: dict[str, Any]) -> str:
-    """The session's README: what ran, on what, and a row per run."""
+def _text_encoders(plan: dict[str, Any]) -> list[str]:
+    te = plan.get("text_encoders")
+    if not te:
+        return []
+    where = te.get("folder") or "?"
+    fs = f" ({te['filesystem']})" if te.get("filesystem") else ""
+    link = ", linked from the checkpoint" if te.get("linked") else ""
+    kind = te.get("synthetic") or "the checkpoint's own"
+    return [f"- text encoders: {kind}; {_gb(te.get('bytes'))} GB in {where}{fs}{link}"]
+
+
+SERVE_COLUMNS = ("serve run", "job", "size", "outcome", "submit → done s", "run s", "text / denoise / decode / mux s",
+                 "disk read GB", "peak RSS GiB")  # fmt: skip
+
+
+def _serve_name(record: dict[str, Any]) -> str:
+    return f"{record.get('arm') or 'env'} @ {record.get('budget_gb', 0):g} GiB"
+
+
+def _serve_summary(record: dict[str, Any]) -> str:
+    start = record.get("startup") or {}
+    parts = [f"ready in {_s(start.get('ready_s'))} s (read {_gb(start.get('disk_read_bytes'))} GB)",
+             f"peak host RSS {_gib(record.get('peak_rss_bytes'))} GiB",
+             f"nvidia-smi peak {_gib((record.get('peak_smi_used_mib') or 0) * 2**20)} GiB",
+             f"disk read {_gb(record.get('disk_read_bytes'))} GB in all"]  # fmt: skip
+    deleted = next((j for j in record.get("jobs", []) if j.get("plan") == "delete"), None)
+    if deleted and deleted.get("delete"):
+        d = deleted["delete"]
+        parts.append(f"DELETE at {d.get('progress')} % took effect in {_s(d.get('took_effect_s'), 2)} s "
+                     f"({d.get('phase') or 'phase not logged'})")  # fmt: skip
+    over = record.get("oversize") or {}
+    if over:
+        queued = "queued" if over.get("queued") else "not queued"
+        message = str(over.get("message", "")).replace("|", "/")[:200]
+        parts.append(f"oversize {over.get('geometry')}: {over.get('status')}, {queued}: {message!r}")
+    result = "PASS" if record.get("passed") else "**FAIL**: " + "; ".join(record.get("problems", []))[:300]
+    return f"- `{_serve_name(record)}` ({record.get('client', '?')}): {result}; " + "; ".join(parts)
+
+
+def serve_lines(records: list[dict[str, Any]]) -> list[str]:
+    """The section of `measurements/bench_serve_defaults.py`'s records: a line per server, a row per job."""
+    lines = [
+        "## `k6fast serve` at its defaults",
+        "",
+        "`measurements/bench_serve_defaults.py`: `k6fast serve --model M --arm ARM` with no size options under "
+        "`K6_VRAM_BUDGET_GB`, four queued jobs of two sizes through the openai SDK (one prompt repeated, a second "
+        "prompt last, one job deleted part-way) and one request larger than the budget holds.",
+        "",
+        *(_serve_summary(r) for r in records),
+        "",
+        "| " + " | ".join(SERVE_COLUMNS) + " |",
+        "|" + "---|" * len(SERVE_COLUMNS),
+    ]
+    for record in records:
+        for job in record.get("jobs", []):
+            phases = (job.get("telemetry") or {}).get("phases_s") or {}
+            split = " / ".join(_s(phases.get(k)) for k in ("text_encode", "denoise", "video_decode", "mux"))
+            cells = [_serve_name(record), job.get("name"), job.get("geometry"), job.get("outcome"),
+                     _s(job.get("done_after_s")), _s(job.get("run_s")), split if phases else "—",
+                     _gb(job.get("disk_read_bytes")), _gib(job.get("peak_rss_bytes"))]  # fmt: skip
+            lines.append("| " + " | ".join(str(c) for c in cells) + " |")
+    return [*lines, ""]
+
+
+def render_table(rows: list[dict[str, Any]], plan: dict[str, Any], serve: list[dict[str, Any]] = ()) -> str:
+    """The session's README: what ran, on what, a row per run, and the `serve` records of the session."""
     commits = sorted({str(r.get("commit")) + (" (dirty)" if r.get("dirty") else "") for r in rows if r.get("commit")})
     gpus = sorted({r["gpu_name"] for r in rows if r.get("gpu_name")})
     passed = sum(1 for r in rows if r.get("passed"))
@@ -183,6 +269,7 @@ def render_table(rows: list[dict[str, Any]], plan: dict[str, Any]) -> str:
         f"- GPU: {', '.join(gpus) or 'none'}; versions: {json.dumps(plan.get('versions', {}))}",
         f"- commit(s): {', '.join(commits) or 'unknown'}",
         f"- checkpoint: {plan.get('checkpoint_note', plan.get('model'))}",
+        *_text_encoders(plan),
         f"- each run a fresh process: `k6fast generate --arm ARM` under `K6_VRAM_BUDGET_GB`; cold = empty Inductor and "
         "Triton caches, warm = the caches a cold run of the same arm left; seed "
         f"{plan.get('seed')}, prompt: {plan.get('prompt')!r}",
@@ -191,6 +278,8 @@ def render_table(rows: list[dict[str, Any]], plan: dict[str, Any]) -> str:
         *table_lines(rows),
         "",
         COLUMN_NOTES,
+        *(["", EXTRA_NOTES] if has_extra_columns(rows) else []),
         "",
+        *(serve_lines(list(serve)) if serve else []),
     ]
     return "\n".join(lines)
