@@ -155,8 +155,9 @@ def cmd_make_synthetic(args: argparse.Namespace) -> int:
     from .testing.synthetic import make_synthetic
 
     try:
-        path = make_synthetic(args.dir, preset=args.preset, blocks=args.blocks, seed=args.seed)
-    except ValueError as exc:
+        path = make_synthetic(args.dir, preset=args.preset, blocks=args.blocks, seed=args.seed,
+                              text_encoders=args.text_encoders, text_encoder_dir=args.text_encoder_dir)  # fmt: skip
+    except (ValueError, FileExistsError) as exc:
         raise CliError(str(exc)) from exc
     print(f"wrote a synthetic random-weight {args.preset} checkpoint (real tensor shapes) to {path}")
     return 0
@@ -225,6 +226,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--preset", choices=["pro-distill", "pro", "lite-distill", "lite"], default="pro-distill")
     p.add_argument("--blocks", type=int, help="fused blocks to write (default: the full depth, 60 for Pro)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--text-encoders", choices=["one-layer", "full"], default="one-layer",
+                   help="full: Qwen2.5-VL-7B and CLIP-L at their real shapes (about 16.8 GB)")  # fmt: skip
+    p.add_argument("--text-encoder-dir", help="with --text-encoders full: write them to this missing or empty folder "
+                   "(e.g. under /dev/shm) and link them into the checkpoint")  # fmt: skip
     p.set_defaults(func=cmd_make_synthetic)
 
     p = sub.add_parser("switches", help="list the K6_* switches and their current values")

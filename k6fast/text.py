@@ -1,5 +1,7 @@
 """Prompt encoding: Qwen2.5-VL hidden states (chat template, 129 template tokens cropped) and the CLIP pooled
-embedding, with transformers' models loaded for the text phase only and dropped after it.
+embedding. The tokenization and the crop live here, shared by both ways of running the encoders: `TextEncoders`
+(transformers' models whole, `from_pretrained`; the reference the streamed text phase is held equal to) and
+`k6fast.text_phase.TextPhase` (the layers streamed through the device, what the pipeline runs).
 
 By default the prompt is neither padded nor masked: Qwen2.5-VL is causal, so right-padding does not change the
 states of the real tokens, and a masked attention over padding equals an unmasked one over the real tokens. The
@@ -11,6 +13,7 @@ from __future__ import annotations
 import gc
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 from diffusers.pipelines.kandinsky6.pipeline_kandinsky6_ti2va import (
@@ -20,12 +23,18 @@ from diffusers.pipelines.kandinsky6.pipeline_kandinsky6_ti2va import (
 )
 from torch import Tensor
 
+from .text_plan import MAX_PROMPT_TOKENS
+
+__all__ = ["DEFAULT_NEGATIVE_PROMPT", "MAX_PROMPT_TOKENS", "TextConditioning", "TextEncoders", "encode_prompts"]
+
 # The reference pipeline's negative prompt for CFG on base checkpoints.
 DEFAULT_NEGATIVE_PROMPT = (
     "Static, 2D cartoon, cartoon, 2d animation, paintings, images, "
     "worst quality, low quality, ugly, deformed, walking backwards"
 )
-MAX_PROMPT_TOKENS = 1024
+QWEN_CROP_START = _QWEN_CROP_START
+CLIP_MAX_LENGTH = _CLIP_MAX_LENGTH
+PROMPT_TEMPLATE = _PROMPT_TEMPLATE
 
 
 @dataclass(frozen=True)
@@ -35,8 +44,45 @@ class TextConditioning:
     mask: Tensor | None  # bool [1, S], None when nothing is padded
 
 
+def check_prompt(prompt: str) -> None:
+    if not prompt.strip():
+        raise ValueError("the prompt is empty; expected a description of the video and its sound")
+
+
+def qwen_inputs(processor: Any, prompt: str, pad_to: int | None, device: torch.device) -> dict[str, Tensor]:
+    """The chat-templated prompt's input_ids and attention_mask (int64 [1, T]), T = template + prompt tokens (at most
+    MAX_PROMPT_TOKENS after the crop), or pad_to after the crop with the padding masked."""
+    check_prompt(prompt)
+    text = PROMPT_TEMPLATE.format(prompt)
+    if pad_to is None:
+        inputs = processor(text=[text], max_length=MAX_PROMPT_TOKENS + QWEN_CROP_START, truncation=True,
+                           return_tensors="pt")  # fmt: skip
+    else:
+        inputs = processor(text=[text], max_length=pad_to + QWEN_CROP_START, truncation=True,
+                           padding="max_length", return_tensors="pt")  # fmt: skip
+    return {"input_ids": inputs["input_ids"].to(device), "attention_mask": inputs["attention_mask"].to(device)}
+
+
+def clip_inputs(tokenizer: Any, prompt: str, device: torch.device) -> dict[str, Tensor]:
+    """CLIP's input_ids and attention_mask (int64 [1, 77]), padded to its context."""
+    inputs = tokenizer([prompt], max_length=CLIP_MAX_LENGTH, truncation=True, add_special_tokens=True,
+                       padding="max_length", return_tensors="pt")  # fmt: skip
+    return {k: v.to(device) for k, v in inputs.items()}
+
+
+def conditioning(last_hidden: Tensor, attention_mask: Tensor, pooled: Tensor) -> TextConditioning:
+    """last_hidden: [1, T, in_text_dim] Qwen's last hidden states (after its final norm); attention_mask: [1, T];
+    pooled: [1, in_text_dim2] → the conditioning with the template's tokens cropped."""
+    embeds = last_hidden[:, QWEN_CROP_START:]
+    if embeds.shape[1] == 0:
+        raise ValueError("the prompt produced no tokens after the chat template")
+    mask = attention_mask[:, QWEN_CROP_START:].to(torch.bool)
+    return TextConditioning(embeds, pooled, None if bool(mask.all()) else mask)
+
+
 class TextEncoders:
-    """Both text encoders and their tokenizers, on one device, for the duration of the text phase."""
+    """Both text encoders whole (transformers' `from_pretrained`) and their tokenizers, on one device: the reference
+    for the streamed text phase, and what tests and tools use to check it."""
 
     def __init__(self, root: Path, device: torch.device, dtype: torch.dtype):
         from transformers import CLIPTextModel, CLIPTokenizer, Qwen2_5_VLForConditionalGeneration, Qwen2_5_VLProcessor
@@ -59,43 +105,10 @@ class TextEncoders:
     @torch.no_grad()
     def encode(self, prompt: str, pad_to: int | None = None) -> TextConditioning:
         """One prompt → conditioning. pad_to: pad the Qwen tokens (after the crop) to this length and mask them."""
-        if not prompt.strip():
-            raise ValueError("the prompt is empty; expected a description of the video and its sound")
-        text = _PROMPT_TEMPLATE.format(prompt)
-        max_length = MAX_PROMPT_TOKENS + _QWEN_CROP_START
-        if pad_to is None:
-            inputs = self.processor(text=[text], max_length=max_length, truncation=True, return_tensors="pt")
-        else:
-            inputs = self.processor(
-                text=[text],
-                max_length=pad_to + _QWEN_CROP_START,
-                truncation=True,
-                padding="max_length",
-                return_tensors="pt",
-            )
-        inputs = inputs.to(self.device)
-        out = self.qwen(
-            input_ids=inputs["input_ids"],
-            attention_mask=inputs["attention_mask"],
-            output_hidden_states=True,
-            return_dict=True,
-        )
-        embeds = out.hidden_states[-1][:, _QWEN_CROP_START:]
-        if embeds.shape[1] == 0:
-            raise ValueError("the prompt produced no tokens after the chat template")
-        mask = inputs["attention_mask"][:, _QWEN_CROP_START:].to(torch.bool)
-        mask = None if bool(mask.all()) else mask
-
-        clip_inputs = self.clip_tokenizer(
-            [prompt],
-            max_length=_CLIP_MAX_LENGTH,
-            truncation=True,
-            add_special_tokens=True,
-            padding="max_length",
-            return_tensors="pt",
-        ).to(self.device)
-        pooled = self.clip(**clip_inputs).pooler_output
-        return TextConditioning(embeds, pooled, mask)
+        inputs = qwen_inputs(self.processor, prompt, pad_to, self.device)
+        out = self.qwen(**inputs, output_hidden_states=True, return_dict=True)
+        pooled = self.clip(**clip_inputs(self.clip_tokenizer, prompt, self.device)).pooler_output
+        return conditioning(out.hidden_states[-1], inputs["attention_mask"], pooled)
 
     def close(self) -> None:
         """Drop both models and give their memory back before the DiT phase."""
@@ -113,7 +126,7 @@ def encode_prompts(
     dtype: torch.dtype,
     pad_to: int | None = None,
 ) -> tuple[TextConditioning, TextConditioning | None]:
-    """Encode the prompt (and the negative prompt when CFG needs one) and release the encoders."""
+    """Encode the prompt (and the negative prompt when CFG needs one) with `TextEncoders` and release them."""
     encoders = TextEncoders(root, device, dtype)
     try:
         cond = encoders.encode(prompt, pad_to)

@@ -67,3 +67,26 @@ PIFLOW_SCHEDULER: dict[str, Any] = dict(
     num_train_timesteps=1000, shift=5.0, n_grid=N_GRID, eps=1e-6, final_step_size_scale=0.5, num_policy_substeps=128
 )
 FLOW_MATCH_SCHEDULER: dict[str, Any] = dict(num_train_timesteps=1000, shift=5.0)
+
+# The released text encoders' configurations (Kandinsky 6's `text_encoder/` and `text_encoder_2/`): Qwen2.5-VL-7B-
+# Instruct with its vision tower, and CLIP ViT-L/14's text model. transformers' own defaults differ (e.g. the
+# vision tower's intermediate size and tokens_per_second), so every release value is stated.
+QWEN_7B_TEXT: dict[str, Any] = dict(
+    vocab_size=152064, hidden_size=QWEN_HIDDEN, intermediate_size=18944, num_hidden_layers=28, num_attention_heads=28,
+    num_key_value_heads=4, hidden_act="silu", max_position_embeddings=128000, rms_norm_eps=1e-6,
+    use_sliding_window=False, sliding_window=32768, max_window_layers=28, attention_dropout=0.0,
+    rope_parameters={"rope_type": "default", "rope_theta": 1_000_000.0, "mrope_section": [16, 24, 24]},
+)  # fmt: skip
+QWEN_7B_VISION: dict[str, Any] = dict(
+    depth=32, hidden_size=1280, intermediate_size=3420, num_heads=16, in_channels=3, out_hidden_size=QWEN_HIDDEN,
+    patch_size=14, spatial_merge_size=2, temporal_patch_size=2, window_size=112, fullatt_block_indexes=[7, 15, 23, 31],
+    tokens_per_second=2, hidden_act="silu",
+)  # fmt: skip
+QWEN_7B_TIE_WORD_EMBEDDINGS = False
+# Qwen2.5-VL-7B-Instruct's parameter count, vision tower and lm_head included (its index's total_size is twice this).
+QWEN_7B_PARAMETERS = 8_292_166_656
+CLIP_L_TEXT: dict[str, Any] = dict(
+    vocab_size=49408, hidden_size=CLIP_HIDDEN, intermediate_size=3072, num_hidden_layers=12, num_attention_heads=12,
+    max_position_embeddings=77, projection_dim=CLIP_HIDDEN, hidden_act="quick_gelu", layer_norm_eps=1e-5,
+)  # fmt: skip
+CLIP_L_TEXT_PARAMETERS = 123_060_480
