@@ -15,6 +15,7 @@ bit (tests/test_text_phase.py).
 from __future__ import annotations
 
 import hashlib
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -45,11 +46,11 @@ SAFETENSORS_DTYPES = {torch.bfloat16: "BF16", torch.float16: "F16", torch.float3
 @dataclass(frozen=True)
 class TextStats:
     """The last encode: wall seconds, where the result came from ("memory", "disk" or "encoded") and the weight bytes
-    it read from the files."""
+    it streamed from the files to the device (Qwen's decoder layers and CLIP; the prompt's embedding rows aside)."""
 
     seconds: float
     source: str
-    bytes_read: int
+    bytes_streamed: int
 
 
 class _Captured(Exception):
@@ -152,6 +153,7 @@ class TextPhase:
         limits = [PROMPT_TEMPLATE, str(QWEN_CROP_START), str(MAX_PROMPT_TOKENS), str(CLIP_MAX_LENGTH)]
         self.identity = hashlib.sha256("\n".join([text_identity(self.root), *limits]).encode()).hexdigest()
         self.last: TextStats | None = None
+        self._lock = threading.Lock()  # one encode at a time: the modules' parameters are bound per encode
 
     def _read_resident(self, tensors: dict[str, TensorLocation]) -> dict[str, Tensor]:
         layout = UnitLayout.of(tensors)
@@ -187,6 +189,12 @@ class TextPhase:
     ) -> tuple[TextConditioning, TextConditioning | None]:
         """The prompt's conditioning, and the negative prompt's when one is given (CFG). pad_to: pad Qwen's tokens
         (after the template crop) to this length and mask them, as the reference pipeline does."""
+        with self._lock:
+            return self._encode(prompt, negative, pad_to)
+
+    def _encode(
+        self, prompt: str, negative: str | None, pad_to: int | None
+    ) -> tuple[TextConditioning, TextConditioning | None]:
         start = time.perf_counter()
         key = self.key(prompt, negative, pad_to) if self.cache is not None else None
         if key is not None:

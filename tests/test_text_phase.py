@@ -51,7 +51,7 @@ def test_streamed_encode_is_bit_identical_to_from_pretrained(tiny_distill, dtype
         streamed = {loc.name for layout in phase._layouts for _, loc, _ in layout.pieces}
         assert not any(n.startswith(("visual.", "lm_head.")) or "embed_tokens" in n for n in streamed)
         assert phase.last.source == "encoded"
-        assert phase.last.bytes_read == phase.footprint().streamed_bytes
+        assert phase.last.bytes_streamed == phase.footprint().streamed_bytes
         alone = phase.encode(PROMPT, None, pad_to)
         assert alone[1] is None
         assert_same(expected[:1], alone[:1])
@@ -95,7 +95,7 @@ def test_repeated_prompts_come_from_the_cache(tiny_distill) -> None:
         start = time.perf_counter()
         again = phase.encode(PROMPT, NEGATIVE)
         assert time.perf_counter() - start <= 0.05
-        assert phase.last.source == "memory" and phase.last.bytes_read == 0
+        assert phase.last.source == "memory" and phase.last.bytes_streamed == 0
         assert_same(first, again)
         again[0].embeds.zero_()  # the caller's tensors are its own: the cache keeps its copy
         assert_same(first, phase.encode(PROMPT, NEGATIVE))
