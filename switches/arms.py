@@ -12,7 +12,7 @@ import re
 from pathlib import Path
 
 from .catalog import SWITCHES_BY_NAME
-from .registry import SwitchError, closest_switch
+from .registry import SwitchError, unknown_switch_hint
 
 ARMS_DIR = Path(__file__).resolve().parent / "arms"
 ARM_SUFFIX = ".env"
@@ -70,9 +70,7 @@ def read_arm(path: str | Path) -> dict[str, str]:
             raise SwitchError(f"{where}: expected a K6_* switch, found {key!r}")
         switch = SWITCHES_BY_NAME.get(key)
         if switch is None:
-            guess = closest_switch(key, SWITCHES_BY_NAME)
-            hint = f"did you mean {guess}?" if guess else f"known switches: {', '.join(sorted(SWITCHES_BY_NAME))}"
-            raise SwitchError(f"{where}: unknown switch {key}; {hint}")
+            raise SwitchError(f"{where}: unknown switch {key}; {unknown_switch_hint(key, SWITCHES_BY_NAME)}")
         if switch.secret:
             raise SwitchError(f"{where}: {key} is a secret and cannot be set in an arm file; set it in the environment")
         if key in values:

@@ -250,13 +250,25 @@ def closest_switch(name: str, known: Iterable[str]) -> str | None:
     return matches[0] if matches else None
 
 
+def unknown_switch_hint(name: str, known: Iterable[str]) -> str:
+    """What to say about a `K6_*` name no switch declares: the closest switch, as a question when it is close and as
+    the nearest one otherwise (a list of every switch would bury the one that was meant)."""
+    known = list(known)
+    guess = closest_switch(name, known)
+    if guess:
+        return f"did you mean {guess}?"
+    nearest = difflib.get_close_matches(name, known, n=1, cutoff=0.0)
+    return (
+        f"the nearest switch is {nearest[0]} (`k6fast switches` lists them all)" if nearest else "no switch is declared"
+    )
+
+
 def warn_unknown_switches(environ: Mapping[str, str], switches: Iterable[Switch], stacklevel: int = 2) -> list[str]:
     """Warn (UnknownSwitchWarning) about each `K6_*` variable no switch declares; returns their names."""
     known = [s.name for s in switches]
     unknown = sorted(key for key in environ if key.startswith("K6_") and key not in known)
     for key in unknown:
-        guess = closest_switch(key, known)
-        hint = f"did you mean {guess}?" if guess else f"known switches: {', '.join(sorted(known))}"
         # The value is never shown: the variable may be a mistyped secret.
-        warnings.warn(f"Unknown switch {key} is ignored; {hint}", UnknownSwitchWarning, stacklevel=stacklevel + 1)
+        message = f"Unknown switch {key} is ignored; {unknown_switch_hint(key, known)}"
+        warnings.warn(message, UnknownSwitchWarning, stacklevel=stacklevel + 1)
     return unknown
