@@ -9,18 +9,15 @@ import sys
 from pathlib import Path
 
 from . import __version__
+from .checkpoint import Checkpoint, CheckpointError, open_checkpoint
 from .cli_args import device_problem, seed_problem, size_arg
-from .request import validate_geometry
+from .entry import quiet_warnings
+from .request import Request, RequestError, resolve_request, validate_geometry
+from .switches import Options, SwitchError, load_options
 
 
 class CliError(Exception):
     """A user error: printed as `error: ...` with exit status 2, no traceback."""
-
-
-def _load_options(arm: str | None):
-    from .switches import load_options
-
-    return load_options(arm=arm)
 
 
 def _add_model_args(p: argparse.ArgumentParser) -> None:
@@ -50,7 +47,7 @@ def _check_out(out: Path) -> None:
 
 
 def _check_generate_args(args: argparse.Namespace) -> None:
-    """Everything that can be checked before a model loads (minutes on the real checkpoint)."""
+    """The arguments on their own: the output path, the geometry and the numbers."""
     _check_out(Path(args.out))
     width, height = args.size
     validate_geometry(width, height, args.frames)
@@ -63,9 +60,10 @@ def _check_generate_args(args: argparse.Namespace) -> None:
         raise CliError(f"--guidance: expected a finite number >= 1.0 (1.0 = no CFG), found {args.guidance}")
     if not args.prompt.strip():
         raise CliError("--prompt is empty; expected a description of the video and its sound")
-    problem = device_problem(args.device)
-    if problem:
-        raise CliError(f"--device {args.device}: {problem}")
+    if args.save_latents and (
+        not args.save_latents.endswith(".safetensors") or not Path(args.save_latents).parent.is_dir()
+    ):
+        raise CliError(f"--save-latents {args.save_latents}: expected a .safetensors path in an existing directory")
 
 
 def _open_image(path: str):
@@ -80,27 +78,16 @@ def _open_image(path: str):
     return image
 
 
-def cmd_generate(args: argparse.Namespace) -> int:
+def _prepare_generate(args: argparse.Namespace) -> tuple[Options, Checkpoint, Request]:
+    """Everything `generate` can check before PyTorch, diffusers and transformers are imported (seconds, and minutes
+    of loading after them): the arguments, the switches and arm, the image, the checkpoint's files and configs (JSON
+    and safetensors headers only) and the request against them, then the device (on a machine with GPUs, PyTorch
+    counts them)."""
     _check_generate_args(args)
-    out = Path(args.out)
-    if args.save_latents and (
-        not args.save_latents.endswith(".safetensors") or not Path(args.save_latents).parent.is_dir()
-    ):
-        raise CliError(f"--save-latents {args.save_latents}: expected a .safetensors path in an existing directory")
-    # The arguments are valid: now the imports that take seconds (PyTorch, diffusers, transformers).
-    from tqdm import tqdm
-
-    from .output import sidecar_path, write_result
-    from .pipeline import Pipeline, Request
-
-    width, height = args.size
+    options = load_options(arm=args.arm)
     image = _open_image(args.image) if args.image else None
-    options = _load_options(args.arm)
-    pipe = Pipeline(
-        args.model, options, device=args.device, dtype=_dtype(args.dtype), plan_geometry=(width, height, args.frames)
-    )
-    if pipe.device.type == "cuda":  # the residency plan is a GPU memory budget; the CPU has none
-        print(pipe.runtime.plan.describe(), file=sys.stderr)
+    ckpt = open_checkpoint(args.model)
+    width, height = args.size
     request = Request(
         prompt=args.prompt,
         width=width,
@@ -113,6 +100,28 @@ def cmd_generate(args: argparse.Namespace) -> int:
         image=image,
         audio=not args.no_audio,
     )
+    resolve_request(ckpt, options, request)
+    problem = device_problem(args.device)
+    if problem:
+        raise CliError(f"--device {args.device}: {problem}")
+    return options, ckpt, request
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    options, ckpt, request = _prepare_generate(args)
+    out = Path(args.out)
+    # Everything is checked: now the imports that take seconds (PyTorch, diffusers, transformers).
+    from tqdm import tqdm
+
+    from .output import sidecar_path, write_result
+    from .pipeline import Pipeline
+
+    width, height = args.size
+    pipe = Pipeline(
+        ckpt, options, device=args.device, dtype=_dtype(args.dtype), plan_geometry=(width, height, args.frames)
+    )
+    if pipe.device.type == "cuda":  # the residency plan is a GPU memory budget; the CPU has none
+        print(pipe.runtime.plan.describe(), file=sys.stderr)
     steps, _ = pipe.resolve(request)
     print(
         f"k6fast {__version__}: {pipe.ckpt.variant} on {pipe.device} ({str(pipe.dtype).removeprefix('torch.')}), "
@@ -169,7 +178,7 @@ def cmd_switches(args: argparse.Namespace) -> int:
     if args.markdown:
         print(readme_table())
         return 0
-    options = _load_options(args.arm)
+    options = load_options(arm=args.arm)
     print(render_table(options))
     print()
     print(_resolution_table(options))
@@ -255,12 +264,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     from .allocator import configure_environment
-    from .checkpoint import CheckpointError
-    from .request import RequestError
     from .server.cli import ServeError
     from .stream.plan import ResidencyError
-    from .switches import SwitchError
 
+    quiet_warnings()
     args = build_parser().parse_args(argv)
     configure_environment()  # before anything touches CUDA (k6fast/allocator.py says why)
     try:

@@ -4,6 +4,9 @@ and server's `register` functions must stay cheap to import."""
 from __future__ import annotations
 
 import argparse
+import re
+import sys
+from pathlib import Path
 
 
 def size_arg(text: str) -> tuple[int, int]:
@@ -33,25 +36,45 @@ def seed_problem(seed: int) -> str | None:
     return None
 
 
+# The device types torch.device accepts besides cpu and cuda (c10/core/DeviceType.h), so that a device k6fast cannot
+# use is told apart from a misspelt name without importing PyTorch.
+_OTHER_TORCH_DEVICES = frozenset(
+    "ipu xpu mkldnn opengl opencl ideep hip ve fpga maia xla lazy vulkan mps meta hpu mtia privateuseone".split()  # noqa: SIM905
+)
+_DEVICE_RE = re.compile(r"([a-z]+)(?::([0-9]+))?")
+_NO_GPU = "no CUDA GPU is available on this machine; expected --device cpu here"
+
+
+def no_gpu_device_files() -> bool:
+    """True on a Linux machine with none of the device files a CUDA (or ROCm, or WSL) GPU is reached through: no
+    driver can find a GPU there, so PyTorch need not be imported to say so."""
+    if not sys.platform.startswith("linux"):
+        return False
+    dev = Path("/dev")
+    return not any(dev.glob("nvidia[0-9]*")) and not (dev / "dxg").exists() and not (dev / "kfd").exists()
+
+
 def device_problem(name: str | None) -> str | None:
     """What keeps the device `name` (cpu, cuda, cuda:N) from being used on this machine, or None; the message reads
-    after "--device NAME: ". Imports torch: call it after parsing, before loading a model."""
+    after "--device NAME: ". Imports PyTorch only to count the GPUs of a machine that has some."""
     if name is None:
         return None
+    expected = "expected cpu, cuda or cuda:N (k6fast runs on a CUDA GPU or the CPU)"
+    match = _DEVICE_RE.fullmatch(name)
+    if match is None or match[1] not in ("cpu", "cuda", *_OTHER_TORCH_DEVICES):
+        return f"not a device name; {expected}"
+    kind, index = match[1], match[2]
+    if kind == "cpu":
+        return None
+    if kind != "cuda":
+        return f"{kind} devices are not supported; {expected}"
+    if no_gpu_device_files():
+        return _NO_GPU
     import torch
 
-    expected = "expected cpu, cuda or cuda:N (k6fast runs on a CUDA GPU or the CPU)"
-    try:
-        device = torch.device(name)
-    except (RuntimeError, ValueError):
-        return f"not a device name; {expected}"
-    if device.type == "cpu":
-        return None
-    if device.type != "cuda":
-        return f"{device.type} devices are not supported; {expected}"
     if not torch.cuda.is_available():
-        return "no CUDA GPU is available on this machine; expected --device cpu here"
+        return _NO_GPU
     count = torch.cuda.device_count()
-    if device.index is not None and device.index >= count:
+    if index is not None and int(index) >= count:
         return f"this machine has {count} CUDA GPU(s); expected cuda:0 to cuda:{count - 1}"
     return None

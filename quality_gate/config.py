@@ -6,7 +6,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from ..checkpoint import open_checkpoint
 from ..request import validate_geometry
+from ..switches import load_options
 from . import GateError
 from .thresholds import Thresholds
 
@@ -38,7 +40,8 @@ class GateConfig:
 
 
 def validate_config(config: GateConfig) -> None:
-    """What can be checked before anything loads: raises GateError (or RequestError for the geometry)."""
+    """What can be checked before anything loads: raises GateError (RequestError for the geometry, SwitchError for
+    an arm, CheckpointError for the model)."""
     if not config.arms and not config.exact and not config.floor:
         raise GateError("nothing to do: expected at least one --arm, --exact or --floor")
     if config.thresholds.relative is not None and not config.floor:
@@ -50,3 +53,6 @@ def validate_config(config: GateConfig) -> None:
         raise GateError(
             f"LPIPS (AlexNet) needs frames of at least {MIN_SIZE}x{MIN_SIZE}, found {config.width}x{config.height}"
         )
+    for spec in (config.reference, *config.arms, *config.exact):
+        load_options(environ={}, arm=spec)  # SwitchError for an unknown arm or a bad file, as the gate's own load
+    open_checkpoint(config.model)  # CheckpointError for a missing or broken checkpoint: configs and headers only

@@ -3,9 +3,14 @@
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
+from pipeline_testing import rounding_bound, rounding_depth
 
 from k6fast.cli import main
 from k6fast.media import probe_mp4
@@ -40,18 +45,62 @@ def test_generate_writes_a_playable_clip_with_provenance(tiny_distill, tmp_path,
 
 
 def test_reference_arm_equals_every_switch_explicitly_off(tiny_distill, tmp_path, monkeypatch) -> None:
+    """`--arm reference` and every output-affecting switch set to its default in the environment are one
+    configuration, so they make one clip: latents equal to within float rounding (`pipeline_testing`; bit for bit
+    where the runs are deterministic, as they are on one thread) and, from equal latents, the same file byte for
+    byte."""
     a, b = tmp_path / "arm.mp4", tmp_path / "env.mp4"
+
+    def argv(out: Path) -> list[str]:
+        latents = out.with_suffix(".safetensors")
+        return [*GEN, "--model", str(tiny_distill), "--out", str(out), "--save-latents", str(latents)]
+
     for switch in SWITCHES:
         monkeypatch.delenv(switch.name, raising=False)
-    assert main([*GEN, "--model", str(tiny_distill), "--arm", "reference", "--out", str(a)]) == 0
+    status, depth = rounding_depth(lambda: main([*argv(a), "--arm", "reference"]))
+    assert status == 0
     for switch in SWITCHES:
         if switch.affects_output:
             monkeypatch.setenv(switch.name, switch.format(switch.default))
-    assert main([*GEN, "--model", str(tiny_distill), "--out", str(b)]) == 0
-    assert a.read_bytes() == b.read_bytes()
+    assert main(argv(b)) == 0
     arm_side, env_side = (json.loads(p.with_name(p.name + ".json").read_text()) for p in (a, b))
     assert arm_side["provenance"]["arm"] == "reference"
     assert arm_side["provenance"]["arm_hash"] == env_side["provenance"]["arm_hash"]
+    assert arm_side["provenance"]["switches"] == env_side["provenance"]["switches"]
+    assert probe_mp4(a).metadata == probe_mp4(b).metadata
+    from safetensors.numpy import load_file
+
+    arm_latents, env_latents = load_file(a.with_suffix(".safetensors")), load_file(b.with_suffix(".safetensors"))
+    assert arm_latents.keys() == env_latents.keys() == {"video", "audio"}
+    moved = {k: float(np.abs(arm_latents[k].astype(np.float64) - env_latents[k]).max()) for k in arm_latents}
+    for name, latent in arm_latents.items():
+        bound = rounding_bound(depth, float(np.abs(latent).max()))
+        assert moved[name] <= bound, f"{name} latents moved by {moved[name]:.3g}, more than rounding ({bound:.3g})"
+    if not any(moved.values()):  # the decode and the mux are deterministic: equal latents, equal files
+        assert a.read_bytes() == b.read_bytes()
+
+
+def test_a_model_command_is_quiet_but_for_one_line_per_unknown_switch(tiny_distill, tmp_path) -> None:
+    """No third-party deprecation or import warnings from a real run (torchao's "Unable to import `torchao` Tensor
+    objects", torch's pytree deprecation), and a mistyped switch is one line naming the switch it resembles."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("K6_") and k != "TRANSFORMERS_VERBOSITY"}
+    env["K6_GEM"] = "fp8"
+    out = tmp_path / "clip.mp4"
+    done = subprocess.run(
+        [sys.executable, "-m", "k6fast.cli", *GEN, "--model", str(tiny_distill), "--out", str(out)],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=600,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    lines = done.stderr.splitlines()
+    assert [line for line in lines if "K6_GEM" in line] == [
+        "warning: Unknown switch K6_GEM is ignored; did you mean K6_GEMM?"
+    ]
+    noise = [line for line in lines if "torchao" in line or "deprecat" in line.lower() or "Warning" in line]
+    assert noise == [], noise
+    assert out.is_file()
 
 
 @pytest.mark.parametrize(
@@ -118,8 +167,10 @@ def no_model_load(monkeypatch):
         (["--image", "/nonexistent/ref.png"], "--image /nonexistent/ref.png: No such file or directory"),
     ],
 )
-def test_arguments_are_checked_before_the_model_loads(no_model_load, tmp_path, capsys, args, message) -> None:
-    argv = [*GEN, "--model", str(tmp_path), "--out", str(tmp_path / "x.mp4"), *args]
+def test_arguments_are_checked_before_the_model_loads(
+    no_model_load, tiny_distill, tmp_path, capsys, args, message
+) -> None:
+    argv = [*GEN, "--model", str(tiny_distill), "--out", str(tmp_path / "x.mp4"), *args]
     assert main(argv) == 2
     err = capsys.readouterr().err
     assert err.startswith("error: ") and err.count("\n") == 1 and message in err, err
@@ -148,9 +199,11 @@ def test_out_in_a_read_only_directory_is_refused(no_model_load, tmp_path, capsys
     assert f"the directory {locked} is not writable by this user" in capsys.readouterr().err
 
 
-def test_cuda_without_a_gpu_is_refused_before_loading(no_model_load, tmp_path, capsys, monkeypatch) -> None:
+def test_cuda_without_a_gpu_is_refused_before_loading(
+    no_model_load, tiny_distill, tmp_path, capsys, monkeypatch
+) -> None:
     import torch
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)  # the same answer on a GPU machine
-    assert main([*GEN, "--model", str(tmp_path), "--out", str(tmp_path / "x.mp4"), "--device", "cuda"]) == 2
+    assert main([*GEN, "--model", str(tiny_distill), "--out", str(tmp_path / "x.mp4"), "--device", "cuda"]) == 2
     assert "--device cuda: no CUDA GPU is available on this machine" in capsys.readouterr().err

@@ -215,8 +215,10 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     from ..checkpoint import CheckpointError
+    from ..entry import quiet_warnings
     from ..switches import SwitchError
 
+    quiet_warnings()
     parser = argparse.ArgumentParser(
         prog="python -m k6fast.server", description="k6fast serve: an OpenAI-compatible /v1/videos server"
     )
