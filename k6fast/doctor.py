@@ -117,16 +117,19 @@ def dit_plan(model: Path, budget_bytes: int, gpu: Gpu | None = None) -> dict:
     decode is checked per request on top)."""
     from .checkpoint import open_checkpoint
     from .safetensors_index import index_safetensors
+    from .text_plan import text_footprint, text_weights
 
     ckpt = open_checkpoint(model)
     cfg = ckpt.dit
     index = index_safetensors(ckpt.transformer_files)
     fixed, block = index_footprint(index, cfg.num_visual_blocks, 2)
+    text = text_footprint(text_weights(ckpt.root), "BF16")
 
     def planner(tokens: tuple[int, int], profile: dict[str, bool] | None = None):
         activations = activation_estimate(*tokens, cfg.model_dim, cfg.model_dim_a, ff_dim=cfg.ff_dim, **(profile or {}))
         return plan_residency(budget_bytes=budget_bytes, fixed_bytes=fixed, block_bytes=block,
-                              num_blocks=cfg.num_visual_blocks, activation_bytes=activations)  # fmt: skip
+                              num_blocks=cfg.num_visual_blocks, activation_bytes=activations,
+                              text_bytes=text.device_bytes)  # fmt: skip
 
     stored_fp8 = any(loc.dtype == "F8_E4M3" for loc in index.values())
     capacity = {arm: _arm_capacity(arm, planner, stored_fp8, gpu) for arm in _arm_names()}
@@ -134,9 +137,10 @@ def dit_plan(model: Path, budget_bytes: int, gpu: Gpu | None = None) -> dict:
     try:
         plan = planner(W1_TOKENS)
     except ResidencyError as exc:
-        return {"variant": ckpt.variant, "dit_file_bytes": stored, "describe": f"at W1: {exc}", "capacity": capacity}
+        return {"variant": ckpt.variant, "dit_file_bytes": stored, "describe": f"at W1: {exc}", "capacity": capacity,
+                "text": text.as_dict(), "text_describe": text.describe()}  # fmt: skip
     return {"variant": ckpt.variant, "dit_file_bytes": stored, **plan.as_dict(), "describe": plan.describe(),
-            "capacity": capacity}  # fmt: skip
+            "capacity": capacity, "text": text.as_dict(), "text_describe": text.describe()}  # fmt: skip
 
 
 def _arm_names() -> list[str]:
@@ -243,6 +247,7 @@ def render(report: Report) -> str:
     if report.plan is not None:
         lines.append(f"checkpoint: {report.plan['variant']}, DiT {report.plan['dit_file_bytes'] / GB:.1f} GB")
         lines.append(report.plan["describe"])
+        lines.append(report.plan["text_describe"])
         for arm, sizes in report.plan.get("capacity", {}).items():
             longest = ", ".join(f"{size} up to {n} frames" if n else f"{size} none" for size, n in sizes.items())
             lines.append(f"largest clip, arm {arm}: {longest} (a larger request is refused before any work)")

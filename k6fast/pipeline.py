@@ -22,6 +22,7 @@ from .checkpoint import Checkpoint, open_checkpoint
 from .dit.backend import SwitchedBackend
 from .fit import oversize_message
 from .frame_sink import FrameSink
+from .prompt_cache import PromptCache
 from .request import (
     SPATIAL_MULTIPLE,
     TEMPORAL_STRIDE,
@@ -33,11 +34,12 @@ from .request import (
     resolve_request,
 )
 from .sampler import StepEvent, sample
-from .stream.plan import RESERVE_BYTES, ResidencyError
+from .stream.plan import ResidencyError
 from .stream.runtime import DiTRuntime, build_dit
 from .switches import Options
 from .telemetry import Telemetry
-from .text import DEFAULT_NEGATIVE_PROMPT, TextConditioning, TextEncoders, encode_prompts
+from .text import DEFAULT_NEGATIVE_PROMPT
+from .text_phase import TextPhase
 from .vae import decode_audio, decode_video, encode_image, load_audio_decoder, load_video_vae
 from .video_decode import VideoDecodePlan, decode_video_fast, plan_video_decode
 
@@ -58,13 +60,9 @@ class Result:
     latents: dict[str, torch.Tensor] = field(default_factory=dict)
 
 
-def component_bytes(folder: Path) -> int:
-    """Bytes of a component's weight files (its size on the device at the checkpoint's dtype)."""
-    return sum(f.stat().st_size for f in folder.glob("*.safetensors"))
-
-
 class Pipeline:
-    """Loads a checkpoint once and serves requests. DiT and decoders stay loaded; text encoders per request."""
+    """Loads a checkpoint once and serves requests. The DiT, the decoders and the text phase (its weights streamed
+    through the device per new prompt, its results cached) stay loaded."""
 
     def __init__(
         self,
@@ -73,9 +71,11 @@ class Pipeline:
         device: str | torch.device | None = None,
         dtype: torch.dtype | None = None,
         plan_geometry: tuple[int, int, int] = W1,
+        prompt_cache_dir: str | Path | None = None,
     ):
-        """plan_geometry: the largest (width, height, frames) this pipeline will serve; it sizes the activations
-        the residency planner reserves."""
+        """plan_geometry: the request the DiT's resident blocks are planned for (a larger one streams more of them
+        for its own run; one the budget cannot fit is refused by `resolve`). prompt_cache_dir: where encoded prompts
+        are kept across processes (None: in memory only)."""
         self.ckpt = model if isinstance(model, Checkpoint) else open_checkpoint(model)
         self.options = options
         self.device = resolve_device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
@@ -85,7 +85,11 @@ class Pipeline:
         self.load_seconds = 0.0
         telemetry = Telemetry(device=str(self.device))
         self.budget_bytes = device_budget(self.device, options.vram_budget_gb)
+        # The text phase never evicts the DiT: its layers stream through the room the denoising activations take
+        # later, which the residency plan keeps free for the larger of the two.
+        self.text = TextPhase(self.ckpt.root, self.device, self.dtype, cache=PromptCache(directory=prompt_cache_dir))
         self._dit_args = dict(
+            text_bytes=self.text.device_bytes(),
             budget_bytes=self.budget_bytes,
             tokens=dit_tokens(*plan_geometry),
             prefetch=options.prefetch_blocks,
@@ -97,17 +101,6 @@ class Pipeline:
         self.runtime_plan = None
         with telemetry.phase("load"):
             self._load_dit()
-            # The text phase loads Qwen2.5-VL and CLIP next to what stays on the device; when the DiT's resident
-            # weights and the text encoders do not fit the budget together, the DiT leaves for the text phase.
-            text_bytes = sum(component_bytes(self.ckpt.root / name) for name in ("text_encoder", "text_encoder_2"))
-            plan = self.runtime.plan
-            self.dit_leaves_for_text = plan.weight_bytes + text_bytes + RESERVE_BYTES > self.budget_bytes
-            # By default the text encoders leave the device before denoising. Reloading Qwen2.5-VL (its weights are
-            # over half a 32 GB card) costs seconds per request, so a server may keep them (K6_KEEP_TEXT_ENCODERS)
-            # where the budget holds them beside the DiT and the denoising activations.
-            fits = plan.weight_bytes + plan.activation_bytes + text_bytes + RESERVE_BYTES <= self.budget_bytes
-            self.text_resident = options.keep_text_encoders and fits
-            self._text: TextEncoders | None = None
             self.vae = load_video_vae(self.ckpt.root, self.device, self.dtype)
             self.audio_vae, self.vocoder = load_audio_decoder(self.ckpt.root, self.device, self.dtype)
             self._decoder_bytes = sum(  # what stays on the device whatever else leaves it
@@ -180,13 +173,6 @@ class Pipeline:
             if self.device.type == "cuda":
                 torch.cuda.empty_cache()
 
-    def _encode_text(self, prompt: str, negative: str | None) -> tuple[TextConditioning, TextConditioning | None]:
-        if not self.text_resident:
-            return encode_prompts(self.ckpt.root, prompt, negative, self.device, self.dtype)
-        if self._text is None:
-            self._text = TextEncoders(self.ckpt.root, self.device, self.dtype)
-        return self._text.encode(prompt), None if negative is None else self._text.encode(negative)
-
     def _free_budget(self) -> int:
         """What the budget leaves on the device now. Reserved, not allocated: the budget caps what the caching
         allocator reserves, and free room inside partly used segments is not there for a new large tensor."""
@@ -194,11 +180,6 @@ class Pipeline:
             return self.budget_bytes
         torch.cuda.empty_cache()
         return max(0, self.budget_bytes - torch.cuda.memory_reserved(self.device))
-
-    def _drop_text(self) -> None:
-        if self._text is not None:
-            self._text.close()
-            self._text = None
 
     def _plan_decode(self, shape: tuple[int, int, int]) -> VideoDecodePlan | None:
         """The decode's plan inside what the budget leaves now; None where not even a streamed decode fits."""
@@ -230,16 +211,14 @@ class Pipeline:
         # What the decode may send away when it needs the room: the DiT's resident blocks (the next request reloads
         # them, its "dit_load" phase), then text encoders kept resident. `exact` needs the whole clip (most of a 32 GB
         # card at W1); `streamed` only needs something to fit.
-        for release in (self._drop_dit, self._drop_text):
-            if plan is not None and (plan.exact or mode == "streamed"):
-                break
-            release()
+        if plan is None or not (plan.exact or mode == "streamed"):
+            self._drop_dit()
             plan = self._plan_decode(shape)
         if plan is None or (mode == "exact" and not plan.exact):
             free = self._free_budget() / 2**30
             raise RequestError(
                 f"the {'exact ' if mode == 'exact' else ''}video decode of {shape[0]}x{shape[1]}x{shape[2]} latents "
-                f"does not fit the {free:.1f} GiB the VRAM budget leaves with the DiT and text encoders off the "
+                f"does not fit the {free:.1f} GiB the VRAM budget leaves with the DiT off the "
                 "device; expected a larger K6_VRAM_BUDGET_GB, a smaller geometry, or K6_VIDEO_DECODE=streamed "
                 "(slabs with running GroupNorm statistics) or tiled"
             )
@@ -260,7 +239,7 @@ class Pipeline:
 
     def close(self) -> None:
         self._drop_dit()
-        self._drop_text()
+        self.text.close()
 
     @property
     def sample_rate(self) -> int:
@@ -295,13 +274,12 @@ class Pipeline:
         generator = torch.Generator("cpu").manual_seed(request.seed)
 
         check_stop(should_stop, "text_encode", "before the text encoders")
-        if self.dit_leaves_for_text:
-            self._drop_dit()
         with telemetry.phase("text_encode"):
             negative = None
             if guidance > 1.0:
                 negative = request.negative_prompt or DEFAULT_NEGATIVE_PROMPT
-            cond, uncond = self._encode_text(request.prompt, negative)
+            cond, uncond = self.text.encode(request.prompt, negative)
+        telemetry.text_source, telemetry.text_bytes_streamed = self.text.last.source, self.text.last.bytes_streamed
 
         if self.runtime is None:
             check_stop(should_stop, "dit_load", "before loading the DiT")
@@ -309,9 +287,12 @@ class Pipeline:
                 self._load_dit()
         # This request's own residency: a larger geometry than the base streams more blocks (and a later smaller
         # one brings them back); the time it takes is the request's "dit_fit" phase.
-        if self.runtime.plan_for(dit_tokens(request.width, request.height, request.frames)) != self.runtime.plan:
+        tokens = dit_tokens(request.width, request.height, request.frames)
+        if self.runtime.plan_for(tokens) != self.runtime.plan:
+            resident = self.runtime.plan.resident_blocks
             with telemetry.phase("dit_fit"):
-                self.runtime.fit(dit_tokens(request.width, request.height, request.frames))
+                self.runtime.fit(tokens)
+            telemetry.dit_blocks_uploaded += max(0, self.runtime.plan.resident_blocks - resident)
 
         first_frame = None
         if request.image is not None:

@@ -60,6 +60,9 @@ class Telemetry:
     compiled_graphs: int = 0  # graphs compiled inside them (a recompile is one more)
     # The MP4 mux (output.py). Streamed, it encodes on its own thread while the video decode goes on, and its
     # "mux" phase is only the wait after the decode; sequential, it starts after the decode and is all exposed.
+    text_source: str = ""  # where the prompt's embeddings came from: "encoded", or a cache hit ("memory", "disk")
+    text_bytes_streamed: int = 0  # text-encoder weight bytes copied to the device for this request
+    dit_blocks_uploaded: int = 0  # resident DiT blocks uploaded during the request (a geometry change brought them)
     mux_streamed: bool = False
     mux_encode_s: float | None = None  # seconds the encoder worked (frame conversion, encode, finishing the file)
     mux_exposed_s: float | None = None  # seconds from the last decoded frame to the finished MP4

@@ -35,13 +35,6 @@ VIDEO_DECODE = Switch(
     "GroupNorm statistics); tiled = diffusers' tiled decode",
     lossy=True,
 )
-KEEP_TEXT_ENCODERS = Switch(
-    name="K6_KEEP_TEXT_ENCODERS",
-    kind="bool",
-    default=False,
-    doc="keep Qwen2.5-VL and CLIP loaded across requests where the VRAM budget holds them beside the DiT",
-    affects_output=False,
-)
 API_KEY = Switch(
     name="K6_API_KEY",
     kind="str",
@@ -221,7 +214,6 @@ SWITCHES: tuple[Switch, ...] = (
     VRAM_BUDGET_GB,
     PREFETCH_BLOCKS,
     MAX_RESIDENT_BLOCKS,
-    KEEP_TEXT_ENCODERS,
     API_KEY,
     DATA_DIR,
     INDUCTOR_CACHE_DIR,

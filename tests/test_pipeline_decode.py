@@ -119,13 +119,12 @@ def test_streamed_mode_keeps_the_dit_when_a_streamed_plan_fits(tiny_distill) -> 
 
 
 def test_a_request_whose_exact_decode_cannot_fit_fails_before_any_work(tiny_distill, monkeypatch) -> None:
-    import k6fast.pipeline as pipeline_module
 
     pipe = Pipeline(tiny_distill, load_options(environ={}), device="cpu")
     try:
         pipe.budget_bytes = 300 << 20  # below what the tiny decode needs at 64x64x17 (~330 MiB with its reserve)
-        monkeypatch.setattr(pipeline_module, "encode_prompts", lambda *a, **k: pytest.fail("text encoded"))
-        with pytest.raises(RequestError, match="exact video decode of 64x64x17 does not fit"):
+        monkeypatch.setattr(pipe.text, "encode", lambda *a, **k: pytest.fail("text encoded"))
+        with pytest.raises(RequestError, match="64x64 with 17 frames does not fit.*the exact video decode is what"):
             pipe.generate(Request(prompt="a cat", width=64, height=64, frames=17, steps=2))
     finally:
         pipe.close()

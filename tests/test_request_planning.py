@@ -134,18 +134,27 @@ def test_the_pipeline_refuses_a_request_that_cannot_fit_before_any_work(tiny_dis
     ckpt = open_checkpoint(tiny_distill)
     cfg = ckpt.dit
     fixed, block = index_footprint(index_safetensors(ckpt.transformer_files), cfg.num_visual_blocks, 4)
-    # Room for the fixed weights, two streaming slots and the activations of 64x64x17, and no more.
-    act = activation_estimate(*dit_tokens(64, 64, 17), cfg.model_dim, cfg.model_dim_a, ff_dim=cfg.ff_dim)
+    # Room for the fixed weights, two streaming slots and the activations of 512x512x65 (more than the text phase
+    # takes), and no more.
+    act = activation_estimate(*dit_tokens(512, 512, 65), cfg.model_dim, cfg.model_dim_a, ff_dim=cfg.ff_dim)
+    assert act > _text_bytes(tiny_distill)
     pipe = _pipeline_at_budget(tiny_distill, fixed + act + RESERVE_BYTES + 2 * block + 1024)
     try:
-        assert pipe.fits(64, 64, 17) and not pipe.fits(64, 64, 21) and not pipe.fits(80, 80, 17)
-        pipe.resolve(Request(prompt="a fox", width=64, height=64, frames=17))  # fits: no error
+        assert pipe.fits(512, 512, 65) and not pipe.fits(512, 512, 69) and not pipe.fits(528, 528, 65)
+        pipe.resolve(Request(prompt="a fox", width=512, height=512, frames=65))  # fits: no error
         with pytest.raises(RequestError) as err:
-            pipe.generate(Request(prompt="a fox", width=128, height=128, frames=33))
+            pipe.generate(Request(prompt="a fox", width=768, height=768, frames=97))
         message = str(err.value)
-        assert message.startswith("128x128 with 33 frames does not fit the VRAM budget of")
-        assert "at 128x128 at most" in message or "at 33 frames at most" in message
+        assert message.startswith("768x768 with 97 frames does not fit the VRAM budget of")
+        assert "at 768x768 at most" in message and "at 97 frames at most" in message
         assert "K6_VRAM_BUDGET_GB" in message
-        assert largest_frames(pipe.fits, 64, 64) == 17
+        assert largest_frames(pipe.fits, 512, 512) == 65
     finally:
         pipe.close()
+
+
+def _text_bytes(root) -> int:
+    """The text phase's peak in fp32 (the CPU's compute dtype): the plan keeps room for it or the activations."""
+    from k6fast.text_plan import text_footprint, text_weights
+
+    return text_footprint(text_weights(root), "F32").device_bytes

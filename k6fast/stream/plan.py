@@ -42,6 +42,7 @@ class ResidencyPlan:
     resident_blocks: int  # blocks 0..resident_blocks-1 stay on the device
     slots: int  # device buffers the other blocks stream through (0 when nothing streams)
     activation_bytes: int
+    text_bytes: int = 0  # the text phase's peak: it runs in the activations' room, before denoising
 
     @property
     def streamed_blocks(self) -> int:
@@ -61,6 +62,7 @@ class ResidencyPlan:
             "slots": self.slots,
             "weight_bytes": self.weight_bytes,
             "activation_bytes": self.activation_bytes,
+            "text_bytes": self.text_bytes,
             "reserve_bytes": RESERVE_BYTES,
         }
 
@@ -77,6 +79,8 @@ class ResidencyPlan:
                 f"({gib(self.slots * self.block_bytes)}), prefetched {self.slots - 1} ahead"
             )
         lines.append(f"  activations (estimate) {gib(self.activation_bytes)}, reserve {gib(RESERVE_BYTES)}")
+        if self.text_bytes:
+            lines.append(f"  text phase {gib(self.text_bytes)}, in the activations' room (it runs before denoising)")
         return "\n".join(lines)
 
 
@@ -150,25 +154,33 @@ def plan_residency(
     activation_bytes: int,
     prefetch: int = 1,
     max_resident: int | None = None,
+    text_bytes: int = 0,
 ) -> ResidencyPlan:
     """As many fused blocks resident as fit after the fixed weights, activations, reserve and `prefetch + 1`
     streaming slots; `max_resident` caps them (so a reduced-depth synthetic model streams the full model's share).
-    Raises ValueError when not even the streaming minimum fits."""
+    The text phase (`text_bytes` at its peak) runs before denoising, in the room the activations take later: the
+    larger of the two is kept free. Raises ValueError when not even the streaming minimum fits."""
     if prefetch < 1:
         raise ValueError(f"prefetch distance must be >= 1 block, found {prefetch}")
-    free = budget_bytes - fixed_bytes - activation_bytes - RESERVE_BYTES
+    room = max(activation_bytes, text_bytes)
+    free = budget_bytes - fixed_bytes - room - RESERVE_BYTES
     slots = prefetch + 1
     if free >= num_blocks * block_bytes and (max_resident is None or max_resident >= num_blocks):
-        return ResidencyPlan(budget_bytes, fixed_bytes, block_bytes, num_blocks, num_blocks, 0, activation_bytes)
+        return ResidencyPlan(
+            budget_bytes, fixed_bytes, block_bytes, num_blocks, num_blocks, 0, activation_bytes, text_bytes
+        )
     if free < slots * block_bytes:
-        need = fixed_bytes + activation_bytes + RESERVE_BYTES + slots * block_bytes
+        need = fixed_bytes + room + RESERVE_BYTES + slots * block_bytes
+        what = "the activations of this geometry" if activation_bytes >= text_bytes else "the text phase"
         raise ResidencyError(
             f"the VRAM budget of {budget_bytes / GiB:.1f} GiB cannot hold the DiT's fixed weights "
-            f"({fixed_bytes / GiB:.1f} GiB), {slots} streaming slots and the activations of this geometry "
-            f"({activation_bytes / GiB:.1f} GiB): at least {need / GiB:.1f} GiB is needed"
+            f"({fixed_bytes / GiB:.1f} GiB), {slots} streaming slots and {what} ({room / GiB:.1f} GiB): at least "
+            f"{need / GiB:.1f} GiB is needed"
         )
     resident = min(num_blocks - 1, (free - slots * block_bytes) // block_bytes)
     if max_resident is not None:
         resident = min(resident, max_resident)
     slots = min(slots, num_blocks - resident)
-    return ResidencyPlan(budget_bytes, fixed_bytes, block_bytes, num_blocks, int(resident), slots, activation_bytes)
+    return ResidencyPlan(
+        budget_bytes, fixed_bytes, block_bytes, num_blocks, int(resident), slots, activation_bytes, text_bytes
+    )

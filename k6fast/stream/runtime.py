@@ -112,10 +112,11 @@ def build_dit(
     max_resident: int | None = None,
     backend: Backend | None = None,
     compile_blocks: bool = False,
+    text_bytes: int = 0,
 ) -> DiTRuntime:
     """The DiT of the checkpoint whose transformer weights are `files` (its shards) and config `cfg`, on `device`
     computing in `dtype`. tokens: (video, audio) token counts of the largest geometry this runtime must serve
-    (sizes activations)."""
+    (sizes activations); text_bytes: the text phase's peak, planned in the activations' room."""
     device = resolve_device(device)
     index = index_safetensors(files)
     fixed_bytes, block_bytes = index_footprint(index, cfg.num_visual_blocks, dtype.itemsize)
@@ -132,6 +133,7 @@ def build_dit(
             ),
             prefetch=prefetch,
             max_resident=max_resident,
+            text_bytes=text_bytes,
         )
 
     plan = planner(tokens)
