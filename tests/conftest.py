@@ -18,6 +18,13 @@ if not Path("/dev/nvidia0").exists():
     os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 
+@pytest.fixture(autouse=True, scope="session")
+def _private_cache_home(tmp_path_factory) -> None:
+    """`k6fast generate` keeps encoded prompts under the user's cache folder by default: the tests' runs keep theirs
+    in a folder of their own (the subprocesses they start inherit it), not in the home of whoever runs them."""
+    os.environ["XDG_CACHE_HOME"] = str(tmp_path_factory.mktemp("cache-home"))
+
+
 @pytest.fixture(scope="session")
 def tiny_checkpoints(tmp_path_factory) -> dict[str, Path]:
     from k6fast.testing.tiny import make_tiny

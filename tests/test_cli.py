@@ -207,3 +207,17 @@ def test_cuda_without_a_gpu_is_refused_before_loading(
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)  # the same answer on a GPU machine
     assert main([*GEN, "--model", str(tiny_distill), "--out", str(tmp_path / "x.mp4"), "--device", "cuda"]) == 2
     assert "--device cuda: no CUDA GPU is available on this machine" in capsys.readouterr().err
+
+
+def test_a_repeated_prompt_comes_from_the_prompt_cache_in_a_later_run(tiny_distill, tmp_path) -> None:
+    def run(name: str, *extra: str) -> dict:
+        out = tmp_path / f"{name}.mp4"
+        assert main([*GEN, "--model", str(tiny_distill), "--out", str(out), *extra]) == 0
+        return json.loads((tmp_path / f"{name}.mp4.json").read_text())["telemetry"]
+
+    cache = tmp_path / "prompts"
+    first, second = run("a", "--prompt-cache", str(cache)), run("b", "--prompt-cache", str(cache))
+    assert first["text_source"] == "encoded" and first["text_bytes_streamed"] > 0
+    assert second["text_source"] == "disk" and second["text_bytes_streamed"] == 0
+    assert run("c", "--prompt-cache", "none")["text_source"] == "encoded"
+    assert (tmp_path / "a.mp4").read_bytes() == (tmp_path / "b.mp4").read_bytes()
