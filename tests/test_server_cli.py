@@ -44,7 +44,7 @@ def test_bad_model_and_settings_fail_before_anything_starts(tmp_path: Path) -> N
     assert not (tmp_path / "d").exists()
     not_a_checkpoint = _serve("--model", str(tmp_path), "--data-dir", str(tmp_path / "d"))
     assert not_a_checkpoint.returncode == 2 and "model_index.json" in not_a_checkpoint.stderr
-    too_big = _serve("--model", str(tmp_path), "--default-size", "1920x1088")
+    too_big = _serve("--model", str(tmp_path), "--default-size", "1920x1088", "--max-size", "1280x720")
     assert too_big.returncode == 2 and "default size 1920x1088 exceeds the maximum 1280x720" in too_big.stderr
     bad_seconds = _serve("--model", str(tmp_path), "--default-seconds", "0.3")
     assert bad_seconds.returncode == 2 and "4k+1" in bad_seconds.stderr

@@ -18,8 +18,8 @@ import sqlite3
 import sys
 from pathlib import Path
 
-from ..cli_args import device_problem, size_arg
-from .config import DEFAULT_DATA_DIR, ServerConfig, fmt_size
+from ..cli_args import device_problem, no_gpu_device_files, size_arg
+from .config import CPU_LIMITS, DEFAULT_DATA_DIR, GPU_LIMITS, Limits, ServerConfig, device_limits, fmt_size, limits_of
 from .ray_cli import RayServeError, add_ray_arguments, ray_settings_from_args
 
 log = logging.getLogger("k6fast.server")
@@ -39,11 +39,14 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--data-dir", type=Path, help=f"jobs and videos (default: K6_DATA_DIR, else ./{DEFAULT_DATA_DIR})")
     p.add_argument("--served-model-name", help="the `model` clients send (default: the checkpoint folder's name)")
     p.add_argument("--max-queue", type=int, default=16, help="queued jobs before POST answers 429 (default 16)")
-    p.add_argument("--max-size", type=size_arg, default=(1280, 720), help="largest WIDTHxHEIGHT, either orientation")
-    p.add_argument("--max-frames", type=int, default=241, help="longest clip in frames (default 241 = 10 s)")
-    p.add_argument("--max-steps", type=int, default=100, help="most denoising steps per job (default 100)")
-    p.add_argument("--default-size", type=size_arg, default=(864, 480), help="size when a request gives none")
-    p.add_argument("--default-seconds", default="5", help="seconds when a request gives none (default 5: 121 frames)")
+    gpu, cpu = GPU_LIMITS, CPU_LIMITS
+    on = lambda name: f"GPU {getattr(gpu, name)}, CPU {getattr(cpu, name)}"  # noqa: E731
+    sizes = lambda name: f"GPU {fmt_size(getattr(gpu, name))}, CPU {fmt_size(getattr(cpu, name))}"  # noqa: E731
+    p.add_argument("--max-size", type=size_arg, help=f"largest WIDTHxHEIGHT, either orientation ({sizes('max_size')})")
+    p.add_argument("--max-frames", type=int, help=f"longest clip in frames ({on('max_frames')})")
+    p.add_argument("--max-steps", type=int, help=f"most denoising steps per job ({on('max_steps')})")
+    p.add_argument("--default-size", type=size_arg, help=f"size when a request gives none ({sizes('default_size')})")
+    p.add_argument("--default-seconds", help=f"seconds when a request gives none ({on('default_seconds')})")
     p.add_argument("--ttl-hours", type=float, default=24.0, help="finished jobs and their files live this long")
     p.add_argument("--max-upload-mb", type=float, default=20.0, help="largest input_reference image (default 20)")
     p.add_argument("--poll-after-ms", type=int, default=1000, help="the openai-poll-after-ms hint (default 1000)")
@@ -74,6 +77,13 @@ def _is_hub_id(model: str) -> bool:
     return not Path(model).expanduser().exists() and model.count("/") == 1 and not model.startswith((".", "/", "~"))
 
 
+def limits_from_args(args: argparse.Namespace) -> Limits:
+    """The request limits: those given on the command line, the rest this device's defaults."""
+    cpu = args.device == "cpu" or (args.device is None and no_gpu_device_files())
+    given = {name: getattr(args, name) for name in ("max_size", "max_frames", "max_steps", "default_size")}
+    return device_limits(cpu, default_seconds=args.default_seconds, **given)
+
+
 def config_from_args(args: argparse.Namespace, data_dir_default: Path | None) -> ServerConfig:
     upload_mb = args.max_upload_mb
     if not math.isfinite(upload_mb) or not 0 < upload_mb <= 1024:
@@ -92,11 +102,7 @@ def config_from_args(args: argparse.Namespace, data_dir_default: Path | None) ->
             device=args.device,
             dtype=args.dtype,
             max_queue=args.max_queue,
-            max_size=args.max_size,
-            max_frames=args.max_frames,
-            max_steps=args.max_steps,
-            default_size=args.default_size,
-            default_seconds=args.default_seconds,
+            **vars(limits_from_args(args)),
             ttl_seconds=args.ttl_hours * 3600.0,
             max_upload_bytes=int(upload_mb * 2**20),
             poll_after_ms=args.poll_after_ms,
@@ -196,7 +202,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     server = uvicorn.Server(uvicorn.Config(app, log_level="info", timeout_graceful_shutdown=10))
     host, port = sock.getsockname()[:2]
     log.info(
-        "serving %s as %r on http://%s:%d/v1 (data dir %s, arm %s [%s], %s, max size %s)",
+        "serving %s as %r on http://%s:%d/v1 (data dir %s, arm %s [%s], %s; limits: %s)",
         config.model,
         config.served_model_name,
         host,
@@ -205,7 +211,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         options.arm_name,
         options.arm_hash(),
         "API key required" if options.api_key else "no API key",
-        fmt_size(config.max_size),
+        limits_of(config).describe(),
     )
     server.run(sockets=[sock])
     if not server.started:
