@@ -200,8 +200,8 @@ UPLOAD_RSS_BOUND = 48 << 20
 
 def test_uploads_to_a_full_queue_are_refused_before_decoding(tmp_path, real_pipeline, big_png, monkeypatch) -> None:
     decoded = []
-    real_decode = app_module.decode_image
-    monkeypatch.setattr(app_module, "decode_image", lambda image: decoded.append(image.size) or real_decode(image))
+    real_check = app_module.check_pixels
+    monkeypatch.setattr(app_module, "check_pixels", lambda upload: decoded.append(upload.width) or real_check(upload))
     gated = GatedPipeline(real_pipeline)
     gated.gate.clear()
     app = create_app(_config(tmp_path / "data"), Options(), load=lambda: gated)
@@ -221,40 +221,24 @@ def test_uploads_to_a_full_queue_are_refused_before_decoding(tmp_path, real_pipe
                 responses = list(pool.map(send, range(10)))
         assert [r.status_code for r in responses] == [429] * 10, responses[0].text
         assert all(r.json()["error"]["code"] == "queue_full" and r.headers["retry-after"] for r in responses)
-        assert decoded == [], "no refused upload was decoded"
+        assert decoded == [], "no refused upload had its pixels read"
         assert rss.growth < UPLOAD_RSS_BOUND, f"peak RSS grew by {rss.growth / 2**20:.0f} MiB"
 
 
-def test_accepted_uploads_are_decoded_one_at_a_time(tmp_path, real_pipeline, monkeypatch) -> None:
-    active, most = [0], [0]
-    lock = threading.Lock()
-    real_decode = app_module.decode_image
-
-    def tracked(image):
-        with lock:
-            active[0] += 1
-            most[0] = max(most[0], active[0])
-        time.sleep(0.05)  # long enough for the others to arrive
-        try:
-            return real_decode(image)
-        finally:
-            with lock:
-                active[0] -= 1
-
-    monkeypatch.setattr(app_module, "decode_image", tracked)
+def test_accepted_uploads_are_stored_as_sent(tmp_path, real_pipeline) -> None:
+    """The job waits with the upload's own bytes (decoded when it starts, see test_server_uploads.py), whatever its
+    format: nothing decoded or re-encoded at the upload."""
     gated = GatedPipeline(real_pipeline)
     gated.gate.clear()
     app = create_app(_config(tmp_path / "data", max_queue=8), Options(), load=lambda: gated)
-    png = image_bytes("PNG", (512, 512))
+    uploads = [image_bytes(fmt, (512, 512)) for fmt in ("PNG", "JPEG", "WEBP", "PNG")]
     with TestClient(app) as client:
         until(lambda: client.get("/health").status_code == 200, "the server to be ready")
         with concurrent.futures.ThreadPoolExecutor(4) as pool:
-            responses = list(pool.map(lambda _: client.post("/v1/videos", **upload(png)), range(4)))
+            responses = list(pool.map(lambda data: client.post("/v1/videos", **upload(data)), uploads))
         assert [r.status_code for r in responses] == [200] * 4, responses[0].text
-        assert most == [1], "two uploads were decoded at once"
-        stored = client.app.state.k6.files.input_image(responses[0].json()["id"])
-        with PIL.Image.open(stored) as image:
-            assert (image.format, image.size) == ("PNG", (512, 512))
+        for data, response in zip(uploads, responses, strict=True):
+            assert client.app.state.k6.files.input_image(response.json()["id"]).read_bytes() == data
 
 
 # ------------------------------------------------------------------------------------------------------------------

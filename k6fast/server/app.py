@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING, Any
 from fastapi import Depends, FastAPI, Request
 from fastapi.concurrency import run_in_threadpool
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import FileResponse, JSONResponse, PlainTextResponse
+from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from .. import __version__
@@ -35,8 +35,9 @@ from ..switches import Options, provenance
 from .body import read_fields
 from .config import ServerConfig
 from .datadir import own_data_dir
+from .download import file_response, open_file
 from .errors import ApiError, error_body
-from .images import decode_image
+from .images import check_pixels, store_upload
 from .jobs import (
     JOB_ID_RE,
     DataDirLock,
@@ -46,7 +47,6 @@ from .jobs import (
     QueueFull,
     UnknownJob,
     new_job_id,
-    write_image,
 )
 from .metrics import CONTENT_TYPE, Metrics
 from .storage import INSUFFICIENT_STORAGE, is_disk_full
@@ -118,9 +118,6 @@ class ServerState:
         self._closing = threading.Event()
         self._reaper: threading.Thread | None = None
         self.arm: dict[str, Any] = {}  # provenance(options), recorded on every job
-        # One upload decoded and stored at a time: concurrent requests hold at most one decoded image beyond their
-        # bytes.
-        self._decode_slot = threading.BoundedSemaphore(1)
 
     def start(self) -> None:
         own_data_dir(self.config.data_dir)  # refuses a folder that holds what the server did not write (datadir.py)
@@ -204,9 +201,10 @@ class ServerState:
         )
 
     def accept(self, fields: dict[str, Any]) -> Job:
-        """Validate a create request and queue it (runs in a thread pool: image decoding and fsync block). The
-        cheap checks come first: fields, the image's format and size from its header, the queue's room; the image is
-        decoded only for a request that will be queued."""
+        """Validate a create request and queue it (runs in a thread pool: the pixel check and fsync block). The
+        cheap checks come first: fields, the image's format and size from its header, the queue's room; then the
+        image's pixel data, in bounded memory. The job waits with the upload's bytes; the worker decodes them when
+        the job starts (images.py)."""
         draft = parse_create(fields, self.config, self.served_names)
         spec = resolve_spec(draft, self.pipeline, self.config.max_steps)
         depth = self.store.queue_depth()
@@ -214,20 +212,17 @@ class ServerState:
             raise self.queue_full(depth)
         job_id = new_job_id()
         if draft.image is not None:
+            check_pixels(draft.image)
             # Stored before the record exists: the worker may claim the job the moment it is inserted.
-            with self._decode_slot:
-                image = decode_image(draft.image)
-                try:
-                    self.files.folder(job_id, create=True)
-                    write_image(image, self.files.input_image(job_id), "PNG")
-                except BaseException:
-                    self.files.remove(job_id)
-                    raise
-                finally:
-                    del image
+            try:
+                self.files.folder(job_id, create=True)
+                store_upload(draft.image, self.files.input_image(job_id))
+            except BaseException:
+                self.files.remove(job_id)
+                raise
         try:
             job = self.store.create(job_id, spec, self.config.served_model_name, self.arm, self.config.max_queue)
-        except QueueFull as exc:  # filled up while this upload was decoded
+        except QueueFull as exc:  # filled up while this upload was checked and stored
             self.files.remove(job_id)
             raise self.queue_full(exc.depth) from None
         except BaseException:  # not stored (a full disk, for one): nor is its input
@@ -427,7 +422,7 @@ def create_app(
         return JSONResponse(video_object(state.job_or_404(video_id)), headers=poll_headers)
 
     @app.get("/v1/videos/{video_id}/content", dependencies=[Depends(authenticate)])
-    def video_content(video_id: str, request: Request) -> FileResponse:
+    def video_content(video_id: str, request: Request) -> Response:
         variant = parse_variant(request.query_params)
         job = state.job_or_404(video_id)
         if job.status != "completed":
@@ -441,9 +436,13 @@ def create_app(
             path, media_type, name = state.files.video(video_id), "video/mp4", f"{video_id}.mp4"
         else:
             path, media_type, name = state.files.thumbnail(video_id), "image/jpeg", f"{video_id}.jpg"
-        if not path.is_file():
-            raise ApiError(404, f"the {variant} of video {video_id} is gone (it expired)", code="video_not_found")
-        return FileResponse(path, media_type=media_type, filename=name)
+        # Opened here, before the response starts: a DELETE from now on removes the name, not what this sends.
+        opened = open_file(path)
+        if opened is None:
+            raise ApiError(
+                404, f"the {variant} of video {video_id} is gone (it was deleted or expired)", code="video_not_found"
+            )
+        return file_response(opened, media_type, name, request.headers)
 
     @app.delete("/v1/videos/{video_id}", dependencies=[Depends(authenticate)])
     def delete_video(video_id: str) -> JSONResponse:

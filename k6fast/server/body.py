@@ -5,6 +5,12 @@ the whole body must arrive within `body_timeout_s` (408, and the connection is c
 objects and values are counted on the raw bytes before `json.loads` sees it (400), and a form may carry at most
 `MAX_FORM_FIELDS` fields and two files (400).
 
+A body over the limit is read to its end and dropped before the 413 is sent, up to as much again as the limit and
+within `body_timeout_s`: most clients read nothing until they have sent the whole body, and uvicorn's keep-alive
+timer starts with the response, so a 413 sent early closes the connection under a client that pauses while it is
+still sending (a broken pipe, where it should read the 413). A body larger still, or one that stops arriving, gets the
+413 at once with `Connection: close`.
+
 `POST /v1/videos` takes multipart/form-data (what the OpenAI SDK sends, `extra_body` fields flattened into the form,
 booleans as "true"/"false"), application/x-www-form-urlencoded or application/json.
 """
@@ -44,12 +50,13 @@ class Upload:
     data: bytes
 
 
-def _too_large(limit: int) -> ApiError:
+def _too_large(limit: int, close: bool = False) -> ApiError:
     return ApiError(
         413,
         f"the request body exceeds {limit} bytes; expected an image of at most {limit - FORM_OVERHEAD_BYTES} bytes "
         "plus form fields",
         code="request_too_large",
+        headers={"Connection": "close"} if close else None,
     )
 
 
@@ -64,29 +71,53 @@ def _timed_out(timeout_s: float) -> ApiError:
     )
 
 
-async def _limited(request: HttpRequest, limit: int, timeout_s: float) -> AsyncIterator[bytes]:
-    """The body's chunks; 413 past `limit` bytes, 408 when the whole body has not arrived `timeout_s` after the
-    first read."""
+async def _next_chunk(stream: AsyncIterator[bytes], deadline: float) -> bytes | None:
+    """The body's next chunk, None at its end; asyncio.TimeoutError past `deadline` (the event loop's clock), and
+    starlette's ClientDisconnect when the client went away."""
+    try:
+        return await asyncio.wait_for(stream.__anext__(), max(0.0, deadline - asyncio.get_running_loop().time()))
+    except StopAsyncIteration:
+        return None
+
+
+async def _refuse_oversized(stream: AsyncIterator[bytes], received: int, limit: int, deadline: float) -> ApiError:
+    """The 413 for a body past `limit`, once the rest of it (up to `limit` bytes more) has been read and dropped;
+    with Connection: close where it could not be (larger still, too slow, or the client went away)."""
     from starlette.requests import ClientDisconnect
 
-    loop = asyncio.get_running_loop()
-    deadline = loop.time() + timeout_s
+    try:
+        while received <= 2 * limit:
+            chunk = await _next_chunk(stream, deadline)
+            if chunk is None:
+                return _too_large(limit)
+            received += len(chunk)
+    except (asyncio.TimeoutError, ClientDisconnect):
+        pass
+    return _too_large(limit, close=True)
+
+
+async def _limited(request: HttpRequest, limit: int, timeout_s: float) -> AsyncIterator[bytes]:
+    """The body's chunks; 413 past `limit` bytes (see _refuse_oversized), 408 when the whole body has not arrived
+    `timeout_s` after the first read."""
+    from starlette.requests import ClientDisconnect
+
+    deadline = asyncio.get_running_loop().time() + timeout_s
     stream = request.stream()
     total = 0
     while True:
         try:
-            chunk = await asyncio.wait_for(stream.__anext__(), max(0.0, deadline - loop.time()))
-        except StopAsyncIteration:
-            return
+            chunk = await _next_chunk(stream, deadline)
         except asyncio.TimeoutError:
             raise _timed_out(timeout_s) from None
         except ClientDisconnect:  # nobody is left to read the answer; a 400 keeps it out of the error log
             raise ApiError(
                 400, "the client closed the connection before the body ended", code="incomplete_body"
             ) from None
+        if chunk is None:
+            return
         total += len(chunk)
         if total > limit:
-            raise _too_large(limit)
+            raise await _refuse_oversized(stream, total, limit, deadline)
         yield chunk
 
 
@@ -157,7 +188,10 @@ async def read_fields(request: HttpRequest, max_upload_bytes: int, timeout_s: fl
     limit = max_upload_bytes + FORM_OVERHEAD_BYTES
     declared = request.headers.get("content-length", "")
     if declared.isdigit() and int(declared) > limit:
-        raise _too_large(limit)
+        if int(declared) > 2 * limit:  # not worth reading: refused at once, the connection closed
+            raise _too_large(limit, close=True)
+        deadline = asyncio.get_running_loop().time() + timeout_s
+        raise await _refuse_oversized(request.stream(), 0, limit, deadline)
     content_type = request.headers.get("content-type", "")
     media = content_type.split(";", 1)[0].strip().lower()
     if media not in ("application/json", "multipart/form-data", "application/x-www-form-urlencoded"):

@@ -13,16 +13,13 @@ import re
 import secrets
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from ..cli_args import SEED_MAX
 from .config import FPS, ServerConfig, fits, fmt_size, frames_for_seconds, seconds_for_frames
 from .errors import ApiError, bad_param, shown
-from .images import reference_image
+from .images import ImageUpload, reference_image
 from .jobs import JobSpec
-
-if TYPE_CHECKING:
-    import PIL.Image
 
 __all__ = [
     "CREATE_FIELDS",
@@ -69,7 +66,7 @@ class Draft:
     guidance: float | None
     seed: int
     audio: bool
-    image: PIL.Image.Image | None  # opened (format and size checked), not decoded: see images.py
+    image: ImageUpload | None  # the bytes as sent, format and size checked from the header: see images.py
 
 
 MAX_SECONDS_CHARS = 32
@@ -286,6 +283,8 @@ def resolve_spec(draft: Draft, pipeline: Any, max_steps: int) -> JobSpec:
     image conditioning needs support, cached steps must fit) and fill in its default steps and guidance."""
     from ..request import Request, RequestError
 
+    # The pipeline checks only that an image is given (whether the checkpoint takes one): the header is enough.
+    header = None if draft.image is None else draft.image.header_only()
     request = Request(
         prompt=draft.prompt,
         width=draft.width,
@@ -295,7 +294,7 @@ def resolve_spec(draft: Draft, pipeline: Any, max_steps: int) -> JobSpec:
         guidance=draft.guidance,
         seed=draft.seed,
         negative_prompt=draft.negative_prompt,
-        image=draft.image,
+        image=header,
         audio=draft.audio,
     )
     try:
@@ -304,6 +303,9 @@ def resolve_spec(draft: Draft, pipeline: Any, max_steps: int) -> JobSpec:
         message = str(exc)
         param = next((p for word, p in _RESOLVE_PARAMS if word in message), None)
         raise ApiError(400, message, param=param, code="invalid_value") from None
+    finally:
+        if header is not None:
+            header.close()
     if steps > max_steps:
         raise bad_param(
             "num_inference_steps",

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import contextlib
 import gc
-import io
 import logging
 import threading
 import time
@@ -25,6 +24,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from .config import ServerConfig
+from .images import decode_stored
 from .jobs import Job, JobFiles, JobSpec, JobStore, write_image
 from .metrics import Metrics
 from .storage import INSUFFICIENT_STORAGE, RECHECK_S, QueueReader, is_disk_full
@@ -320,20 +320,17 @@ class Worker:
                 torch.cuda.empty_cache()
 
 
-def request_from_spec(spec: JobSpec, image_png: bytes | None) -> Request:
-    """The pipeline request of a stored job (the input reference as the PNG the ingress stored; InputUnreadable
-    when it is missing or cannot be decoded)."""
+def request_from_spec(spec: JobSpec, image_bytes: bytes | None) -> Request:
+    """The pipeline request of a stored job, its input reference decoded here, as the job starts, from the upload's
+    bytes the ingress stored (PNG, JPEG or WebP); InputUnreadable when they are missing or cannot be decoded."""
     from ..request import Request
 
     image = None
     if spec.image:
-        if image_png is None:
+        if image_bytes is None:
             raise InputUnreadable()
-        import PIL.Image
-
         try:
-            with PIL.Image.open(io.BytesIO(image_png), formats=["PNG"]) as stored:
-                image = stored.convert("RGB")
+            image = decode_stored(image_bytes)
         except Exception as exc:
             raise InputUnreadable() from exc
     return Request(
