@@ -270,6 +270,7 @@ def parse_variant(query: Mapping[str, str]) -> str:
 
 # Which request parameter a pipeline RequestError is about, by the word its message leads with.
 _RESOLVE_PARAMS = (
+    ("does not fit the VRAM budget", "size"),  # the request's geometry (`Pipeline.check_fits`)
     ("guidance", "guidance_scale"),
     ("image conditioning", "input_reference"),
     ("K6_PIFLOW_CACHE_STEPS", "num_inference_steps"),

@@ -23,7 +23,7 @@ import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-from .config import ServerConfig
+from .config import ServerConfig, frames_for_seconds
 from .images import decode_stored
 from .jobs import Job, JobFiles, JobSpec, JobStore, write_image
 from .metrics import Metrics
@@ -50,9 +50,9 @@ def load_pipeline(config: ServerConfig, options: Options) -> Pipeline:
     from ..request import Request
 
     dtype = {None: None, "bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[config.dtype]
-    # The residency planner reserves activations for the largest request the server accepts (either orientation
-    # has the same token count).
-    plan_geometry = (config.max_size[0], config.max_size[1], config.max_frames)
+    # Resident blocks are planned for the default request; a larger one streams more of them for its own run, and
+    # one that cannot fit the budget at all is refused before it is queued (`Pipeline.resolve`).
+    plan_geometry = (*config.default_size, frames_for_seconds(config.default_seconds))
     pipeline = Pipeline(config.model, options, device=config.device, dtype=dtype, plan_geometry=plan_geometry)
     # Two steps touch every phase; a cached-step switch needs the schedule long enough to contain its steps.
     steps = max(2, *(s + 1 for s in options.piflow_cache_steps)) if options.piflow_cache_steps else 2
