@@ -39,10 +39,14 @@ __all__ = ["Mp4Info", "Mp4Writer", "prepare_audio", "probe_mp4", "read_mp4", "wr
 # per bit, and either way encoding is small next to generation (each record's mux phase says how small).
 _CRF = 18
 _PRESET = "medium"
-# x264's bitstream depends on its thread count (frame threads constrain motion search), and "auto" follows the
+# x264's bitstream depends on its thread count (PyAV asks for slice threads: one slice each), and "auto" follows the
 # core count, so the same clip would encode differently on different machines. A fixed count makes a file a
 # function of its inputs (and the x264 build); four threads keep a W1 clip's encode short on small machines.
 _X264_THREADS = 4
+# Even so, on the H200 host (a virtualised Xeon) the same frames encoded to other bytes from run to run, on one thread
+# too. x264's cpu-independent mode (no CPU-specific approximations, which its macroblock tree uses: turning that off
+# also helped) gave the same bytes in every run there (measurements/sessions/2026-12-02_streamed-mux).
+_X264_PARAMS = "cpu-independent=1"
 # FFmpeg's native AAC encoder (the wheels carry no libfdk) needs a generous bitrate: at 128 kb/s mono, noise-like
 # content (breath, cymbals) came back with several times the error of 192 kb/s and the first frame of a full-scale
 # tone overshot full scale (tests/test_media.py holds the encoder to its bounds at 192 kb/s). 192 kb/s mono is a
@@ -276,7 +280,9 @@ def _add_streams(
     """The metadata, the H.264 stream and (with audio) the AAC stream of an open mp4 container."""
     for key, value in tags.items():
         container.metadata[key] = value
-    vstream = container.add_stream("libx264", rate=rate, options={"crf": str(_CRF), "preset": _PRESET})
+    vstream = container.add_stream(
+        "libx264", rate=rate, options={"crf": str(_CRF), "preset": _PRESET, "x264-params": _X264_PARAMS}
+    )
     vstream.width, vstream.height, vstream.pix_fmt = w, h, "yuv420p"
     vcc = vstream.codec_context
     vcc.thread_count = _X264_THREADS
