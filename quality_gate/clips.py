@@ -1,6 +1,6 @@
 """What the gate generates and where it keeps it: the prompt set, the arms, and a cache of clips on disk.
 
-A clip is written by `output.write_result` (MP4 + sidecar JSON, both atomic) to
+A clip is written by `output.generate_to_mp4` (MP4 encoded beside the decode + sidecar JSON, both atomic) to
 `<out>/clips/<prompt id>/s<seed>-<arm hash>-<key>.mp4`. The key hashes everything that decides the clip's bytes:
 the checkpoint (resolved path; a Hub snapshot path names its revision), the prompt text, seed, geometry, steps,
 guidance, the arm hash, the k6fast commit plus a digest of the runtime's source files (so a dirty tree does not
@@ -194,7 +194,7 @@ def run_jobs(
 
     Returns {path: "generated in N s" | "cached"} for the report. Jobs for equal arm hashes share a pipeline.
     """
-    from ..output import write_result
+    from ..output import generate_to_mp4
     from ..pipeline import Pipeline, Request
 
     status: dict[Path, str] = {}
@@ -224,9 +224,8 @@ def run_jobs(
                     seed=job.seed,
                 )
                 start = time.perf_counter()
-                result = pipe.generate(request)
                 job.path.parent.mkdir(parents=True, exist_ok=True)
-                write_result(result, job.path, options, request, cache.model, pipe.ckpt.variant)
+                generate_to_mp4(pipe, request, job.path, cache.model)
                 seconds = time.perf_counter() - start
                 status[job.path] = f"generated in {seconds:.1f} s"
                 what = f"{job.arm.label} ({job.note})" if job.note else job.arm.label

@@ -141,13 +141,14 @@ class K6Pipeline(_K6Runner):
             seed=spec.seed,
         )
         start = time.perf_counter()
-        result = self.pipe.generate(request)
-        if spec.mux:
-            from ..output import write_result
+        if spec.mux:  # the MP4 encoded beside the video decode, as `k6fast generate` writes it
+            from ..output import generate_to_mp4
 
             self._count += 1
             out = Path(self._tmp.name) / f"request{self._count}.mp4"
-            write_result(result, out, self.options, request, spec.model, self.pipe.ckpt.variant)
+            result = generate_to_mp4(self.pipe, request, out, spec.model)
+        else:
+            result = self.pipe.generate(request)
         sync(self.device)
         seconds = time.perf_counter() - start
         return {"seconds": seconds, "telemetry": result.telemetry.as_dict()}
