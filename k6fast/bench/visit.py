@@ -141,7 +141,7 @@ class K6Pipeline(_K6Runner):
             seed=spec.seed,
         )
         start = time.perf_counter()
-        if spec.mux:  # the MP4 encoded beside the video decode, as `k6fast generate` writes it
+        if spec.mux:  # the MP4 encoded beside the video decode
             from ..output import generate_to_mp4
 
             self._count += 1
