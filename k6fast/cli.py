@@ -12,7 +12,7 @@ from . import __version__
 from .checkpoint import Checkpoint, CheckpointError, open_checkpoint
 from .cli_args import device_problem, seed_problem, size_arg
 from .entry import quiet_warnings
-from .request import Request, RequestError, resolve_request, validate_geometry
+from .request import Request, RequestError, dit_tokens, resolve_request, validate_geometry
 from .switches import Options, SwitchError, load_options
 
 
@@ -124,7 +124,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     # Everything is checked: now the imports that take seconds (PyTorch, diffusers, transformers).
     from tqdm import tqdm
 
-    from .output import sidecar_path, write_result
+    from .output import generate_to_mp4, sidecar_path
     from .pipeline import Pipeline
 
     width, height = args.size
@@ -139,21 +139,23 @@ def cmd_generate(args: argparse.Namespace) -> int:
         f"loaded in {pipe.load_seconds:.1f} s",
         file=sys.stderr,
     )
-    with tqdm(total=steps, desc="denoise", unit="step", file=sys.stderr) as bar:
-        result = pipe.generate(request, on_step=lambda event: bar.update(1))
-    if args.save_latents:
-        from safetensors.torch import save_file
-
-        save_file({k: v.contiguous() for k, v in result.latents.items()}, args.save_latents)
-    extra = {"load_s": pipe.load_seconds, "residency": pipe.runtime_plan.as_dict() if pipe.runtime_plan else None}
+    # The residency this request runs under (its own geometry's plan: `Pipeline.generate` fits the DiT to it).
+    plan = pipe.runtime.plan_for(dit_tokens(width, height, args.frames)) if pipe.runtime else pipe.runtime_plan
+    extra = {"load_s": pipe.load_seconds, "residency": plan.as_dict() if plan else None}
     if pipe.device.type == "cuda":
         import torch
 
         extra["gpu_name"] = torch.cuda.get_device_name(pipe.device)
     try:
-        write_result(result, out, options, request, args.model, pipe.ckpt.variant, extra=extra)
+        with tqdm(total=steps, desc="denoise", unit="step", file=sys.stderr) as bar:
+            # The MP4 is encoded on its own thread while the video decodes (`generate_to_mp4`).
+            result = generate_to_mp4(pipe, request, out, args.model, on_step=lambda event: bar.update(1), extra=extra)
     except OSError as exc:  # the disk filled up or the directory changed while the clip was generated
         raise CliError(f"--out {out}: could not write the clip ({exc.strerror or 'write failed'})") from None
+    if args.save_latents:
+        from safetensors.torch import save_file
+
+        save_file({k: v.contiguous() for k, v in result.latents.items()}, args.save_latents)
     print(result.telemetry.summary(), file=sys.stderr)
     print(f"wrote {out} and {sidecar_path(out)}", file=sys.stderr)
     return 0

@@ -30,7 +30,7 @@ class GatedPipeline:
     def resolve(self, request):
         return self.real.resolve(request)
 
-    def generate(self, request, on_step=None, should_stop=None):
+    def generate(self, request, on_step=None, should_stop=None, **kwargs):
         self.waiting.set()
         deadline = time.monotonic() + DEADLINE_S
         while not self.gate.wait(0.01):
@@ -40,7 +40,7 @@ class GatedPipeline:
         self.waiting.clear()
         if request.prompt in self.fail_with:
             raise self.fail_with[request.prompt]
-        return self.real.generate(request, on_step=on_step, should_stop=should_stop)
+        return self.real.generate(request, on_step=on_step, should_stop=should_stop, **kwargs)
 
 
 def tiny_server_config(data_dir, **changes) -> ServerConfig:

@@ -236,9 +236,9 @@ class Worker:
 
         try:
             request = self._request(job)
-            result = self.pipeline.generate(request, on_step=on_step, should_stop=self._should_stop)
+            result = self._generate(job, request, on_step)
             stage[0] = "write"
-            telemetry = self._write(job, request, result)
+            telemetry = self._finish(job, result)
         except Cancelled as exc:
             seconds = time.perf_counter() - started
             if self._cancel_current:
@@ -287,20 +287,26 @@ class Worker:
             self.storage.write_with_room(write, free=free, gone=lambda: self._cancel_current, stopping=self._stopping)
         )
 
-    def _write(self, job: Job, request: Request, result: Result) -> dict[str, Any]:
-        from ..output import frames_to_uint8, write_result
+    def _generate(self, job: Job, request: Request, on_step: Callable[[StepEvent], None]) -> Result:
+        """The job's clip, its MP4 encoded while the video decodes (`generate_to_mp4`: written atomically, with its
+        sidecar; a stop or an error leaves neither)."""
+        from ..output import generate_to_mp4
 
         self.files.folder(job.id, create=True)
-        write_result(
-            result,
-            self.files.video(job.id),
-            self.options,
+        return generate_to_mp4(
+            self.pipeline,
             request,
+            self.files.video(job.id),
             self.config.model,
-            self.pipeline.ckpt.variant,
+            on_step=on_step,
             should_stop=self._should_stop,
         )
+
+    def _finish(self, job: Job, result: Result) -> dict[str, Any]:
+        """The thumbnail beside the clip; the job's telemetry."""
         import PIL.Image
+
+        from ..output import frames_to_uint8
 
         first = PIL.Image.fromarray(frames_to_uint8(result.frames[:1])[0])
         write_image(first, self.files.thumbnail(job.id), "JPEG", quality=90)
