@@ -140,11 +140,14 @@ def test_disk_read_columns_only_where_the_rows_have_them() -> None:
            "phases_s": {"text_encode": 1.0, "denoise": 40.0, "video_decode": 8.0, "mux": 1.0}}  # fmt: skip
     header = "| " + " | ".join(COLUMNS) + " |"
     assert header in render_table([old], plan) and "disk read" not in render_table([old], plan)
-    new = {**old, "disk_read_bytes": 12_340_000_000, "phases_s": {**old["phases_s"], "dit_load": 2.5}}
-    table = render_table([old, new], plan)
+    new = {**old, "disk_read_bytes": 12_340_000_000, "phases_s": {**old["phases_s"], "dit_load": 2.5},
+           "text_source": "encoded", "dit_blocks_uploaded": 0}  # fmt: skip
+    cached = {**old, "disk_read_bytes": 0, "text_source": "disk", "dit_blocks_uploaded": 3}
+    table = render_table([old, new, cached], plan)
     assert "| " + " | ".join(COLUMNS + EXTRA_COLUMNS) + " |" in table
     rows = [line for line in table.splitlines() if line.startswith("| final")]
-    assert rows[0].endswith("| — | 0.0 |") and rows[1].endswith("| 12.34 | 2.5 |")
+    assert rows[0].endswith("| — | — | — |") and rows[1].endswith("| encoded | 12.34 | 0 blocks, 2.5 s reload |")
+    assert rows[2].endswith("| disk | 0.00 | 3 blocks |")
     assert "read_bytes of /proc/PID/io" in table
 
 

@@ -79,6 +79,10 @@ def request_summary(run_dir: Path, *, peer: bool = False) -> dict[str, Any]:
         "phase_peaks": telemetry.get("phase_peaks", {}),
         "hidden_share": _hidden_share(telemetry.get("stream_steps", [])),
         "video_decode": telemetry.get("video_decode", ""),
+        # Since the text phase streams its weights (absent from older records and the peer's).
+        "text_source": telemetry.get("text_source"),
+        "text_bytes_streamed": telemetry.get("text_bytes_streamed"),
+        "dit_blocks_uploaded": telemetry.get("dit_blocks_uploaded"),
         "ru_maxrss_bytes": telemetry.get("peak_host_rss_bytes"),
         "commit": provenance.get("git_commit"),
         "dirty": provenance.get("git_dirty"),
@@ -126,11 +130,12 @@ COLUMN_NOTES = (
     "0.25 s; copies hidden = share of the streamed weight copies overlapped with compute."
 )
 # Shown where a record has them (rows measured since the disk-read column was added): older tables stay as they were.
-EXTRA_COLUMNS = ("disk read GB", "DiT re-upload s")
+EXTRA_COLUMNS = ("text source", "disk read GB", "DiT re-uploads")
 EXTRA_NOTES = (
-    "disk read GB = bytes the process caused to be read from storage (read_bytes of /proc/PID/io, sampled with the "
-    "RSS; page-cache hits and files in a RAM-backed folder such as /dev/shm read nothing); DiT re-upload s = the "
-    "request's `dit_load` phase: the DiT's resident blocks uploaded again after leaving the device for the text phase."
+    "text source = where the prompt's embeddings came from (encoded, or a prompt-cache hit); disk read GB = bytes the "
+    "process caused to be read from storage (read_bytes of /proc/PID/io, sampled with the RSS; page-cache hits and "
+    "files in a RAM-backed folder such as /dev/shm read nothing); DiT re-uploads = resident DiT blocks uploaded during "
+    "the request, and the seconds of its `dit_load` phase where the DiT left the device for the text phase."
 )
 
 
@@ -176,9 +181,15 @@ def table_row(row: dict[str, Any], peer: tuple[str, float] | None = None, extra:
         _latents(row),
     ]
     if extra:
-        reload = "—" if not phases or is_peer_arm(str(row.get("arm", ""))) else _s(phases.get("dit_load", 0.0))
-        cells += [_gb(row.get("disk_read_bytes")), reload]
+        cells += [row.get("text_source") or "—", _gb(row.get("disk_read_bytes")), _reuploads(row)]
     return "| " + " | ".join(str(c) for c in cells) + " |"
+
+
+def _reuploads(row: dict[str, Any]) -> str:
+    blocks, reload = row.get("dit_blocks_uploaded"), (row.get("phases_s") or {}).get("dit_load")
+    if blocks is None and reload is None:
+        return "—"
+    return f"{blocks or 0} blocks" + (f", {reload:.1f} s reload" if reload else "")
 
 
 def table_lines(rows: list[dict[str, Any]]) -> list[str]:
@@ -202,7 +213,7 @@ def _text_encoders(plan: dict[str, Any]) -> list[str]:
 
 
 SERVE_COLUMNS = ("serve run", "job", "size", "outcome", "submit → done s", "run s", "text / denoise / decode / mux s",
-                 "disk read GB", "peak RSS GiB")  # fmt: skip
+                 "text source", "disk read GB", "peak RSS GiB")  # fmt: skip
 
 
 def _serve_name(record: dict[str, Any]) -> str:
@@ -226,7 +237,8 @@ def _serve_summary(record: dict[str, Any]) -> str:
         message = str(over.get("message", "")).replace("|", "/")[:200]
         parts.append(f"oversize {over.get('geometry')}: {over.get('status')}, {queued}: {message!r}")
     result = "PASS" if record.get("passed") else "**FAIL**: " + "; ".join(record.get("problems", []))[:300]
-    return f"- `{_serve_name(record)}` ({record.get('client', '?')}): {result}; " + "; ".join(parts)
+    client = record.get("client", "never ready")
+    return f"- `{_serve_name(record)}` ({client}): {result}; " + "; ".join(parts)
 
 
 def serve_lines(records: list[dict[str, Any]]) -> list[str]:
@@ -245,11 +257,13 @@ def serve_lines(records: list[dict[str, Any]]) -> list[str]:
     ]
     for record in records:
         for job in record.get("jobs", []):
-            phases = (job.get("telemetry") or {}).get("phases_s") or {}
+            telemetry = job.get("telemetry") or {}
+            phases = telemetry.get("phases_s") or {}
             split = " / ".join(_s(phases.get(k)) for k in ("text_encode", "denoise", "video_decode", "mux"))
             cells = [_serve_name(record), job.get("name"), job.get("geometry"), job.get("outcome"),
                      _s(job.get("done_after_s")), _s(job.get("run_s")), split if phases else "—",
-                     _gb(job.get("disk_read_bytes")), _gib(job.get("peak_rss_bytes"))]  # fmt: skip
+                     telemetry.get("text_source") or "—", _gb(job.get("disk_read_bytes")),
+                     _gib(job.get("peak_rss_bytes"))]  # fmt: skip
             lines.append("| " + " | ".join(str(c) for c in cells) + " |")
     return [*lines, ""]
 
