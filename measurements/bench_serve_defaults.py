@@ -55,6 +55,7 @@ SERVING = re.compile(r"serving .* on (http://\S+?)/v1 ")
 CANCELLED = re.compile(r"job (\S+): cancelled \(deleted\) during (\S+) \((.*)\) after ([\d.]+) s")
 LOADED = re.compile(r"ready: .* loaded and warmed up in ([\d.]+) s")
 WARMUP = re.compile(r"warm-up generation took ([\d.]+) s")
+ERROR_LINE = re.compile(r"^(error: |[\w.]+(Error|Exception): )|ERROR ")
 
 
 def geometry(text: str) -> tuple[int, int, int]:
@@ -96,6 +97,12 @@ class LogTail:
     def tail(self, lines: int = 20) -> list[str]:
         """The last lines of the server's own log, uvicorn's access lines (one per poll) left out."""
         return [line for line in self.read().splitlines() if '" 200 OK' not in line][-lines:]
+
+    def why(self) -> str:
+        """The server's last error line (an exception's or `error: ...`) and its last line."""
+        lines = self.tail(400)
+        errors = [line for line in lines if ERROR_LINE.search(line)]
+        return " | ".join(dict.fromkeys(line.strip() for line in [*errors[-1:], *lines[-1:]])) or "no output"
 
 
 class Api:
@@ -191,7 +198,7 @@ class Server:
 
     def check_alive(self) -> None:
         if self.proc.poll() is not None:
-            raise Failure(f"the server exited with status {self.proc.returncode}: " + " | ".join(self.log.tail(3)))
+            raise Failure(f"the server exited with status {self.proc.returncode}: {self.log.why()}")
 
     def wait_ready(self, deadline: float) -> float:
         """Seconds from the start to /health answering 200 (the model loaded and warmed up)."""
@@ -207,7 +214,7 @@ class Server:
                 except OSError:  # 503 while loading (HTTPError is an OSError), or not accepting yet
                     pass
             time.sleep(0.25)
-        raise Failure("the server was not ready in time: " + " | ".join(self.log.tail(3)))
+        raise Failure(f"the server was not ready in time: {self.log.why()}")
 
     def stop(self, timeout_s: float = 60.0) -> dict[str, Any]:
         """SIGTERM (the worker stops its job, uvicorn shuts down), SIGKILL after `timeout_s`."""
