@@ -2,6 +2,7 @@
 # One unattended H200 lease: the GPU test suite, `k6fast acceptance`, the benchmarks. Run from the repository root on
 # the GPU machine.
 #
+#   bash measurements/acceptance_lease.sh check                 # python, packages, /dev/shm, disk, memory, GPU
 #   bash measurements/acceptance_lease.sh install DIR [--self]  # the wheels in DIR (and this tree) into /tmp/site
 #   bash measurements/acceptance_lease.sh join NAME READY       # cat $W/NAME.part* into NAME.whl, install, touch READY
 #   bash measurements/acceptance_lease.sh start STEP...         # the steps in order, in the background (setsid)
@@ -12,6 +13,10 @@
 #   gpu-tests          `pytest -m gpu` in four concurrent shards, then the tests that read the card's free memory
 #   attention          exact attention kernels at W1 and the Lite shape, sparse attention per density
 #   acceptance:SLUGS   `k6fast acceptance --only SLUGS` (each part continues the same record)
+#   serve:ARM:BUDGET   measurements/bench_serve_defaults.py: `k6fast serve --arm ARM` at its defaults under BUDGET GiB
+#                      with the arm's compile cache ($W/work/cache/ARM, what `acceptance:ARM-32-cold` left), four jobs
+#                      through the openai SDK, a DELETE, an oversize request; its record goes to $REC/serve/ and the
+#                      record's README shows it (SERVE_ARGS: more options, e.g. smaller sizes for a dry run)
 #   page-cache         read the checkpoint once (after a ballast run evicted it from the page cache)
 #   ray:CONFIG:N       measurements/bench_ray_serve.py, CONFIG (1x1, 2x0.5) with N requests, the `final` arm's cache
 #   block              one Pro block: SDPA against flash-attn-4 for exact attention, under fused+compile
@@ -23,11 +28,19 @@
 # quack-kernels; for the Ray step ray[serve] and openai with their dependencies. A wheel larger than one call's carry
 # (cutlass's cu13 libraries, ray) is split (`split -b 45m W.whl NAME.part`), its parts carried in consecutive calls
 # into $W, and `join` puts it together. The steps wait for `$W/fa4.ready` and `$W/ray.ready` (5 minutes at most).
+#
+# TEXT=full: the checkpoint's text encoders at their real size (Qwen2.5-VL-7B with its vision tower and CLIP-L, random
+# weights, about 16.8 GB) in $TEXT_DIR (default /dev/shm/k6-text, RAM-backed: the 64 GB disk holds the 60 GB DiT
+# only), linked from the checkpoint; the acceptance record says so. They take that much of the host's memory for
+# the whole session (beside a ballast too: they are inside what it leaves).
 set -uo pipefail
 # Overridable for a dry run on a small checkpoint (e.g. BLOCKS=2 PRESET=lite-distill GEOMETRY=64x64x5 on a CPU).
 PRESET=${PRESET:-pro-distill}
 BLOCKS=${BLOCKS:-}
 GEOMETRY=${GEOMETRY:-w1}
+TEXT=${TEXT:-one-layer}
+TEXT_DIR=${TEXT_DIR:-/dev/shm/k6-text}
+TEXT_NEEDS=${TEXT_NEEDS:-18000000000}  # bytes free where TEXT_DIR goes: the full text encoders and their headers, with room to spare
 W=${LEASE_DIR:-/tmp/lease}
 REC=$W/record
 SITE=${LEASE_SITE:-/tmp/site}
@@ -89,6 +102,36 @@ acceptance() {  # the slugs to run, comma-separated
   k6 acceptance --model $W/syn --geometry "$GEOMETRY" --out $REC --work $W/work --timeout 420 --only "$1"
 }
 
+serve_bench() {  # ARM BUDGET
+  checkpoint
+  local slug=$1-$2 limit=${SERVE_TIMEOUT:-1200}
+  # The script's own deadline ends it first, with its record; `timeout` (SIGTERM: the script stops the server and
+  # writes what it measured) is the backstop.
+  (cd "$repo" && timeout "$limit" python3 measurements/bench_serve_defaults.py --model $W/syn --arm "$1" --budget-gb "$2" \
+    --set K6_INDUCTOR_CACHE_DIR=$W/work/cache/$1 --record $REC --work $W/work/serve-$slug --timeout-s $((limit - 60)) \
+    ${SERVE_ARGS:-} > $W/serve_$slug.log 2>&1)
+  echo "serve $1 $2 exit $?"; tail -12 $W/serve_$slug.log
+}
+
+write_checkpoint() {  # in the background from the start of a session; synthetic.done marks its end
+  local text=()
+  if [ "$TEXT" = full ]; then
+    local room
+    room=$(df --output=avail -B1 "$(dirname "$TEXT_DIR")" 2>/dev/null | tail -1)
+    if [ "${room:-0}" -lt $TEXT_NEEDS ]; then
+      echo "TEXT=full: $(dirname "$TEXT_DIR") has ${room:-no} bytes free, the text encoders need $TEXT_NEEDS"
+      echo "checkpoint exit 1"
+      return
+    fi
+    text=(--text-encoders full --text-encoder-dir "$TEXT_DIR")
+  elif [ "$TEXT" != one-layer ]; then
+    echo "TEXT=$TEXT: expected full or one-layer"; echo "checkpoint exit 1"; return
+  fi
+  (cd /tmp && timeout 1500 python3 -m k6fast.cli make-synthetic $W/syn --preset "$PRESET" ${BLOCKS:+--blocks $BLOCKS} \
+    "${text[@]}")
+  echo "checkpoint exit $?"
+}
+
 ray_bench() {  # CONFIG N
   wait_for ray.ready || return 1
   export RAY_USAGE_STATS_ENABLED=0
@@ -102,7 +145,28 @@ ray_bench() {  # CONFIG N
   (cd "$repo" && python3 measurements/bench_ray_serve.py --report "${done_[@]}" --out $W/ray_serve.json) | tail -6
 }
 
-case "${1:?expected install, join, start, stop, run or status}" in
+case "${1:?expected check, install, join, start, stop, run or status}" in
+check)  # before anything else: what the session needs, in one call
+  python3 - "$W" "$TEXT_DIR" <<'PY'
+import importlib, os, shutil, subprocess, sys
+print("python", sys.version.split()[0], sys.executable)
+for name in ("torch", "triton", "transformers", "diffusers", "av", "safetensors", "fastapi", "uvicorn", "multipart",
+             "openai", "k6fast", "flash_attn.cute", "torchao", "ray"):
+    try:
+        print(f"  {name:13} {getattr(importlib.import_module(name), '__version__', 'present')}")
+    except Exception as exc:  # a missing or broken package is what this reports
+        print(f"  {name:13} MISSING ({type(exc).__name__}: {str(exc)[:100]})")
+os.makedirs(sys.argv[1], exist_ok=True)
+for path in (sys.argv[1], os.path.dirname(sys.argv[2]), "/tmp"):
+    total, _, free = shutil.disk_usage(path)
+    print(f"  {path}: {free / 1e9:.1f} GB free of {total / 1e9:.1f}")
+info = dict(line.split(":", 1) for line in open("/proc/meminfo"))
+print("  memory:", info["MemTotal"].strip(), "total,", info["MemAvailable"].strip(), "available")
+smi = shutil.which("nvidia-smi")
+query = [smi or "nvidia-smi", "--query-gpu=name,memory.used,memory.total", "--format=csv,noheader"]
+print("  GPU:", subprocess.run(query, capture_output=True, text=True).stdout.strip() if smi else "no nvidia-smi")
+PY
+  ;;
 install)
   mkdir -p $W $SITE
   [ "${3:-}" = --self ] && python3 -m pip install -q --no-index --no-deps --no-compile --no-build-isolation \
@@ -157,9 +221,7 @@ run)
   shift
   mkdir -p $W
   if [ ! -f $W/synthetic.done ]; then
-    (cd /tmp && timeout 1500 python3 -m k6fast.cli make-synthetic $W/syn --preset "$PRESET" \
-      ${BLOCKS:+--blocks $BLOCKS} > $W/synthetic.log 2>&1; echo "checkpoint exit $?" >> $W/synthetic.log
-      touch $W/synthetic.done) &
+    (write_checkpoint > $W/synthetic.log 2>&1; touch $W/synthetic.done) &
   fi
   for s in "$@"; do
     echo "$s" > $W/current_step  # what a polling call reads (never `pgrep -f`: it matches the call's own command)
@@ -169,6 +231,7 @@ run)
     attention) attention ;;
     acceptance:*) acceptance "${s#acceptance:}" ;;
     page-cache) checkpoint; time cat $W/syn/*/*.safetensors $W/syn/*.safetensors > /dev/null 2>&1 ;;
+    serve:*) IFS=: read -r _ arm budget <<< "$s"; serve_bench "$arm" "$budget" ;;
     ray:*) IFS=: read -r _ config n <<< "$s"; ray_bench "$config" "$n" ;;
     block)
       (cd "$repo" && timeout 300 python3 measurements/bench_block_arms.py --no-diffusers --repeats 4 \
@@ -201,12 +264,14 @@ status)
     $W/block_arms.json $W/ray_serve.json $W/profile_*.json; do
     [ -f "$f" ] && cp "$f" "$out/"
   done
+  for f in $REC/serve/*.json; do [ -f "$f" ] && cp "$f" "$out/serve_$(basename "$f")"; done
   (cd $W && tar czf "$out/logs.tgz" $(ls run.log pytest_gpu*.log synthetic.log diag_compile.log *_attention.log \
-    block_arms.log profile_*.log ray_*.log ray_*.json record/commit.txt work/runs/*/stderr.log work/runs/*/*.json 2>/dev/null))
+    block_arms.log profile_*.log ray_*.log ray_*.json serve_*.log work/serve-*/server.log record/commit.txt \
+    work/runs/*/stderr.log work/runs/*/*.json 2>/dev/null))
   ls $W/done 2>/dev/null && echo "session finished"
   ;;
 *)
-  echo "expected install, join, start, stop, run or status" >&2
+  echo "expected check, install, join, start, stop, run or status" >&2
   exit 2
   ;;
 esac
