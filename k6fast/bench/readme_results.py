@@ -19,7 +19,15 @@ from pathlib import Path
 from typing import Any
 
 from ..switches.table import marked_span
-from .acceptance_report import COLUMN_NOTES, PLAN_FILE, ROWS_FILE, is_peer_arm, table_lines
+from .acceptance_report import (
+    COLUMN_NOTES,
+    EXTRA_NOTES,
+    PLAN_FILE,
+    ROWS_FILE,
+    has_extra_columns,
+    is_peer_arm,
+    table_lines,
+)
 from .records import SESSION_FILE, read_jsonl
 
 RESULTS_MARKERS = ("<!-- results:start -->", "<!-- results:end -->")
@@ -118,6 +126,7 @@ def acceptance_section(record: AcceptanceRecord, link_prefix: str, later: bool =
         *table_lines(rows),
         "",
         COLUMN_NOTES,
+        *(["", EXTRA_NOTES] if has_extra_columns(rows) else []),
     ]
 
 
