@@ -182,3 +182,58 @@ def test_acceptance_writes_full_text_encoders_into_a_folder_and_records_them(tmp
     assert note["filesystem"] == filesystem_type(text_dir.resolve())
     table = render_table([], {"model": str(model), "text_encoders": note})
     assert "- text encoders: real shapes, random weights" in table and "linked from the checkpoint" in table
+
+
+def _serve_record() -> dict:
+    """What measurements/bench_serve_defaults.py writes, cut to the fields the tables read."""
+
+    def job(name: str, plan: str, outcome: str, **more) -> dict:
+        return {"name": name, "geometry": "864x480x121", "plan": plan, "outcome": outcome, "done_after_s": 80.0,
+                "run_s": 75.0, **more}  # fmt: skip
+
+    telemetry = {"phases_s": {"text_encode": 1.2, "denoise": 60.0, "video_decode": 8.0, "mux": 0.5},
+                 "text_source": "encoded"}  # fmt: skip
+    return {
+        "arm": "final", "budget_gb": 32.0, "client": "openai 2.8.0 SDK", "passed": True, "problems": [],
+        "startup": {"ready_s": 41.5, "disk_read_bytes": 3_000_000_000}, "peak_rss_bytes": 9 * 2**30,
+        "peak_smi_used_mib": 32000, "disk_read_bytes": 5_000_000_000,
+        "jobs": [job("large-first-prompt", "complete", "completed", telemetry=telemetry, disk_read_bytes=10**9,
+                     peak_rss_bytes=8 * 2**30),
+                 job("large-deleted", "delete", "deleted", delete={"progress": 36, "took_effect_s": 0.42,
+                                                                   "phase": "denoise"})],
+        "oversize": {"geometry": "1280x720x241", "status": 400, "queued": False,
+                     "message": "1280x720 with 241 frames does not fit the VRAM budget of 32.0 GiB: at 1280x720 at "
+                                "most 121 frames fit"},
+    }  # fmt: skip
+
+
+def test_serve_records_of_a_session_show_in_its_readme_and_the_projects(tmp_path) -> None:
+    from k6fast.bench.acceptance import write_readme
+    from k6fast.bench.readme_results import results_block
+
+    root = tmp_path / "measurements" / "sessions"
+    record = root / "2026-12-03_acceptance-user"
+    (record / "serve").mkdir(parents=True)
+    note = {"synthetic": True, "preset": "pro-distill", "num_visual_blocks": 60, "full_depth_blocks": 60}
+    plan = {"model": "/tmp/syn", "geometry": "864x480x121", "steps": 10, "started": "2026-12-03T10:00",
+            "argv": ["k6fast"], "checkpoint_note": f"/tmp/syn (synthetic: {json.dumps(note)})"}  # fmt: skip
+    (record / "acceptance.json").write_text(json.dumps(plan))
+    rows = [{"run": "final @ 32 GiB, warm", "arm": "final", "passed": True, "request_s": 70.0, "gpu_name": "H200",
+             "phases_s": {"text_encode": 1.0}, "disk_read_bytes": 0},
+            {"run": "diffusers-offload @ 32 GiB, cold", "arm": "diffusers-offload", "passed": True,
+             "request_s": 99.0}]  # fmt: skip
+    (record / "runs.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    assert not write_readme(tmp_path / "no-record")  # no plan yet: nothing to render
+    (record / "serve" / "final-32.json").write_text(json.dumps(_serve_record()))
+    assert write_readme(record)
+    readme = (record / "README.md").read_text()
+    block = results_block(root, tmp_path)
+    for text, heading in ((readme, "## "), (block, "#### ")):
+        assert f"\n{heading}`k6fast serve` at its defaults\n" in text
+        assert "- `final @ 32 GiB` (openai 2.8.0 SDK): PASS; ready in 41.5 s (read 3.00 GB)" in text
+        assert "DELETE at 36 % took effect in 0.42 s (denoise)" in text
+        assert "oversize 1280x720x241: 400, not queued: '1280x720 with 241 frames does not fit" in text
+        assert ("| final @ 32 GiB | large-first-prompt | 864x480x121 | completed | 80.0 | 75.0 | "
+                "1.2 / 60.0 / 8.0 / 0.5 | encoded | 1.00 | 8.00 |") in text  # fmt: skip
+        assert "| final @ 32 GiB | large-deleted | 864x480x121 | deleted |" in text
+        assert "disk read GB = bytes the process caused to be read" in text  # the extra columns' notes

@@ -241,10 +241,10 @@ def _serve_summary(record: dict[str, Any]) -> str:
     return f"- `{_serve_name(record)}` ({client}): {result}; " + "; ".join(parts)
 
 
-def serve_lines(records: list[dict[str, Any]]) -> list[str]:
+def serve_lines(records: list[dict[str, Any]], heading: str = "##") -> list[str]:
     """The section of `measurements/bench_serve_defaults.py`'s records: a line per server, a row per job."""
     lines = [
-        "## `k6fast serve` at its defaults",
+        f"{heading} `k6fast serve` at its defaults",
         "",
         "`measurements/bench_serve_defaults.py`: `k6fast serve --model M --arm ARM` with no size options under "
         "`K6_VRAM_BUDGET_GB`, four queued jobs of two sizes through the openai SDK (one prompt repeated, a second "

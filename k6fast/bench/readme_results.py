@@ -24,8 +24,10 @@ from .acceptance_report import (
     EXTRA_NOTES,
     PLAN_FILE,
     ROWS_FILE,
+    SERVE_DIR,
     has_extra_columns,
     is_peer_arm,
+    serve_lines,
     table_lines,
 )
 from .records import SESSION_FILE, read_jsonl
@@ -127,7 +129,12 @@ def acceptance_section(record: AcceptanceRecord, link_prefix: str, later: bool =
         "",
         COLUMN_NOTES,
         *(["", EXTRA_NOTES] if has_extra_columns(rows) else []),
+        *(["", *serve_lines(serve, heading="####")] if (serve := _serve_records(record)) else []),
     ]
+
+
+def _serve_records(record: AcceptanceRecord) -> list[dict[str, Any]]:
+    return [json.loads(path.read_text(encoding="utf-8")) for path in sorted((record.path / SERVE_DIR).glob("*.json"))]
 
 
 def _title(path: Path) -> str | None:
