@@ -25,7 +25,8 @@
 #
 # Wheels the GPU machine lacks (python 3.12): diffusers, av, importlib_metadata, torchao (the block-scaled GEMM tests);
 # flash-attn-4 with nvidia-cutlass-dsl (+ -libs-base, -libs-core, -libs-cu13), apache-tvm-ffi, torch-c-dlpack-ext,
-# quack-kernels; for the Ray step ray[serve] and openai with their dependencies. A wheel larger than one call's carry
+# quack-kernels; for the serve step fastapi, uvicorn, python-multipart and openai (httpx, anyio, distro, jiter; without
+# openai it runs over plain HTTP and says so); for the Ray step ray[serve] with its dependencies. A wheel larger than one call's carry
 # (cutlass's cu13 libraries, ray) is split (`split -b 45m W.whl NAME.part`), its parts carried in consecutive calls
 # into $W, and `join` puts it together. The steps wait for `$W/fa4.ready` and `$W/ray.ready` (5 minutes at most).
 #
@@ -40,7 +41,8 @@ BLOCKS=${BLOCKS:-}
 GEOMETRY=${GEOMETRY:-w1}
 TEXT=${TEXT:-one-layer}
 TEXT_DIR=${TEXT_DIR:-/dev/shm/k6-text}
-TEXT_NEEDS=${TEXT_NEEDS:-18000000000}  # bytes free where TEXT_DIR goes: the full text encoders and their headers, with room to spare
+# Bytes free where TEXT_DIR goes: the full text encoders and their headers, with room to spare.
+TEXT_NEEDS=${TEXT_NEEDS:-18000000000}
 W=${LEASE_DIR:-/tmp/lease}
 REC=$W/record
 SITE=${LEASE_SITE:-/tmp/site}
