@@ -179,8 +179,15 @@ class ServerState:
                 log.exception("could not remove expired jobs")
 
     def reap(self) -> list[str]:
-        """Remove expired jobs: record first, then files (see jobs.py for why this order)."""
-        expired = self.store.expire()
+        """Remove expired jobs: record first, then files (see jobs.py for why this order). On a full disk the files
+        go first, to make room for the records' deletion (storage.py); with no room even then, nothing is removed
+        and the next round tries again."""
+
+        def free() -> None:
+            for job_id in self.store.expired_ids():
+                self.files.remove(job_id)
+
+        expired = self.files.storage.write_with_room(self.store.expire, free=free, gone=lambda: True) or []
         for job_id in expired:
             self.files.remove(job_id)
         if expired:

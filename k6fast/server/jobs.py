@@ -377,6 +377,14 @@ class JobStore:
                 db.execute("DELETE FROM jobs WHERE id = ?", (job_id,))
             return job
 
+    def expired_ids(self) -> list[str]:
+        """The ids whose expiry has passed, their records kept (what `expire` deletes next)."""
+        with self._lock:
+            rows = self._db.execute(
+                "SELECT id FROM jobs WHERE expires_at IS NOT NULL AND expires_at <= ?", (self.now(),)
+            ).fetchall()
+        return [r[0] for r in rows]
+
     def expire(self) -> list[str]:
         """Delete the records whose expiry has passed; returns their ids (the caller removes the files next)."""
         with self._lock:
