@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from .checkpoint import weight_files
+from .memory import GiB
 from .safetensors_index import ITEMSIZE, CheckpointError, TensorLocation, index_safetensors
 
 MAX_PROMPT_TOKENS = 1024
@@ -25,7 +26,6 @@ TEMPLATE_TOKENS = 129
 CLIP_TOKENS = 77
 # Device slot offsets, as `k6fast.stream.streamer.BlockLayout` aligns them (a test holds the two equal).
 ALIGN = 256
-GiB = 2**30
 
 # Checkpoint names of the language model: the release's (`model.layers.N.`, as transformers writes them) or the
 # module's own (`model.language_model.layers.N.`).

@@ -10,10 +10,11 @@ import json
 from pathlib import Path
 from typing import Any
 
+from ..memory import GiB
+
 ROWS_FILE = "runs.jsonl"
 PLAN_FILE = "acceptance.json"
 SERVE_DIR = "serve"  # measurements/bench_serve_defaults.py's records of the same session
-GiB = 2**30
 
 
 def is_peer_arm(arm: str) -> bool:

@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from ..atomic import write_bytes_atomic as write_atomic
+from ..memory import GiB
 from .records import PLOT_FILE, SessionRecord, load_sessions
 from .stats import Summary, compare, median
 
@@ -34,7 +35,6 @@ are left out of the statistic and listed. Regenerate the part below the marker w
 """
 _LPIPS_KEYS = ("lpips_mean", "mean_lpips", "lpips")
 _UNITS = {"pipeline": "s per request", "dit": "s per DiT forward", "block": "s per fused block"}
-GIB = 2**30
 
 
 def display_name(arm: str) -> str:
@@ -112,7 +112,7 @@ def _fmt_s(value: float | None) -> str:
 
 
 def _fmt_gib(value: int) -> str:
-    return f"{value / GIB:.2f}" if value else "—"
+    return f"{value / GiB:.2f}" if value else "—"
 
 
 def _fmt_cmp(arm: ArmResult, base: ArmResult | None, steps: bool = False) -> str:
