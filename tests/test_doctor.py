@@ -39,7 +39,6 @@ def test_plan_from_the_headers_matches_the_runtime_plan(tiny_distill) -> None:
     from k6fast.checkpoint import open_checkpoint
     from k6fast.doctor import W1_TOKENS
     from k6fast.stream.runtime import build_dit
-
     from k6fast.text_phase import TextPhase
 
     plan = dit_plan(tiny_distill, 32 * GiB)
