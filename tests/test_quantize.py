@@ -36,6 +36,8 @@ FORMATS = ("fp8", "mxfp8", "nvfp4") if HAS_TORCHAO else ("fp8", "nvfp4")
 # head for fp8 / nvfp4): e4m3 keeps 3 mantissa bits, E2M1 one, and the error of every quantized layer reaches the heads.
 FORWARD_BOUND = {"fp8": 0.04, "mxfp8": 0.04, "nvfp4": 0.15}
 BLOCK_LINEAR = "visual_transformer_blocks.1.video_dec_block.feed_forward.net.2.weight"
+# The same weight as a resident fused block holds it (block 1, its name relative to the block).
+RESIDENT_LINEAR = (1, "video_dec_block.feed_forward.net.2.weight")
 
 
 @pytest.fixture(scope="module")
@@ -145,7 +147,7 @@ def test_forward_streamed_equals_resident_and_tracks_the_unquantized_model(tiny_
     resident, streamed = tiny_dit(ckpt), tiny_dit(ckpt, max_resident=0)
     switched = tiny_dit(ckpt, max_resident=1, backend=SwitchedBackend(Options(), torch.device("cpu")))
     try:
-        assert isinstance(resident.dit.weights[BLOCK_LINEAR], QuantizedWeight)
+        assert isinstance(resident.dit.blocks.resident[RESIDENT_LINEAR[0]][RESIDENT_LINEAR[1]], QuantizedWeight)
         assert streamed.streamer is not None and switched.streamer is not None
         for seed in range(2):  # two forwards: the slots rotate
             want = reference.dit(**_inputs(base.dit, seed))
@@ -168,7 +170,7 @@ def test_bf16_compute_streams_the_stored_bytes(tiny_distill, quantized):
     base = tiny_dit(open_checkpoint(tiny_distill), "cpu", torch.bfloat16, max_resident=0)
     resident, streamed = tiny_dit(ckpt, "cpu", torch.bfloat16), tiny_dit(ckpt, "cpu", torch.bfloat16, max_resident=0)
     try:
-        w = resident.dit.weights[BLOCK_LINEAR]
+        w = resident.dit.blocks.resident[RESIDENT_LINEAR[0]][RESIDENT_LINEAR[1]]
         assert w.dtype == torch.bfloat16 and w.qdata.dtype == torch.uint8 and w.scale_2.dtype == torch.float32
         # A device slot holds the stored bytes: 4.5 bits per quantized weight instead of the source's 32.
         assert streamed.streamer.slot_bytes < 0.45 * base.streamer.slot_bytes
