@@ -3,6 +3,8 @@ response must pass (OpenAI's error shape, nothing of the server's insides)."""
 
 from __future__ import annotations
 
+import gc
+import os
 import re
 import threading
 import time
@@ -96,3 +98,36 @@ def check_error_body(body: object) -> dict:
     assert error["param"] is None or isinstance(error["param"], str), error
     assert error["code"] is None or isinstance(error["code"], str), error
     return error
+
+
+def rss_bytes() -> int:
+    """This process's resident memory now."""
+    with open("/proc/self/statm") as statm:
+        return int(statm.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+class PeakRss:
+    """The process's peak resident memory while the block runs, sampled every millisecond (garbage collected at
+    both ends, so what is left over is what the block kept)."""
+
+    def __enter__(self) -> PeakRss:
+        gc.collect()
+        self.start = self.peak = rss_bytes()
+        self._done = threading.Event()
+        self._thread = threading.Thread(target=self._sample, daemon=True)
+        self._thread.start()
+        return self
+
+    def _sample(self) -> None:
+        while not self._done.wait(0.001):
+            self.peak = max(self.peak, rss_bytes())
+
+    def __exit__(self, *exc) -> None:
+        self._done.set()
+        self._thread.join()
+        gc.collect()
+        self.end = rss_bytes()
+
+    @property
+    def growth(self) -> int:
+        return self.peak - self.start

@@ -27,7 +27,15 @@ import pytest
 pytest.importorskip("fastapi")  # the server's extra (k6fast[serve]); a GPU machine without it skips this file
 from fastapi.testclient import TestClient  # noqa: E402
 from hostile_cases import AUTH, CASES, KEY, MAX_UPLOAD, form, image_bytes, upload
-from server_testing import DEADLINE_S, GatedPipeline, check_error_body, internals_in, tiny_server_config, until
+from server_testing import (
+    DEADLINE_S,
+    GatedPipeline,
+    PeakRss,
+    check_error_body,
+    internals_in,
+    tiny_server_config,
+    until,
+)
 
 from k6fast.pipeline import Pipeline
 from k6fast.server import app as app_module
@@ -155,34 +163,6 @@ def test_an_unexpected_error_is_a_500_that_names_only_an_error_id(hostile, monke
 # ------------------------------------------------------------------------------------------------------------------
 # Uploads and memory
 # ------------------------------------------------------------------------------------------------------------------
-
-
-def _rss_bytes() -> int:
-    with open("/proc/self/statm") as f:
-        return int(f.read().split()[1]) * 4096
-
-
-class PeakRss:
-    """The process's peak resident memory while the block runs, sampled every millisecond."""
-
-    def __enter__(self) -> PeakRss:
-        self.start = self.peak = _rss_bytes()
-        self._done = threading.Event()
-        self._thread = threading.Thread(target=self._sample, daemon=True)
-        self._thread.start()
-        return self
-
-    def _sample(self) -> None:
-        while not self._done.wait(0.001):
-            self.peak = max(self.peak, _rss_bytes())
-
-    def __exit__(self, *exc) -> None:
-        self._done.set()
-        self._thread.join()
-
-    @property
-    def growth(self) -> int:
-        return self.peak - self.start
 
 
 @pytest.fixture(scope="module")

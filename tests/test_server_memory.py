@@ -10,7 +10,7 @@ import pytest
 
 pytest.importorskip("fastapi")
 from fastapi.testclient import TestClient  # noqa: E402
-from server_testing import tiny_server_config, until  # noqa: E402
+from server_testing import rss_bytes, tiny_server_config, until  # noqa: E402
 
 from k6fast.pipeline import Pipeline  # noqa: E402
 from k6fast.server.app import create_app  # noqa: E402
@@ -18,11 +18,6 @@ from k6fast.switches import Options  # noqa: E402
 
 JOBS, WARMUP = 200, 10
 GROWTH_LIMIT = 50 * 2**20
-
-
-def _rss_bytes() -> int:
-    with open("/proc/self/statm") as f:
-        return int(f.read().split()[1]) * 4096
 
 
 def test_200_jobs_leave_the_servers_memory_flat(tiny_distill: Path, tmp_path: Path) -> None:
@@ -49,11 +44,11 @@ def test_200_jobs_leave_the_servers_memory_flat(tiny_distill: Path, tmp_path: Pa
             for i in range(WARMUP):
                 one_job(i)
             gc.collect()
-            before = _rss_bytes()
+            before = rss_bytes()
             for i in range(JOBS):
                 one_job(WARMUP + i)
             gc.collect()
-            grown = _rss_bytes() - before
+            grown = rss_bytes() - before
         assert grown <= GROWTH_LIMIT, f"RSS grew by {grown / 2**20:.1f} MiB over {JOBS} jobs"
     finally:
         pipeline.close()

@@ -96,23 +96,32 @@ def finishing_server(tmp_path_factory, real_pipeline) -> Iterator[SimpleNamespac
         yield SimpleNamespace(address=address, state=app.state.k6)
 
 
-def _call(address, method: str, path: str, body: dict | None = None) -> tuple[int | str, bytes]:
-    """(status, body) of one request on its own connection; ("cut", what arrived) when the response broke off or the
-    connection was reset."""
+def _exchange(address, talk) -> tuple[int | str, bytes]:
+    """`talk(conn)` on a fresh connection, returning (status, body); ("cut", what arrived) when the response broke off
+    or the connection was reset."""
     conn = http.client.HTTPConnection(*address, timeout=DEADLINE_S)
     try:
-        headers = dict(AUTH)
-        if body is not None:
-            headers["Content-Type"] = "application/json"
-        conn.request(method, path, body=None if body is None else json.dumps(body), headers=headers)
-        response = conn.getresponse()
-        return response.status, response.read()
+        return talk(conn)
     except http.client.IncompleteRead as exc:
         return "cut", exc.partial
     except (ConnectionError, http.client.RemoteDisconnected) as exc:
         return "cut", repr(exc).encode()
     finally:
         conn.close()
+
+
+def _call(address, method: str, path: str, body: dict | None = None) -> tuple[int | str, bytes]:
+    """(status, body) of one request on its own connection (see `_exchange`)."""
+
+    def talk(conn):
+        headers = dict(AUTH)
+        if body is not None:
+            headers["Content-Type"] = "application/json"
+        conn.request(method, path, body=None if body is None else json.dumps(body), headers=headers)
+        response = conn.getresponse()
+        return response.status, response.read()
+
+    return _exchange(address, talk)
 
 
 def _finished_video(address) -> str:
@@ -143,20 +152,16 @@ HELD = 3  # downloads that have their headers and first bytes before the DELETE 
 def _held_download(address, path: str, started: threading.Barrier, deleted: threading.Event) -> tuple:
     """A download that has begun (status line, headers and its first 64 KiB read) before the DELETE is sent, and
     reads the rest once the DELETE has answered."""
-    conn = http.client.HTTPConnection(*address, timeout=DEADLINE_S)
-    try:
+
+    def talk(conn):
         conn.request("GET", path, headers=AUTH)
         response = conn.getresponse()
         first = response.read(64 << 10) if response.status == 200 else b""
         started.wait(DEADLINE_S)
         assert deleted.wait(DEADLINE_S)
         return response.status, first + response.read()
-    except http.client.IncompleteRead as exc:
-        return "cut", exc.partial
-    except (ConnectionError, http.client.RemoteDisconnected) as exc:
-        return "cut", repr(exc).encode()
-    finally:
-        conn.close()
+
+    return _exchange(address, talk)
 
 
 def _racing_download(address, path: str, go: threading.Event, delay_s: float, variant: str) -> tuple:

@@ -8,11 +8,9 @@ In-process (FastAPI's TestClient): the transport plays no part. The pipeline is 
 from __future__ import annotations
 
 import concurrent.futures
-import gc
 import io
 import os
 import struct
-import threading
 import tracemalloc
 import zlib
 from pathlib import Path
@@ -22,7 +20,7 @@ import pytest
 
 pytest.importorskip("fastapi")  # the server's extra (k6fast[serve]); a GPU machine without it skips this file
 from fastapi.testclient import TestClient  # noqa: E402
-from server_testing import DEADLINE_S, GatedPipeline, check_error_body, tiny_server_config, until
+from server_testing import DEADLINE_S, GatedPipeline, PeakRss, check_error_body, tiny_server_config, until
 
 from k6fast.pipeline import Pipeline
 from k6fast.server.app import create_app
@@ -49,33 +47,6 @@ def _encoded(fmt: str, size: tuple[int, int], **params) -> bytes:
 # ------------------------------------------------------------------------------------------------------------------
 # What a queued upload costs
 # ------------------------------------------------------------------------------------------------------------------
-
-
-def _rss_bytes() -> int:
-    with open("/proc/self/statm") as statm:
-        return int(statm.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-
-
-class PeakRss:
-    """The process's peak resident memory while the block runs, sampled every millisecond."""
-
-    def __enter__(self) -> PeakRss:
-        gc.collect()
-        self.start = self.peak = _rss_bytes()
-        self._done = threading.Event()
-        self._thread = threading.Thread(target=self._sample, daemon=True)
-        self._thread.start()
-        return self
-
-    def _sample(self) -> None:
-        while not self._done.wait(0.001):
-            self.peak = max(self.peak, _rss_bytes())
-
-    def __exit__(self, *exc) -> None:
-        self._done.set()
-        self._thread.join()
-        gc.collect()
-        self.end = _rss_bytes()
 
 
 def _png(size: tuple[int, int], colour=(200, 40, 90)) -> bytes:
