@@ -36,6 +36,7 @@ from .model_constants import (
     SIZES,
     VIDEO_LATENT_CHANNELS,
 )
+from .synthetic_text import shard_groups
 
 if TYPE_CHECKING:
     import torch
@@ -104,15 +105,7 @@ def _write_transformer(folder: Path, config: dict, seed: int) -> int:
     device = "cuda" if torch.cuda.is_available() else "cpu"
     generator = torch.Generator(device).manual_seed(seed)
     # Group into shards of about SHARD_BYTES, in name order, holding one shard in host memory at a time.
-    groups: list[list[str]] = [[]]
-    size = 0
-    for name in sorted(shapes):
-        nbytes = 2 * math.prod(shapes[name])
-        if groups[-1] and size + nbytes > SHARD_BYTES:
-            groups.append([])
-            size = 0
-        groups[-1].append(name)
-        size += nbytes
+    groups = shard_groups(shapes, SHARD_BYTES)
     weight_map, total = {}, 0
     for i, names in enumerate(groups):
         file = f"diffusion_pytorch_model-{i + 1:05d}-of-{len(groups):05d}.safetensors"

@@ -147,9 +147,8 @@ def write_safetensors(path: Path, names: list[str], shapes: dict[str, tuple[int,
     return at
 
 
-def write_sharded(folder: Path, shapes: dict[str, tuple[int, ...]], seed: int, device: str, shard_bytes: int) -> int:
-    """`model.safetensors`, or `model-0000N-of-0000M.safetensors` shards of about shard_bytes with their index, as
-    transformers writes them; returns the data bytes."""
+def shard_groups(shapes: dict[str, tuple[int, ...]], shard_bytes: int) -> list[list[str]]:
+    """Tensor names in name order, grouped into shards of about `shard_bytes` of bf16 data each."""
     groups: list[list[str]] = [[]]
     size = 0
     for name in sorted(shapes):
@@ -159,6 +158,13 @@ def write_sharded(folder: Path, shapes: dict[str, tuple[int, ...]], seed: int, d
             size = 0
         groups[-1].append(name)
         size += nbytes
+    return groups
+
+
+def write_sharded(folder: Path, shapes: dict[str, tuple[int, ...]], seed: int, device: str, shard_bytes: int) -> int:
+    """`model.safetensors`, or `model-0000N-of-0000M.safetensors` shards of about shard_bytes with their index, as
+    transformers writes them; returns the data bytes."""
+    groups = shard_groups(shapes, shard_bytes)
     if len(groups) == 1:
         return write_safetensors(folder / "model.safetensors", groups[0], shapes, seed, device)
     weight_map, total = {}, 0
