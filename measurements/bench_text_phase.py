@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import importlib.metadata
+import itertools
 import json
 import platform
 import sys
@@ -42,6 +43,44 @@ def _same(a, b) -> bool:
     return torch.equal(a.embeds, b.embeds) and torch.equal(a.pooled, b.pooled)
 
 
+class LayerMarks:
+    """Wall time at each Qwen decoder layer's start and end (the device synchronised there), for finding where a
+    first encode's extra seconds go: in the layers' weight reads, their first kernels, or before the first layer."""
+
+    def __init__(self, phase, device: torch.device):
+        self.device, self.marks, self.hooks = device, [], []
+        self.start = time.perf_counter()
+        for i, layer in enumerate(phase._layers):
+            self.hooks.append(layer.register_forward_pre_hook(lambda m, a, i=i: self._mark(i, "start")))
+            self.hooks.append(layer.register_forward_hook(lambda m, a, o, i=i: self._mark(i, "end")))
+
+    def _mark(self, layer: int, what: str) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        self.marks.append((layer, what, time.perf_counter()))
+
+    def take(self) -> dict:
+        """Seconds from the previous take (or construction) to the first layer's start, each layer's start-to-end
+        (its first call only: CFG calls a layer twice), and the gaps between layers (waiting for the weights)."""
+        marks, self.marks = self.marks, []
+        if not marks:
+            return {}
+        starts = {layer: t for layer, what, t in reversed(marks) if what == "start"}
+        ends = {layer: t for layer, what, t in marks if what == "end"}
+        order = sorted(starts)
+        out = {
+            "before_first_layer_s": round(starts[order[0]] - self.start, 4),
+            "layer_s": [round(ends[i] - starts[i], 4) for i in order],
+            "wait_s": [round(starts[b] - ends[a], 4) for a, b in itertools.pairwise(order)],
+        }
+        self.start = time.perf_counter()
+        return out
+
+    def remove(self) -> None:
+        for hook in self.hooks:
+            hook.remove()
+
+
 def main(argv: list[str] | None = None) -> int:
     from k6fast.prompt_cache import PromptCache
     from k6fast.text_phase import TextPhase
@@ -52,6 +91,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--prompts", type=int, default=3, help="new prompts after the first (at most 4)")
     p.add_argument("--dit-resident-gb", type=float, default=0.0, help="a DiT stand-in held on the device meanwhile")
+    p.add_argument("--breakdown", action="store_true",
+                   help="per-layer wall times of the first and new encodes (synchronising after each layer, so the "
+                        "rows' seconds include that cost)")  # fmt: skip
     args = p.parse_args(argv)
 
     device = torch.device(args.device)
@@ -85,9 +127,16 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps(row), flush=True)
         return out
 
+    layer_marks = LayerMarks(phase, device) if args.breakdown else None
     first = run("first", PROMPTS[0])
+    if layer_marks is not None:
+        rows[-1]["layers"] = layer_marks.take()
     for prompt in PROMPTS[1 : 1 + min(args.prompts, len(PROMPTS) - 1)]:
         run("new", prompt)
+        if layer_marks is not None:
+            rows[-1]["layers"] = layer_marks.take()
+    if layer_marks is not None:
+        layer_marks.remove()
     hit = run("repeated", PROMPTS[0])
     assert _same(hit[0], first[0]), "a cache hit differs from the encode it came from"
     phase.cache.clear()

@@ -256,3 +256,18 @@ def test_serve_records_of_a_session_show_in_its_readme_and_the_projects(tmp_path
                 "1.2 / 60.0 / 8.0 / 0.5 | encoded | 1.00 | 8.00 |") in text  # fmt: skip
         assert "| final @ 32 GiB | large-deleted | 864x480x121 | deleted |" in text
         assert "disk read GB = bytes the process caused to be read" in text  # the extra columns' notes
+
+
+def test_the_peer_reads_its_own_checkpoint_where_one_is_given(tiny_distill, tmp_path) -> None:
+    from k6fast.bench.acceptance import Run, Workload, peer_command
+
+    w = Workload(model="/ckpt/full-text", geometry="64x64x5", prompt="p", seed=1, steps=2, guidance=1.0,
+                 peer_model="/ckpt/one-layer-text")  # fmt: skip
+    peer_command(Run("diffusers-offload", 32.0, "cold"), w, tmp_path, sys.executable)
+    assert json.loads((tmp_path / "spec.json").read_text())["model"] == "/ckpt/one-layer-text"
+    peer_command(Run("diffusers-offload", 32.0, "cold"), Workload(**{**w.__dict__, "peer_model": ""}), tmp_path, "py")
+    assert json.loads((tmp_path / "spec.json").read_text())["model"] == "/ckpt/full-text"
+    argv = ["acceptance", "--model", str(tiny_distill), "--out", str(tmp_path / "rec"), "--work", str(tmp_path / "w"),
+            "--only", "diffusers-offload-32-cold", "--peer-model", str(tmp_path / "nowhere")]  # fmt: skip
+    assert main(argv) == 2  # not a checkpoint: refused before any run
+    assert not (tmp_path / "rec" / "runs.jsonl").exists()

@@ -200,6 +200,13 @@ class Workload:
     seed: int
     steps: int
     guidance: float
+    # The peer's checkpoint where it cannot read `model`: the peer holds the whole DiT and its text encoders in host
+    # memory, so beside real-size text encoders on a 128 GB host it reads a copy whose text encoders are one layer
+    # (the record's plan says so). Not part of the request: a session's parts may differ in it.
+    peer_model: str = ""
+
+
+REQUEST_FIELDS = ("model", "geometry", "prompt", "seed", "steps", "guidance")
 
 
 def generate_command(run: Run, w: Workload, run_dir: Path, python: str) -> list[str]:
@@ -216,7 +223,7 @@ def peer_command(run: Run, w: Workload, run_dir: Path, python: str) -> list[str]
     from .runner import VisitSpec
 
     width, height, frames = (int(v) for v in w.geometry.split("x"))
-    spec = VisitSpec(session="acceptance", visit=0, position=0, repeat=0, arm=run.arm, model=w.model,
+    spec = VisitSpec(session="acceptance", visit=0, position=0, repeat=0, arm=run.arm, model=w.peer_model or w.model,
                      component="pipeline", width=width, height=height, frames=frames, steps=w.steps,
                      guidance=w.guidance, seed=w.seed, prompt=w.prompt, requests=1, warmup=0,
                      switches={"K6_VRAM_BUDGET_GB": f"{run.budget_gb:g}"})  # fmt: skip
@@ -286,9 +293,13 @@ def run_acceptance(
     plan = {**asdict(w), "timeout_s": timeout_s, "runs": [], "started": now(), "argv": sys.argv, **(header or {})}
     if rows and (out / PLAN_FILE).is_file():
         earlier = json.loads((out / PLAN_FILE).read_text())
-        if {k: earlier.get(k) for k in asdict(w)} != asdict(w):
+        if {k: earlier.get(k) for k in REQUEST_FIELDS} != {k: getattr(w, k) for k in REQUEST_FIELDS}:
             raise ValueError(f"{out} holds a session of another workload; expected an empty folder or the same one")
         plan = {**earlier, "runs": earlier.get("runs", []), "parts": earlier.get("parts", 1) + 1}
+        if w.peer_model:  # the part that runs the peer says what it read
+            plan.update(
+                {"peer_model": w.peer_model, **{k: v for k, v in (header or {}).items() if k.startswith("peer_")}}
+            )
     plan["runs"] += [asdict(r) for r in runs]
     plan.pop("finished", None)
     write_json(out / PLAN_FILE, plan)

@@ -48,6 +48,11 @@ def register(subparsers) -> argparse.ArgumentParser:
                    "host-memory ballast (default reference,final)")  # fmt: skip
     p.add_argument("--host-ram-gb", type=float, default=60.0, help="host memory the ballast leaves, GB (0 = none)")
     p.add_argument("--peer", default="diffusers-offload", help="peer row (diffusers, diffusers-offload, or none)")
+    p.add_argument(
+        "--peer-model",
+        help="the peer's checkpoint, where it cannot read --model (e.g. the same DiT linked "
+        "with one-layer text encoders: the peer holds the DiT and its text encoders in host memory)",
+    )
     p.add_argument("--geometry", default="w1", help="w1 (864x480x121) or WIDTHxHEIGHTxFRAMES")
     p.add_argument("--steps", type=int, help="denoising steps (default: the checkpoint's)")
     p.add_argument("--guidance", type=float, help="CFG scale (default: the checkpoint's)")
@@ -140,6 +145,10 @@ def cmd_acceptance(args: argparse.Namespace) -> int:
         made = time.perf_counter() - start
         print(f"acceptance: wrote the synthetic checkpoint in {made:.1f} s", file=sys.stderr)
     ckpt = open_checkpoint(str(model))
+    if args.peer_model and not (Path(args.peer_model) / "model_index.json").is_file():
+        print(f"error: --peer-model {args.peer_model}: expected a checkpoint folder with model_index.json",
+              file=sys.stderr)  # fmt: skip
+        return 2
     arms = sorted(args.arms, key=lambda a: a != REFERENCE_ARM)  # the reference first: every arm is held against it
     peer = None if args.peer == "none" else args.peer
     runs = build_plan(arms, args.budgets, ballast_arms=args.ballast_arms, host_ram_gb=args.host_ram_gb or None,
@@ -155,9 +164,12 @@ def cmd_acceptance(args: argparse.Namespace) -> int:
         model=str(model), geometry=geometry.label(), prompt=args.prompt or DEFAULT_PROMPT, seed=args.seed,
         steps=args.steps or ckpt.default_steps,
         guidance=args.guidance if args.guidance is not None else ckpt.default_guidance,
+        peer_model=args.peer_model or "",
     )  # fmt: skip
     out = Path(args.out or f"measurements/sessions/{dt.date.today().isoformat()}_acceptance")
     header = _header(str(model)) | {"synthetic_write_s": made}
+    if args.peer_model:
+        header["peer_text_encoders"] = text_encoder_note(Path(args.peer_model))
     try:
         run_acceptance(runs, workload, out=out, work=Path(args.work), timeout_s=args.timeout, header=header)
     except ValueError as exc:

@@ -210,7 +210,12 @@ def _text_encoders(plan: dict[str, Any]) -> list[str]:
     fs = f" ({te['filesystem']})" if te.get("filesystem") else ""
     link = ", linked from the checkpoint" if te.get("linked") else ""
     kind = te.get("synthetic") or "the checkpoint's own"
-    return [f"- text encoders: {kind}; {_gb(te.get('bytes'))} GB in {where}{fs}{link}"]
+    lines = [f"- text encoders: {kind}; {_gb(te.get('bytes'))} GB in {where}{fs}{link}"]
+    peer = plan.get("peer_text_encoders")
+    if peer:
+        lines.append(f"- the peer read {plan.get('peer_model', '?')}: text encoders {peer.get('synthetic') or '?'}, "
+                     f"{_gb(peer.get('bytes'))} GB (it holds them and the DiT in host memory)")  # fmt: skip
+    return lines
 
 
 SERVE_COLUMNS = ("serve run", "job", "size", "outcome", "submit → done s", "run s", "text / denoise / decode / mux s",
