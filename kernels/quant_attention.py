@@ -65,19 +65,19 @@ from .gluon_hopper import GLUON_AVAILABLE
 from .quant_attention_core import (
     CANDIDATE_CONFIGS,
     QuantAttentionConfig,
-    _config_for,
     attention_quantized,
     attention_quantized_ref,
+    config_for,
 )
 from .quant_attention_prologue import (
     QuantizedQKV,
     _check_inputs,
-    _has_fp8_tensor_cores,
     _interpreted,
-    _resolve_pv_fp8,
     _triton_runs_on,
+    has_fp8_tensor_cores,
     quantize_qkv,
     quantize_qkv_ref,
+    resolve_pv_fp8,
     v_key_order,
     v_token_order,
 )
@@ -122,13 +122,13 @@ def quant_attention(
     _check_inputs(q, k, v, sm_scale)
     if _select_implementation(q.device) == "reference":
         return quant_attention_ref(q, k, v, pv_fp8=pv_fp8, sm_scale=sm_scale)
-    pv_fp8 = _resolve_pv_fp8(pv_fp8, q.device)
+    pv_fp8 = resolve_pv_fp8(pv_fp8, q.device)
     if pv_fp8 and _gluon_core_runs(q.device, q.shape[3]):
         qkv = quantize_qkv(
             q, k, v, pv_fp8=True, sm_scale=sm_scale, k_block=GLUON_K_BLOCK, v_key_perm=True, pv_fp16_acc=False
         )
         return attention_quantized_wgmma(qkv)
-    cfg = _config_for(q.device, q.shape[3], pv_fp8)
+    cfg = config_for(q.device, q.shape[3], pv_fp8)
     qkv = quantize_qkv(q, k, v, pv_fp8=pv_fp8, sm_scale=sm_scale, k_block=cfg.block_n)
     return attention_quantized(qkv, config=cfg)
 
@@ -144,7 +144,7 @@ def _k_block_for(device: torch.device, head_dim: int, pv_fp8: bool) -> int:
     """The key tile (= keys per K scale) `quant_attention` quantizes with on `device`."""
     if pv_fp8 and _gluon_core_runs(device, head_dim):
         return GLUON_K_BLOCK
-    return _config_for(device, head_dim, pv_fp8).block_n
+    return config_for(device, head_dim, pv_fp8).block_n
 
 
 def _gluon_core_runs(device: torch.device, head_dim: int) -> bool:
@@ -181,6 +181,6 @@ def quant_attention_ref(
     """PyTorch reference of ``quant_attention``: the same scheme step by step in FP32. Same shapes and dtypes.
     k_block None: the one the kernel uses on q's device."""
     _check_inputs(q, k, v, sm_scale)
-    fp8 = _has_fp8_tensor_cores(q.device) if pv_fp8 is None else bool(pv_fp8)
+    fp8 = has_fp8_tensor_cores(q.device) if pv_fp8 is None else bool(pv_fp8)
     k_block = _k_block_for(q.device, q.shape[3], fp8) if k_block is None else k_block
     return attention_quantized_ref(quantize_qkv_ref(q, k, v, pv_fp8=fp8, sm_scale=sm_scale, k_block=k_block))

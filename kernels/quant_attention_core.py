@@ -120,7 +120,9 @@ CANDIDATE_CONFIGS: tuple[QuantAttentionConfig, ...] = (
 )
 
 
-def _config_for(device: torch.device, head_dim: int, pv_fp8: bool) -> QuantAttentionConfig:
+def config_for(device: torch.device, head_dim: int, pv_fp8: bool) -> QuantAttentionConfig:
+    """The core's launch configuration on `device` for this head_dim and P·V precision (the table's entry, else the
+    default config); `attention_quantized` uses it when given none."""
     if device.type != "cuda":
         return _DEFAULT_CONFIG
     return _CONFIGS.get(torch.cuda.get_device_capability(device), {}).get((head_dim, pv_fp8), _DEFAULT_CONFIG)
@@ -135,7 +137,7 @@ def attention_quantized(qkv: QuantizedQKV, *, config: QuantAttentionConfig | Non
     """Triton attention core on a ``QuantizedQKV`` -> [B, H, M, D] in qkv.out_dtype. ``config`` None: the table's,
     with its key tile set to qkv.k_block; a config given must have block_n == qkv.k_block."""
     if config is None:
-        config = dataclasses.replace(_config_for(qkv.q8.device, qkv.q8.shape[3], qkv.pv_fp8), block_n=qkv.k_block)
+        config = dataclasses.replace(config_for(qkv.q8.device, qkv.q8.shape[3], qkv.pv_fp8), block_n=qkv.k_block)
     if config.block_n != qkv.k_block:
         raise ValueError(
             f"config.block_n: expected {qkv.k_block}, the k_block qkv was quantized with, found {config.block_n}"
@@ -149,10 +151,13 @@ def attention_quantized(qkv: QuantizedQKV, *, config: QuantAttentionConfig | Non
     if qkv.pv_fp8 and _interpreted():
         raise ValueError("pv_fp8=True: the Triton interpreter rounds FP8 wrongly; expected a pv_fp8=False QuantizedQKV")
     with on_device(qkv.q8.device):
-        return _launch_attention(qkv, cfg)
+        return launch_attention(qkv, cfg)
 
 
-def _launch_attention(qkv: QuantizedQKV, cfg: QuantAttentionConfig) -> torch.Tensor:
+def launch_attention(qkv: QuantizedQKV, cfg: QuantAttentionConfig) -> torch.Tensor:
+    """Launch the Triton core on `qkv` with `cfg`, without `attention_quantized`'s checks: for checks of the core where
+    `attention_quantized` refuses to run it (FP8 P·V under the interpreter, whose FP8 rounding they match by replacing
+    `p_to_fp8_ref`). Everything else calls `attention_quantized`."""
     b, h, m_pad, d = qkv.q8.shape
     n_pad = qkv.k8.shape[2]
     out = torch.empty((b, h, qkv.num_q, d), dtype=qkv.out_dtype, device=qkv.q8.device)
@@ -173,12 +178,12 @@ def _fp8_no_fold(device: torch.device) -> bool:
     return not (device.type == "cuda" and torch.cuda.get_device_capability(device) == (9, 0))
 
 
-def _p_to_fp8_ref(p448: torch.Tensor) -> torch.Tensor:
+def p_to_fp8_ref(p448: torch.Tensor) -> torch.Tensor:
     """P·448 (fp32) -> e4m3 values as fp32, saturating like cvt.rn.satfinite. A seam the interpreter test replaces."""
     return p448.clamp_max(FP8_MAX).to(torch.float8_e4m3fn).float()
 
 
-def _pv_fp16_chunks_ref(p_q: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+def pv_fp16_chunks_ref(p_q: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
     """[BH, M, kb] x [BH, kb, D] e4m3 values -> the FP16-accumulate P·V of one tile as the kernel sums it: per
     32-key chunk (one m16n8k32 MMA) the exact sum of its products rounded once to FP16, the chunks added in FP32.
     Sums in float64, where 32 products of two e4m3 values are exact."""
@@ -191,7 +196,7 @@ def _pv_fp16_chunks_ref(p_q: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
 
 def attention_quantized_ref(qkv: QuantizedQKV) -> torch.Tensor:
     """PyTorch reference of ``attention_quantized``: the kernel's online softmax, qkv.k_block keys per update, in
-    FP32; with qkv.pv_fp16_acc, P·V in FP16 per 32 keys (``_pv_fp16_chunks_ref``).
+    FP32; with qkv.pv_fp16_acc, P·V in FP16 per 32 keys (``pv_fp16_chunks_ref``).
 
     The INT8 products and FP8/FP16 operands are exact in FP32 (and in TF32), so the matmuls are exact per product
     whatever the float32 matmul precision.
@@ -217,8 +222,8 @@ def attention_quantized_ref(qkv: QuantizedQKV) -> torch.Tensor:
         alpha = torch.exp2(m_i - m_new)
         p = torch.exp2(s - m_new[:, :, None])
         l_i = l_i * alpha + p.sum(dim=2)
-        p_q = _p_to_fp8_ref(p * FP8_MAX) if qkv.pv_fp8 else p.to(torch.float16).float()
-        pv = _pv_fp16_chunks_ref(p_q, v[:, cols]) if qkv.pv_fp16_acc else torch.matmul(p_q, v[:, cols])
+        p_q = p_to_fp8_ref(p * FP8_MAX) if qkv.pv_fp8 else p.to(torch.float16).float()
+        pv = pv_fp16_chunks_ref(p_q, v[:, cols]) if qkv.pv_fp16_acc else torch.matmul(p_q, v[:, cols])
         acc = acc * alpha[:, :, None] + pv
         m_i = m_new
     out = acc / l_i[:, :, None]

@@ -94,7 +94,8 @@ def _interpreted() -> bool:
     return isinstance(_quantize_q_kernel, InterpretedFunction)
 
 
-def _has_fp8_tensor_cores(device: torch.device) -> bool:
+def has_fp8_tensor_cores(device: torch.device) -> bool:
+    """Whether `device` has FP8 tensor cores (sm_89 or newer): where FP8 P·V may run."""
     return cuda_at_least(device, (8, 9))
 
 
@@ -111,15 +112,15 @@ def _require_triton(device: torch.device) -> None:
         )
 
 
-def _resolve_pv_fp8(pv_fp8: bool | None, device: torch.device) -> bool:
+def resolve_pv_fp8(pv_fp8: bool | None, device: torch.device) -> bool:
     """None picks FP8 where the Triton path has FP8 tensor cores; True is refused where it cannot run."""
     if _interpreted():
         if pv_fp8:
             raise ValueError("pv_fp8=True: the Triton interpreter rounds FP8 wrongly; expected pv_fp8 False or None")
         return False
     if pv_fp8 is None:
-        return _has_fp8_tensor_cores(device)
-    if pv_fp8 and device.type == "cuda" and not _has_fp8_tensor_cores(device):
+        return has_fp8_tensor_cores(device)
+    if pv_fp8 and device.type == "cuda" and not has_fp8_tensor_cores(device):
         raise ValueError(f"pv_fp8=True needs FP8 tensor cores (sm_89 or newer); found {device_label(device)}")
     return bool(pv_fp8)
 
@@ -137,7 +138,7 @@ def _pv_fp16_acc_default(device: torch.device) -> bool:
     return is_geforce(device) and pv_fp16_acc_on(torch.cuda.get_device_capability(device))
 
 
-def _resolve_pv_fp16_acc(pv_fp16_acc: bool | None, pv_fp8: bool, device: torch.device) -> bool:
+def resolve_pv_fp16_acc(pv_fp16_acc: bool | None, pv_fp8: bool, device: torch.device) -> bool:
     """None picks the device's default (with FP8 P·V only); True needs FP8 P·V."""
     if pv_fp16_acc is None:
         return pv_fp8 and _pv_fp16_acc_default(device)
@@ -218,8 +219,8 @@ def quantize_qkv(
     FP16-accumulate P·V (None: where ``_pv_fp16_acc_default`` says, with FP8 P·V)."""
     scale = _check_inputs(q, k, v, sm_scale)
     _require_triton(q.device)
-    pv_fp8 = _resolve_pv_fp8(bool(pv_fp8), q.device)  # refuses FP8 where it cannot run
-    fp16_acc = _resolve_pv_fp16_acc(pv_fp16_acc, pv_fp8, q.device)
+    pv_fp8 = resolve_pv_fp8(bool(pv_fp8), q.device)  # refuses FP8 where it cannot run
+    fp16_acc = resolve_pv_fp16_acc(pv_fp16_acc, pv_fp8, q.device)
     with on_device(q.device):
         return _quantize_qkv(q, k, v, pv_fp8, scale, _check_k_block(k_block), bool(v_key_perm), fp16_acc)
 
@@ -305,7 +306,7 @@ def quantize_qkv_ref(
     """PyTorch reference of ``quantize_qkv``: same outputs, same layouts and padding."""
     scale = _check_inputs(q, k, v, sm_scale)
     _check_k_block(k_block)
-    pv_fp16_acc = _resolve_pv_fp16_acc(pv_fp16_acc, pv_fp8, q.device)
+    pv_fp16_acc = resolve_pv_fp16_acc(pv_fp16_acc, pv_fp8, q.device)
     v_qmax = V_FP16_ACC_MAX if pv_fp16_acc else FP8_MAX
     b, h, m, d = q.shape
     n = k.shape[2]

@@ -158,7 +158,7 @@ def main() -> None:
     dev = torch.device("cuda")
     b, h, m, n, d = args.batch, args.heads, args.q_len, args.kv_len, args.head_dim
     flops = 4.0 * b * h * m * n * d
-    pv_fp8_default = qp._resolve_pv_fp8(None, dev)
+    pv_fp8_default = qp.resolve_pv_fp8(None, dev)
     print(f"{torch.cuda.get_device_name(dev)}  torch {torch.__version__}  triton {triton.__version__}")
     print(f"shape B={b} H={h} M={m} N={n} D={d} {args.dtype}, v_offset {args.v_offset}, seed {seed}")
 
@@ -183,7 +183,7 @@ def main() -> None:
         tag = "fp8pv" if pv_fp8 else "fp16pv"
         bound = FP8_PV_BOUND if pv_fp8 else FP16_PV_BOUND
         variant(f"k6_quant_{tag}", lambda pv_fp8=pv_fp8: qa.quant_attention(q, k, v, pv_fp8=pv_fp8), bound)
-        qkv_block = qc._config_for(dev, d, pv_fp8).block_n
+        qkv_block = qc.config_for(dev, d, pv_fp8).block_n
         qkv = qa.quantize_qkv(q, k, v, pv_fp8=pv_fp8, k_block=qkv_block)
         variant(f"k6_quant_{tag}_kernel_only", lambda qkv=qkv: qa.attention_quantized(qkv), bound)
         row = Row(f"k6_quant_{tag}_prologue_only", note="quantize_qkv alone; TFLOP/s not meaningful")
@@ -220,7 +220,7 @@ def main() -> None:
         "inputs": {"k_offset_std": 3.0, "v_offset_std": args.v_offset, "seed": seed},
         "flops_per_call": flops,
         "quant_attention_default_config": {
-            tag: asdict(qc._config_for(dev, d, fp8)) for tag, fp8 in (("fp8pv", True), ("fp16pv", False))
+            tag: asdict(qc.config_for(dev, d, fp8)) for tag, fp8 in (("fp8pv", True), ("fp16pv", False))
         },
         "results": [asdict(r) for r in rows],
     }

@@ -65,7 +65,7 @@ def main() -> None:
         (
             "k6_triton_op (the Triton core's sm_90 config)",
             lambda: qa.attention_quantized(
-                qa.quantize_qkv(q, k, v, pv_fp8=True, k_block=qc._config_for(q.device, args.head_dim, True).block_n)
+                qa.quantize_qkv(q, k, v, pv_fp8=True, k_block=qc.config_for(q.device, args.head_dim, True).block_n)
             ),
         ),
         ("k6_triton_core_n128", lambda: qa.attention_quantized(qkv[128])),

@@ -342,8 +342,8 @@ def test_fp8_path_logic_interpreted(config, monkeypatch, seed):
 
     q, k, v = dit_like_qkv(1, 2, 130, 200, 64, seed=seed, v_offset=1.0)
     x = qa.quantize_qkv_ref(q, k, v, pv_fp8=True)
-    out = qc._launch_attention(x, config)
-    monkeypatch.setattr(qc, "_p_to_fp8_ref", interpreter_fp8)
+    out = qc.launch_attention(x, config)
+    monkeypatch.setattr(qc, "p_to_fp8_ref", interpreter_fp8)
     ref = qa.attention_quantized_ref(x)
     mean = x.v_offset[:, :, None].half()  # compare the attention-dependent part, not the offset common to both
     cos, rel = cosine_and_rel_l2(out - mean, ref - mean)
@@ -380,7 +380,7 @@ GPU_SHAPES = [  # (b, h, m, n, d)
 def test_gpu_matches_ref_and_fp32(shape, pv_fp8):
     seed = SEEDS[0]
     q, k, v = dit_like_qkv(*shape, seed=seed, dtype=torch.bfloat16, device="cuda")
-    fp8 = qp._resolve_pv_fp8(pv_fp8, q.device)
+    fp8 = qp.resolve_pv_fp8(pv_fp8, q.device)
     out = qa.quant_attention(q, k, v, pv_fp8=pv_fp8)
     what = f"{shape} pv_fp8={fp8} seed {seed}"
     assert_kernel_vs_ref(out, qa.quant_attention_ref(q, k, v, pv_fp8=fp8), fp8, what)
@@ -393,7 +393,7 @@ def test_gpu_fp8_with_v_offsets_meets_3_percent():
     seed = SEEDS[0]
     q, k, v = dit_like_qkv(1, 32, 50220, 50220, 128, seed=seed, dtype=torch.bfloat16, device="cuda", v_offset=1.0)
     out = qa.quant_attention(q, k, v)
-    bound = FP8_PV_VS_FP32_V_OFFSET if qp._resolve_pv_fp8(None, q.device) else FP16_PV_VS_FP32
+    bound = FP8_PV_VS_FP32_V_OFFSET if qp.resolve_pv_fp8(None, q.device) else FP16_PV_VS_FP32
     assert_vs_fp32(out, qa.attention_fp32(q, k, v), bound, f"V offsets, seed {seed}")
 
 
@@ -404,7 +404,7 @@ def test_gpu_fp8_with_v_offsets_meets_3_percent():
 @pytest.mark.parametrize("v_key_perm", [False, True])
 def test_gpu_prologue_matches_ref(pv_fp8, k_block, v_key_perm):
     # Without FP8 tensor cores (sm_80-87) the FP8 variant checks the FP16 prologue instead.
-    pv_fp8 = pv_fp8 and qp._has_fp8_tensor_cores(torch.device("cuda"))
+    pv_fp8 = pv_fp8 and qp.has_fp8_tensor_cores(torch.device("cuda"))
     seed = SEEDS[0]
     q, k, v = dit_like_qkv(2, 3, 1000, 3001, 128, seed=seed, dtype=torch.bfloat16, device="cuda", v_offset=1.0)
     got = qa.quantize_qkv(q, k, v, pv_fp8=pv_fp8, k_block=k_block, v_key_perm=v_key_perm)
@@ -430,7 +430,7 @@ def test_gpu_prologue_matches_ref(pv_fp8, k_block, v_key_perm):
 def test_gpu_configs_match_ref(config):
     seed = SEEDS[0]
     q, k, v = dit_like_qkv(1, 4, 1000, 3001, 128, seed=seed, dtype=torch.bfloat16, device="cuda")
-    fp8 = qp._resolve_pv_fp8(None, q.device)
+    fp8 = qp.resolve_pv_fp8(None, q.device)
     x = qa.quantize_qkv_ref(q, k, v, pv_fp8=fp8)
     out = qa.attention_quantized(x, config=config)
     assert_kernel_vs_ref(out, qa.attention_quantized_ref(x), fp8, f"{config} seed {seed}")

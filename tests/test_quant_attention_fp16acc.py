@@ -97,7 +97,7 @@ def test_chunk_emulation_rounds_each_32_key_sum_once():
     v = torch.zeros(1, 64, 1)
     p[0, 0, :3], v[0, :3, 0] = torch.tensor([448.0, 448.0, 1.0]), torch.tensor([2.25, 2.25, 33.0])  # 2016 + 33
     p[0, 0, 40], v[0, 40, 0] = 1.0, 1.0
-    assert qc._pv_fp16_chunks_ref(p, v).item() == 2048.0 + 1.0
+    assert qc.pv_fp16_chunks_ref(p, v).item() == 2048.0 + 1.0
     assert PV_CHUNK == 32
 
 
@@ -162,8 +162,8 @@ def test_choice_by_capability_and_refusals(monkeypatch):
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA GeForce RTX 5090")
     for cap, on in expected.items():
         monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None, cap=cap: cap)
-        assert qp._resolve_pv_fp16_acc(None, True, torch.device("cuda", 0)) is on
-        assert qp._resolve_pv_fp16_acc(None, False, torch.device("cuda", 0)) is False
+        assert qp.resolve_pv_fp16_acc(None, True, torch.device("cuda", 0)) is on
+        assert qp.resolve_pv_fp16_acc(None, False, torch.device("cuda", 0)) is False
     q = torch.randn(1, 1, 8, 64, dtype=torch.float16)
     assert not qa.quantize_qkv_ref(q, q, q, pv_fp8=True).pv_fp16_acc  # CPU: the FP32-accumulate default
     with pytest.raises(ValueError, match="pv_fp16_acc=True: expected pv_fp8=True"):
@@ -181,8 +181,8 @@ def test_default_needs_a_geforce_card_not_only_its_capability(monkeypatch, name,
     # sm_89 is GeForce Ada and datacenter Ada alike: only GeForce gets the lossier FP16-accumulate P·V by default.
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (8, 9))
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: name)
-    assert qp._resolve_pv_fp16_acc(None, True, torch.device("cuda", 0)) is on
-    assert qp._resolve_pv_fp16_acc(True, True, torch.device("cuda", 0)) is True  # forcing it is still allowed
+    assert qp.resolve_pv_fp16_acc(None, True, torch.device("cuda", 0)) is on
+    assert qp.resolve_pv_fp16_acc(True, True, torch.device("cuda", 0)) is True  # forcing it is still allowed
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -208,7 +208,7 @@ def _refused_here(q, k, v) -> bool:
     """Where the forced path cannot run, the prologue refuses it with its reason (`quant_attention` then runs the
     reference by itself): on the CPU (no CUDA tensors; under the interpreter, its wrong FP8 rounding) and on sm_80-87
     (no FP8 tensor cores). Checked, then True; False where the kernel runs."""
-    if q.device.type == "cuda" and qp._has_fp8_tensor_cores(q.device):
+    if q.device.type == "cuda" and qp.has_fp8_tensor_cores(q.device):
         return False
     reason = "needs FP8 tensor cores" if q.device.type == "cuda" else "expected CUDA tensors|rounds FP8 wrongly"
     with pytest.raises(ValueError, match=reason):
@@ -227,7 +227,7 @@ def test_gpu_forced_fp16_accumulate_core(shape, k_block):
     want = qa.quantize_qkv_ref(q, k, v, pv_fp8=True, k_block=k_block, pv_fp16_acc=True)
     assert x.pv_fp16_acc and x.vt.float().abs().max() <= V_FP16_ACC_MAX
     torch.testing.assert_close(x.v_scale, want.v_scale, rtol=1e-5, atol=0)
-    cfg = dataclasses.replace(qc._config_for(q.device, shape[4], True), block_n=k_block)
+    cfg = dataclasses.replace(qc.config_for(q.device, shape[4], True), block_n=k_block)
     out = qa.attention_quantized(x, config=cfg)
     what = f"{shape} k_block {k_block} {cfg}"
     assert_kernel_vs_ref(out, qc.attention_quantized_ref(x), True, what)

@@ -159,7 +159,7 @@ def _fp16_acc(target: str) -> bool:
 
 
 def _attention_core(target: str, head_dim: int) -> Build:
-    cfg = qa.QuantAttentionConfig()  # `_config_for` has no sm_89/sm_120 entry: the default config runs there
+    cfg = qa.QuantAttentionConfig()  # `config_for` has no sm_89/sm_120 entry: the default config runs there
     pointers = {"Q8": "*i8", "QS": "*fp32", "K8": "*i8", "KS": "*fp32", "VT": "*fp8e4nv", "VS": "*fp32",
                 "VO": "*fp32", "Out": "*bf16"}  # fmt: skip
     consts = {"stride_od": 1, "HEAD_DIM": head_dim, "BLOCK_M": cfg.block_m, "BLOCK_N": cfg.block_n,
