@@ -174,7 +174,9 @@ def dequantize_nvfp4_rows(packed: Tensor, scale: Tensor, scale_2: Tensor, dtype:
 Operand = tuple[Tensor, Tensor, Tensor | None]  # (qdata, scale, scale_2) of one quantized operand
 
 
-def _dequantize(fmt: str, op: Operand) -> Tensor:
+def dequantize(fmt: str, op: Operand) -> Tensor:
+    """The values a quantized operand (qdata, scale, scale_2) of format `fmt` holds, fp32 [rows, K]: what
+    `blockscaled_linear_ref` multiplies."""
     qdata, scale, scale_2 = op
     if fmt == "mxfp8":
         return dequantize_mxfp8(qdata, scale)
@@ -186,7 +188,7 @@ def blockscaled_linear_ref(
 ) -> Tensor:
     """The exact product of the quantized operands in fp32: x = (qdata, scale, scale_2) [M, ...], w likewise [N, ...]
     (see `blockscaled_linear`) → [M, N] out_dtype. fp32 matmuls follow PyTorch's TF32 setting (off by default)."""
-    y = _dequantize(fmt, x) @ _dequantize(fmt, w).t()
+    y = dequantize(fmt, x) @ dequantize(fmt, w).t()
     if bias is not None:
         y = y + bias.float()
     return y.to(out_dtype)
@@ -293,7 +295,7 @@ def _picked(t: Tensor, cols: Tensor) -> Tensor:
     return torch.where(cols >= 0, t[:, cols.clamp_min(0).long()].float(), 0.0)
 
 
-def _quantize_part(t: Tensor, fmt: str, scale_2: Tensor | None) -> Operand:
+def quantize_part(t: Tensor, fmt: str, scale_2: Tensor | None) -> Operand:
     """Extra columns quantized in blocks of their own, with the operand's tensor scale (NVFP4)."""
     if fmt == "mxfp8":
         return (*quantize_mxfp8(t), None)
@@ -320,7 +322,7 @@ def activations_with_outliers(x: Tensor, fmt: str, cols: Tensor) -> Operand:
     _check_cols(cols)
     xq = quantize_activations(x, fmt)
     picked = _picked(x, cols)
-    return _appended(xq, _quantize_part(torch.cat([picked, picked - _columns(fmt, xq, cols)], dim=1), fmt, xq[2]))
+    return _appended(xq, quantize_part(torch.cat([picked, picked - _columns(fmt, xq, cols)], dim=1), fmt, xq[2]))
 
 
 def weight_with_outliers(w: Tensor, fmt: str, cols: Tensor) -> Operand:
@@ -329,7 +331,7 @@ def weight_with_outliers(w: Tensor, fmt: str, cols: Tensor) -> Operand:
     _check_cols(cols)
     wq = quantize_weight(w, fmt)
     picked = _picked(w, cols)
-    return _appended(wq, _quantize_part(torch.cat([picked - _columns(fmt, wq, cols), picked], dim=1), fmt, wq[2]))
+    return _appended(wq, quantize_part(torch.cat([picked - _columns(fmt, wq, cols), picked], dim=1), fmt, wq[2]))
 
 
 def blockscaled_linear(

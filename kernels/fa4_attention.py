@@ -45,8 +45,9 @@ _DTYPES = (torch.bfloat16, torch.float16)
 
 
 @functools.cache
-def _import() -> tuple[object | None, str]:
-    """(the flash_attn.cute module, "") or (None, why it cannot be used)."""
+def import_fa4() -> tuple[object | None, str]:
+    """(the flash_attn.cute module, "") or (None, why it cannot be used). Tried once per process;
+    `import_fa4.cache_clear()` makes the next call try again."""
     try:
         import flash_attn.cute as fa4
         from flash_attn.cute.block_sparsity import BlockSparseTensorsTorch  # noqa: F401  (the block-sparse API)
@@ -69,7 +70,7 @@ def fa4_unavailable_reason(device: torch.device) -> str | None:
     major, minor = torch.cuda.get_device_capability(device)
     if major not in DENSE_MAJORS:
         return f"sm_{major}{minor}: flash-attn-4 is used on sm_90, sm_100, sm_110 and sm_120 only"
-    return _import()[1] or None
+    return import_fa4()[1] or None
 
 
 def fa4_shapes_ok(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
@@ -96,7 +97,7 @@ def fa4_block_sparse_runs_on(device: torch.device) -> bool:
     importable)."""
     if device.type != "cuda" or torch.cuda.get_device_capability(device)[0] not in BLOCK_SPARSE_MAJORS:
         return False
-    return _import()[0] is not None
+    return import_fa4()[0] is not None
 
 
 def fa4_block_sparse_supported(q: torch.Tensor) -> bool:
@@ -107,7 +108,7 @@ def fa4_block_sparse_supported(q: torch.Tensor) -> bool:
 
 
 def _module():
-    fa4, why = _import()
+    fa4, why = import_fa4()
     if fa4 is None:
         raise RuntimeError(why)
     return fa4
@@ -137,7 +138,7 @@ def fa4_block_sparse_attention(
         cap = torch.cuda.get_device_capability(q.device) if q.is_cuda else None
         raise ValueError(
             f"fa4_block_sparse_attention: expected bf16/fp16 CUDA tensors on sm_90 with flash-attn-4 "
-            f"importable, found {q.dtype} on {q.device} (capability {cap}; {_import()[1] or 'imports'})"
+            f"importable, found {q.dtype} on {q.device} (capability {cap}; {import_fa4()[1] or 'imports'})"
         )
     from flash_attn.cute.block_sparsity import BlockSparseTensorsTorch
 

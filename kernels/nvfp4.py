@@ -149,8 +149,8 @@ def _pack(codes: Tensor) -> Tensor:
     return pairs[..., 0] | (pairs[..., 1] << 4)
 
 
-def _unpack(packed: Tensor) -> Tensor:
-    """uint8 [N, K/2] → codes uint8 [N, K] (inverse of `_pack`)."""
+def unpack_codes(packed: Tensor) -> Tensor:
+    """uint8 [N, K/2] → codes uint8 [N, K] (inverse of `_pack`): the E2M1 codes a packed weight holds."""
     return torch.stack((packed & 0xF, packed >> 4), dim=-1).view(packed.shape[0], -1)
 
 
@@ -196,7 +196,7 @@ def quantize_nvfp4_ref(w: Tensor) -> tuple[Tensor, Tensor, Tensor]:
     return _pack(codes.view(w.shape)), block_scales, global_scale
 
 
-_DEQUANT_CHUNK = 1 << 22  # weight elements dequantized per step (≈ 55 MB of temporaries)
+DEQUANT_CHUNK = 1 << 22  # weight elements dequantized per step (≈ 55 MB of temporaries)
 
 
 def dequantize_nvfp4(
@@ -206,14 +206,14 @@ def dequantize_nvfp4(
 
     Computed in fp32 (code value · block scale · global scale), rounded once to `dtype`. The runtime calls this for
     every layer of an nvfp4 checkpoint, so the fp32 intermediates (≈ 13 bytes per element) are made for
-    `_DEQUANT_CHUNK` elements at a time, not for a whole 16,384 x 4,096 weight (0.9 GB)."""
+    `DEQUANT_CHUNK` elements at a time, not for a whole 16,384 x 4,096 weight (0.9 GB)."""
     n, k = _check_quantized("dequantize_nvfp4", packed, block_scales, global_scale)
     lut = torch.tensor(E2M1_VALUES + tuple(-v for v in E2M1_VALUES), device=packed.device)
     scale = block_scales.float() * global_scale.reshape(()).float()
     out = torch.empty((n, k), dtype=dtype, device=packed.device)
-    rows = max(1, _DEQUANT_CHUNK // max(k, 1))
+    rows = max(1, DEQUANT_CHUNK // max(k, 1))
     for i in range(0, n, rows):
-        codes = _unpack(packed[i : i + rows]).flatten().int()
+        codes = unpack_codes(packed[i : i + rows]).flatten().int()
         values = torch.index_select(lut, 0, codes).view(-1, k // BLOCK, BLOCK)
         out[i : i + rows] = (values * scale[i : i + rows].unsqueeze(-1)).view(-1, k)
     return out
@@ -224,7 +224,7 @@ def dequantize_nvfp4_ref(
 ) -> Tensor:
     """`dequantize_nvfp4` from the E2M1 bit formula: (-1)^s · (e == 0 ? m/2 : (1 + m/2) · 2^(e-1))."""
     n, k = _check_quantized("dequantize_nvfp4_ref", packed, block_scales, global_scale)
-    codes = _unpack(packed).int()
+    codes = unpack_codes(packed).int()
     sign, exponent, mantissa = codes >> 3, (codes >> 1) & 3, codes & 1
     magnitude = torch.where(exponent == 0, mantissa * 0.5, (1.0 + mantissa * 0.5) * torch.exp2((exponent - 1).float()))
     values = torch.where(sign == 1, -magnitude, magnitude)
@@ -250,7 +250,7 @@ def nvfp4_linear_ref(
 
 
 @triton.jit
-def _e2m1_to_f32(code):
+def e2m1_to_f32(code):
     """int32 codes 0..15 → fp32 values. Magnitude m = code & 7 builds fp32 bits directly: m ≥ 2 is the normal
     number (1 + (m & 1)/2) · 2^((m >> 1) - 1), whose bits are (m << 22) + bits(0.5); m = 1 is 0.5, m = 0 is 0."""
     mag = code & 7
@@ -260,7 +260,7 @@ def _e2m1_to_f32(code):
 
 
 @triton.jit
-def _e4m3_to_f32(byte):
+def e4m3_to_f32(byte):
     """int32 e4m3 bit patterns 0..255 → fp32 (NaN patterns never occur in a block scale). Decoded with bit ops rather
     than an fp8 conversion: Triton lowers fp8e4nv casts natively only from sm_89, and the interpreter's fp8 handling
     is not exact. Normal: exponent bias 7 → 127, i.e. bits << 20 plus 120 << 23; subnormal: m · 2^-9."""
@@ -317,7 +317,7 @@ def _nvfp4_linear_kernel(
         codes = (q.to(tl.int32) >> nibble_shift) & 0xF
         # value · block scale has at most 2 + 4 significant bits and lies in [2^-10, 2688]: exact in bf16 and fp16,
         # so the only roundings are the dot's fp32 accumulation and the output cast.
-        w = _e2m1_to_f32(codes) * _e4m3_to_f32(s.to(tl.int32))
+        w = e2m1_to_f32(codes) * e4m3_to_f32(s.to(tl.int32))
         if DOT_FP32:
             acc += tl.dot(a.to(tl.float32), tl.trans(w), input_precision="ieee")
         else:
@@ -342,13 +342,13 @@ _NVFP4_CONFIGS = [
 ]
 
 
-def _even_k(args: dict) -> bool:
+def even_k(args: dict) -> bool:
     """triton.heuristics: the value of EVEN_K itself (not a dict) from the call's arguments and the config."""
     return args["K"] % args["BLOCK_K"] == 0
 
 
 _nvfp4_linear_tuned = triton.autotune(configs=_NVFP4_CONFIGS, key=["M", "N", "K", "HAS_BIAS", "DOT_FP32"])(
-    triton.heuristics({"EVEN_K": _even_k})(_nvfp4_linear_kernel)
+    triton.heuristics({"EVEN_K": even_k})(_nvfp4_linear_kernel)
 )
 _INTERPRETER_TILE = {**INTERPRETER_TILE, "BLOCK_K": 64}  # the K tile is autotuned here too
 

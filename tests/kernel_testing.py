@@ -62,12 +62,6 @@ def checked_rows(m: int, device: str) -> torch.Tensor:
     return torch.cat([torch.arange(2048), torch.arange(m - 300, m)]).to(device)
 
 
-def rel_l2(a: torch.Tensor, b: torch.Tensor) -> float:
-    """Relative L2 error of a against b, in float64."""
-    a, b = a.double(), b.double()
-    return ((a - b).norm() / b.norm()).item()
-
-
 def run_interpret_tests(test_file: str, timeout: int = 600) -> None:
     """Run `test_file`'s `interpret`-marked tests in a child pytest under TRITON_INTERPRET=1; fail with its output."""
     env = {**os.environ, "TRITON_INTERPRET": "1"}

@@ -170,13 +170,13 @@ def test_fp8_input_is_prepared_once_per_shared_dict(monkeypatch) -> None:
     monkeypatch.setattr(fp8_outliers, "outlier_columns", lambda x, c: calls.append(c) or choose(x, c))
     x = torch.randn(2, 70, 128)
     shared: dict = {}
-    first = linear_module._fp8_input(x, 32, shared)
-    assert linear_module._fp8_input(x, 32, shared) is first and calls == [32]
+    first = linear_module.fp8_input(x, 32, shared)
+    assert linear_module.fp8_input(x, 32, shared) is first and calls == [32]
     cols, (xq, scale) = first
     assert cols.shape == (128,) and xq.shape == (140, 256) and scale.shape == (140, 1)
-    plain = linear_module._fp8_input(x, 0, shared)  # stored fp8 weights: no outlier columns, its own entry
+    plain = linear_module.fp8_input(x, 0, shared)  # stored fp8 weights: no outlier columns, its own entry
     assert plain[0] is None and plain[1][0].shape == (140, 128) and calls == [32, 0]
-    assert linear_module._fp8_input(x, 32, None) is not first and calls == [32, 0, 32]  # no dict: no sharing
+    assert linear_module.fp8_input(x, 32, None) is not first and calls == [32, 0, 32]  # no dict: no sharing
 
 
 def test_switched_linears_hand_the_layers_one_shared_dict() -> None:
@@ -297,7 +297,7 @@ def test_the_tiled_order_round_trips_through_the_forward(model, image) -> None:
     dense = K6DiT(cfg, weights)(**_video_inputs(cfg, image))
     tiled = K6DiT(cfg, weights, backend=backend)(**_video_inputs(cfg, image))
     assert backend.attn.counts[("sparse", "video_self")] == 4
-    order = backend.attn._order
+    order = backend.attn.token_order
     assert order is not None and order.num_tokens == 4 * 8 * 16 and not torch.equal(order.perm, order.inverse)
     assert _rel(tiled[0], dense[0]) < 1e-5 and _rel(tiled[1], dense[1]) < 1e-5
 
@@ -318,7 +318,7 @@ def test_the_order_is_built_once_per_geometry() -> None:
     assert dispatch.video_token_order(grid, None) is first
     tail = dispatch.video_token_order(grid, (torch.tensor([0, 1, 2, 0]), torch.arange(8), torch.arange(16)))
     assert tail is not first and tail.lo[0, 0] == tail.hi[0, 0] == 0  # frame 0 and the tail frame share a strip
-    assert dispatch._window.shape == (tail.num_blocks, tail.num_blocks)
+    assert dispatch.key_window.shape == (tail.num_blocks, tail.num_blocks)
 
 
 @pytest.mark.gpu

@@ -13,10 +13,10 @@ import math
 import pytest
 import torch
 from kernel_testing import dit_like_gemm as dit_like  # fp32 on the CPU
-from kernel_testing import rel_l2
 
 from k6fast.kernels import blockscaled as bs
 from k6fast.kernels.fallback import log_reference_once
+from k6fast.testing.bounds import rel_l2
 
 
 @pytest.fixture(autouse=True)
@@ -194,17 +194,17 @@ def test_outlier_columns_bring_the_layer_error_within_the_bounds(fmt, k, n):
 def test_outlier_columns_are_the_quantized_extended_tensors(fmt):
     x, w, _ = dit_like(37, 128, 48)
     cols = torch.tensor([5, 77, 100] + [-1] * 13, dtype=torch.int32)  # 16 columns, -1: zero columns
-    xd = bs._dequantize(fmt, bs.quantize_activations(x, fmt))
-    wd = bs._dequantize(fmt, bs.quantize_weight(w, fmt))
+    xd = bs.dequantize(fmt, bs.quantize_activations(x, fmt))
+    wd = bs.dequantize(fmt, bs.quantize_weight(w, fmt))
     picked = lambda t: torch.where(cols >= 0, t[:, cols.clamp_min(0).long()], 0.0)  # noqa: E731
     x_ext = torch.cat([x, picked(x), picked(x) - picked(xd)], dim=1)
     w_ext = torch.cat([w, picked(w) - picked(wd), picked(w)], dim=1)
     got_x, got_w = bs.activations_with_outliers(x, fmt, cols), bs.weight_with_outliers(w, fmt, cols)
-    assert torch.equal(bs._dequantize(fmt, got_x), bs._dequantize(fmt, bs.quantize_activations(x_ext, fmt)))
+    assert torch.equal(bs.dequantize(fmt, got_x), bs.dequantize(fmt, bs.quantize_activations(x_ext, fmt)))
     assert torch.equal(got_w[0][:, : w.shape[1] // (1 if fmt == "mxfp8" else 2)], bs.quantize_weight(w, fmt)[0])
     # The extra columns: the residual of the weight's rounding at cols, then the weight there; zeros for -1.
-    extra = bs._dequantize(fmt, got_w)[:, 128:]
-    assert torch.allclose(extra, bs._dequantize(fmt, bs._quantize_part(w_ext[:, 128:], fmt, got_w[2])))
+    extra = bs.dequantize(fmt, got_w)[:, 128:]
+    assert torch.allclose(extra, bs.dequantize(fmt, bs.quantize_part(w_ext[:, 128:], fmt, got_w[2])))
     assert torch.equal(extra[:, 3:16], torch.zeros(48, 13)) and torch.equal(extra[:, 19:], torch.zeros(48, 13))
     with pytest.raises(ValueError, match="expected int"):
         bs.activations_with_outliers(x, fmt, cols[:10])

@@ -136,7 +136,7 @@ def test_switched_backend_equals_exact_backend(audio: bool, monkeypatch) -> None
 
     counted(adaln, "gated_residual_modulate")
     counted(gelu, "gelu")
-    monkeypatch.setattr(SwitchedBackend, "_fused_for", lambda self, t: self.fused)
+    monkeypatch.setattr(SwitchedBackend, "fused_for", lambda self, t: self.fused)
     results["fused"] = run(Options().replace(fused_elementwise=True))
     for name, (video, audio_out) in results.items():
         assert torch.equal(video, expected[0]), name

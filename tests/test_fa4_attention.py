@@ -17,21 +17,22 @@ import sys
 import pytest
 import torch
 import torch.nn.functional as F
-from kernel_testing import needs_cuda, rel_l2
+from kernel_testing import needs_cuda
 
 from k6fast.dit import attention as attention_module
 from k6fast.dit.attention import AttentionDispatch
 from k6fast.kernels import fa4_attention as fa4
 from k6fast.switches import Options, SwitchError, load_options
+from k6fast.testing.bounds import assert_within_baseline_error, rel_l2
 
 
 @pytest.fixture
 def fresh_import():
-    fa4._import.cache_clear()
-    attention_module._log_once.cache_clear()
+    fa4.import_fa4.cache_clear()
+    attention_module.log_once.cache_clear()
     yield
-    fa4._import.cache_clear()
-    attention_module._log_once.cache_clear()
+    fa4.import_fa4.cache_clear()
+    attention_module.log_once.cache_clear()
 
 
 def test_removed_gluon_value_is_refused_naming_the_accepted_ones(tmp_path):
@@ -55,7 +56,7 @@ def test_no_cuda_device_is_a_stated_reason():
 
 def test_a_missing_package_is_a_stated_reason(monkeypatch, fresh_import):
     monkeypatch.setitem(sys.modules, "flash_attn", None)  # makes `import flash_attn.cute` raise ImportError
-    module, why = fa4._import()
+    module, why = fa4.import_fa4()
     assert module is None and "flash-attn-4 cannot be imported (ModuleNotFoundError" in why and "k6fast[fa4]" in why
 
 
@@ -92,7 +93,7 @@ def test_dispatch_routes_unmasked_calls_it_takes(monkeypatch, caplog, fresh_impo
         calls.append(q.shape)
         return F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)).transpose(1, 2)
 
-    monkeypatch.setattr(attention_module, "_fa4_runs_on", lambda device: True)
+    monkeypatch.setattr(attention_module, "fa4_runs_on", lambda device: True)
     monkeypatch.setattr(fa4, "fa4_attention_op", stand_in)
     dispatch = AttentionDispatch(Options().replace(exact_attn_kernel="fa4"), torch.device("cpu"))
     q = torch.randn(1, 20, 2, 64, dtype=torch.bfloat16)
@@ -151,7 +152,7 @@ def test_gpu_flash_attention_rule(shape, dtype):
     sdpa = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)).transpose(1, 2)
     out = fa4.fa4_attention(q, k, v)
     assert out.shape == q.shape and out.dtype == dtype
-    assert rel_l2(out, exact) <= 2 * rel_l2(sdpa, exact) + 1e-6, (rel_l2(out, exact), rel_l2(sdpa, exact))
+    assert_within_baseline_error(out, sdpa, exact, metric="rel_l2", atol=1e-6, what=f"fa4 {shape} {dtype}")
 
 
 @pytest.mark.gpu
@@ -173,8 +174,8 @@ def test_gpu_compiled_op_and_dispatch():
 
 _SECOND_START = """
 import sys, torch
-from k6fast.dit.backend import configure_compile_caches
-configure_compile_caches(sys.argv[1])  # before flash-attn-4 is imported, as the pipeline does
+from k6fast.entry import configure_compile_caches
+configure_compile_caches(sys.argv[1])  # before flash-attn-4 is imported, as the entry points do
 from k6fast.kernels import fa4_attention as fa4
 if fa4.fa4_unavailable_reason(torch.device("cuda")):
     print("unavailable:", fa4.fa4_unavailable_reason(torch.device("cuda")))

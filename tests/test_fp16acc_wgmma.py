@@ -12,17 +12,11 @@ from pathlib import Path
 
 import pytest
 import torch
-from kernel_testing import (
-    assert_ptxas_sm90a_clean,
-    compile_gluon_sm90,
-    needs_cuda,
-    needs_gluon,
-    needs_sm90_gluon,
-    rel_l2,
-)
+from kernel_testing import assert_ptxas_sm90a_clean, compile_gluon_sm90, needs_cuda, needs_gluon, needs_sm90_gluon
 
 from k6fast.kernels import fp16acc_wgmma as wg
 from k6fast.kernels.fp16acc_linear import fp16acc_linear, fp16acc_linear_ref
+from k6fast.testing.bounds import rel_l2
 
 
 def _compile_sm90(tile: wg.WgmmaTile):

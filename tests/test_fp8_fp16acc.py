@@ -13,7 +13,7 @@ from __future__ import annotations
 import pytest
 import torch
 from kernel_testing import dit_like_gemm as dit_like  # fp32 on the CPU
-from kernel_testing import interpreter_suite, needs_cuda, needs_interpreter, rel_l2
+from kernel_testing import interpreter_suite, needs_cuda, needs_interpreter
 
 from k6fast.kernels.fp8_fp16acc import (
     DEFAULT_CHUNK,
@@ -25,6 +25,7 @@ from k6fast.kernels.fp8_fp16acc import (
     fp8_fp16acc_linear_triton,
 )
 from k6fast.kernels.fp8_linear import fp8_linear_ref, quantize_rows_fp8, quantize_weight_fp8
+from k6fast.testing.bounds import rel_l2
 
 
 def quantized(x: torch.Tensor, w: torch.Tensor, chunk: int = DEFAULT_CHUNK):

@@ -56,7 +56,7 @@ def test_auto_lossy_without_torchao_takes_fp8(monkeypatch):
 def test_a_choice_the_device_cannot_run_is_said_once(monkeypatch, caplog):
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA H200")
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
-    arch._say_once.cache_clear()
+    arch.say_once.cache_clear()
     with caplog.at_level(logging.WARNING, logger="k6fast.dit.arch"):
         for _ in range(3):
             assert arch.resolve_auto(Options().replace(gemm="mxfp8"), torch.device("cuda", 0)).gemm == "bf16"

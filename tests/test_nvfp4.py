@@ -24,24 +24,24 @@ from kernel_testing import (
     interpreter_suite,
     needs_cuda,
     needs_interpreter,
-    rel_l2,
 )
 
 from k6fast.kernels import nvfp4 as nvfp4_module
 from k6fast.kernels.fallback import log_reference_once
 from k6fast.kernels.nvfp4 import (
     E2M1_VALUES,
-    _e2m1_to_f32,
-    _e4m3_to_f32,
-    _unpack,
     dequantize_nvfp4,
     dequantize_nvfp4_ref,
+    e2m1_to_f32,
+    e4m3_to_f32,
     nvfp4_linear,
     nvfp4_linear_ref,
     nvfp4_linear_triton,
     quantize_nvfp4,
     quantize_nvfp4_ref,
+    unpack_codes,
 )
+from k6fast.testing.bounds import rel_l2
 
 # DiT-like operands in bf16, with outlier weights (kernel_testing.dit_like_gemm).
 dit_like = functools.partial(dit_like_gemm, dtype=torch.bfloat16, outlier_weights=True)
@@ -81,7 +81,7 @@ HAND_PICKED_NEG = [(-0.5, 9), (-1.5, 11), (-1.75, 12), (-3.0, 13), (-4.0, 14), (
 def test_e2m1_codes_of_hand_picked_values(quantize, cases):
     packed, block_scales, global_scale = quantize(_unit_scale_weight([v for v, _ in cases]))
     assert global_scale.item() == 2.0**-8 and block_scales[1, 1].float().item() == 256.0
-    codes = _unpack(packed)
+    codes = unpack_codes(packed)
     assert codes[1, 16].item() == 7, "6.0 is the largest code"
     assert codes[1, 17 : 17 + len(cases)].tolist() == [c for _, c in cases]
 
@@ -133,9 +133,9 @@ def test_dequantize_matches_bit_formula_for_every_code_and_scale():
     a = dequantize_nvfp4(packed, scales, g, torch.float32)
     b = dequantize_nvfp4_ref(packed, scales, g, torch.float32)
     assert torch.equal(a, b)
-    assert sorted(set(_unpack(packed).flatten().tolist())) == list(range(16))
+    assert sorted(set(unpack_codes(packed).flatten().tolist())) == list(range(16))
     lut = torch.tensor(E2M1_VALUES + tuple(-v for v in E2M1_VALUES))
-    assert torch.equal(a[0, :2], lut[_unpack(packed)[0, :2].long()] * (scales[0, 0].float() * g))
+    assert torch.equal(a[0, :2], lut[unpack_codes(packed)[0, :2].long()] * (scales[0, 0].float() * g))
 
 
 @pytest.mark.parametrize(("n", "k"), [(64, 4096), (256, 1792), (48, 16384)])
@@ -168,7 +168,7 @@ def test_dequantize_in_chunks_equals_whole(monkeypatch, chunk):
     _, w, _ = dit_like(8, 256, 48)
     q = quantize_nvfp4(w)
     expected = dequantize_nvfp4_ref(*q, dtype=torch.bfloat16)
-    monkeypatch.setattr(nvfp4_module, "_DEQUANT_CHUNK", chunk)
+    monkeypatch.setattr(nvfp4_module, "DEQUANT_CHUNK", chunk)
     assert torch.equal(dequantize_nvfp4(*q, dtype=torch.bfloat16), expected)
 
 
@@ -245,9 +245,9 @@ test_triton_kernel_under_interpreter = interpreter_suite(__file__)
 @triton.jit
 def _decode_kernel(codes_ptr, bytes_ptr, e2m1_out, e4m3_out):
     i = tl.arange(0, 16)
-    tl.store(e2m1_out + i, _e2m1_to_f32(tl.load(codes_ptr + i)))
+    tl.store(e2m1_out + i, e2m1_to_f32(tl.load(codes_ptr + i)))
     j = tl.arange(0, 256)
-    tl.store(e4m3_out + j, _e4m3_to_f32(tl.load(bytes_ptr + j)))
+    tl.store(e4m3_out + j, e4m3_to_f32(tl.load(bytes_ptr + j)))
 
 
 @pytest.mark.interpret
@@ -328,5 +328,5 @@ def test_even_k_heuristic_returns_the_flag_itself() -> None:
     # triton.heuristics wants the value; a dict here made Triton 3.6 fail at launch ("unhashable type: 'dict'").
     from k6fast.kernels import nvfp4
 
-    assert nvfp4._even_k({"K": 4096, "BLOCK_K": 64}) is True
-    assert nvfp4._even_k({"K": 96, "BLOCK_K": 64}) is False
+    assert nvfp4.even_k({"K": 4096, "BLOCK_K": 64}) is True
+    assert nvfp4.even_k({"K": 96, "BLOCK_K": 64}) is False

@@ -15,7 +15,6 @@ import pytest
 import torch
 import torch.nn.functional as F
 from dit_testing import tiny_dit
-from kernel_testing import rel_l2
 from safetensors import safe_open
 
 from k6fast.checkpoint import CheckpointError, open_checkpoint
@@ -27,6 +26,7 @@ from k6fast.kernels.nvfp4 import dequantize_nvfp4, quantize_nvfp4
 from k6fast.quantize import quantize_checkpoint
 from k6fast.quantize_cli import register
 from k6fast.switches import Options
+from k6fast.testing.bounds import rel_l2
 
 # mxfp8 checkpoints are quantized by torchao (the dev extra has it, so CI runs every format); a GPU machine without it
 # runs the others, and test_mxfp8_without_torchao_says_how_to_get_it holds what a user without it is told.

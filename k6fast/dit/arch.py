@@ -117,7 +117,9 @@ def resolve_for(options, t: Target):
 
 
 @functools.cache
-def _say_once(choice: str, target: str, resolved: str, why: str) -> None:
+def say_once(choice: str, target: str, resolved: str, why: str) -> None:
+    """Warn that K6_GEMM=choice runs `resolved` on `target` (and why), once per process for each such line;
+    `say_once.cache_clear()` forgets what was said."""
     logger.warning("K6_GEMM=%s on %s runs %s: %s", choice, target, resolved, why)
 
 
@@ -127,7 +129,7 @@ def resolve_auto(options, device: torch.device):
     t = target_of(device)
     resolved, why = gemm_for(options.gemm, t)
     if why is not None and options.gemm not in ("auto", "auto-lossy"):
-        _say_once(options.gemm, t.name, resolved, why)
+        say_once(options.gemm, t.name, resolved, why)
     return resolve_for(options, t)
 
 

@@ -38,7 +38,8 @@ SUPPORTED_HEAD_DIMS = (64, 128)  # k6fast's quantized kernel (Pro 128, Lite 64)
 
 
 @functools.cache
-def _log_once(message: str) -> None:
+def log_once(message: str) -> None:
+    """Log `message` as a warning the first time it is given in this process (`log_once.cache_clear()` forgets)."""
     logger.warning(message)
 
 
@@ -78,7 +79,7 @@ class AttentionDispatch:
         self.counts: Counter[tuple[str, str]] = Counter()  # (backend, site) → calls
         self._backends = exact_sdpa_backends(device)
         self.exact_kernel = options.exact_attn_kernel
-        self._fa4 = self.exact_kernel == "fa4" and _fa4_runs_on(device)
+        self._fa4 = self.exact_kernel == "fa4" and fa4_runs_on(device)
         self.sparse_density = options.sparse_attn
         self.sparse_window = options.sparse_attn_window
         self.block_sparse = False  # the policy's verdict on sparse video self-attention for the block running now
@@ -142,6 +143,17 @@ class AttentionDispatch:
             self._order_key = key
         return self._order
 
+    @property
+    def token_order(self) -> TokenOrder | None:
+        """The order of the video tokens in the current forward: what `video_token_order` last returned."""
+        return self._order
+
+    @property
+    def key_window(self) -> torch.Tensor | None:
+        """The sparse arm's window for the current order, bool [num_blocks, num_blocks]: the key blocks each query
+        block keeps whatever their scores (`kernels.tile_mask.window_blocks`); None before the first order."""
+        return self._window
+
     def sparse_here(self, site: str, masked: bool, q: Tensor, k: Tensor) -> bool:
         order = self._order
         return (
@@ -157,7 +169,7 @@ class AttentionDispatch:
             return False
         if self.kind == "k6" and head_dim not in SUPPORTED_HEAD_DIMS:
             if not torch.compiler.is_compiling():
-                _log_once(f"K6_ATTN=k6: head_dim {head_dim} is not one of {SUPPORTED_HEAD_DIMS}; using exact")
+                log_once(f"K6_ATTN=k6: head_dim {head_dim} is not one of {SUPPORTED_HEAD_DIMS}; using exact")
             return False
         return True
 
@@ -192,7 +204,7 @@ class AttentionDispatch:
                 self._count("exact_fa4", site)
                 return fa4_attention_op(q, k, v)
             if not torch.compiler.is_compiling():
-                _log_once(f"K6_EXACT_ATTN_KERNEL=fa4: {q.dtype} head_dim {q.shape[-1]} is not taken; using SDPA")
+                log_once(f"K6_EXACT_ATTN_KERNEL=fa4: {q.dtype} head_dim {q.shape[-1]} is not taken; using SDPA")
         self._count("exact", site)
         from torch.nn.attention import sdpa_kernel
 
@@ -217,11 +229,11 @@ class AttentionDispatch:
         return choices
 
 
-def _fa4_runs_on(device: torch.device) -> bool:
+def fa4_runs_on(device: torch.device) -> bool:
     """Whether flash-attn-4 runs on `device`; the reason it does not is logged once (exact calls then run SDPA)."""
     from ..kernels.fa4_attention import fa4_unavailable_reason
 
     reason = fa4_unavailable_reason(device)
     if reason is not None:
-        _log_once(f"K6_EXACT_ATTN_KERNEL=fa4: {reason}; exact attention runs PyTorch SDPA")
+        log_once(f"K6_EXACT_ATTN_KERNEL=fa4: {reason}; exact attention runs PyTorch SDPA")
     return reason is None

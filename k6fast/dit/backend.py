@@ -138,19 +138,19 @@ class SwitchedBackend(ExactBackend):
     def attention(self, q: Tensor, k: Tensor, v: Tensor, *, site: str, mask: Tensor | None) -> Tensor:
         return self.attn(q, k, v, site=site, mask=mask)
 
-    def _fused_for(self, x: Tensor) -> bool:
+    def fused_for(self, x: Tensor) -> bool:
         """Whether the fused kernels take this activation (they are CUDA kernels; on the CPU the references run)."""
         return self.fused and x.is_cuda
 
     def modulate(self, x: Tensor, scale: Tensor, shift: Tensor) -> Tensor:
-        if self._fused_for(x):
+        if self.fused_for(x):
             from ..kernels.adaln import layernorm_modulate
 
             return layernorm_modulate(x, scale, shift, eps=LN_EPS)
         return super().modulate(x, scale, shift)
 
     def gated_add(self, x: Tensor, out: Tensor, gate: Tensor) -> Tensor:
-        if self._fused_for(x):
+        if self.fused_for(x):
             from ..kernels.adaln import gated_residual
 
             return gated_residual(x, out.contiguous(), gate)
@@ -159,21 +159,21 @@ class SwitchedBackend(ExactBackend):
     def gated_add_modulate(
         self, x: Tensor, out: Tensor, gate: Tensor, scale: Tensor, shift: Tensor
     ) -> tuple[Tensor, Tensor]:
-        if self._fused_for(x):
+        if self.fused_for(x):
             from ..kernels.adaln import gated_residual_modulate
 
             return gated_residual_modulate(x, out.contiguous(), gate, scale, shift, eps=LN_EPS)
         return super().gated_add_modulate(x, out, gate, scale, shift)
 
     def gelu(self, x: Tensor) -> Tensor:
-        if self._fused_for(x):
+        if self.fused_for(x):
             from ..kernels.gelu import gelu
 
             return gelu(x)
         return super().gelu(x)
 
     def norm_rope(self, x: Tensor, weight: Tensor, rope: tuple[Tensor, Tensor] | None) -> Tensor:
-        if self._fused_for(x) and x.is_contiguous():
+        if self.fused_for(x) and x.is_contiguous():
             from ..kernels.qk_norm_rope import rms_norm_rope
 
             cos, sin = (None, None) if rope is None else (t.contiguous() for t in rope)

@@ -208,7 +208,7 @@ class LinearDispatch:
             # GeForce, where FP32 accumulation runs at half rate) quantizes to the FP16-chunk GEMM's range and runs it.
             chunks = kind == "fp8-fp16acc"
             qmax = _fp16_chunk_qmax() if chunks else E4M3_MAX
-            cols, xq = _fp8_input(x, self.outlier_channels, shared, qmax)
+            cols, xq = fp8_input(x, self.outlier_channels, shared, qmax)
             wq, w_scale = quantize_weight_fp8(weight, residual_cols=cols, qmax=qmax)
             if counting:
                 self.counts[kind] += 1
@@ -243,7 +243,7 @@ class LinearDispatch:
             return _blockscaled(x, weight.fmt, (weight.qdata, weight.scale, weight.scale_2), bias, xq)
         # A stored e4m3 weight (quantized to ±448) has no bf16 columns to correct: plain row quantization, and
         # torch._scaled_mm even on GeForce (the FP16-chunk GEMM needs operands in its smaller range).
-        return _fp8(x, weight.qdata, weight.scale, bias, _fp8_input(x, 0, shared)[1])
+        return _fp8(x, weight.qdata, weight.scale, bias, fp8_input(x, 0, shared)[1])
 
 
 def _fp16_chunk_qmax() -> float:
@@ -282,7 +282,7 @@ def _blockscaled(x: Tensor, fmt: str, w: tuple, bias: Tensor | None, xq: tuple) 
     return y.reshape(*x.shape[:-1], y.shape[-1])
 
 
-def _fp8_input(
+def fp8_input(
     x: Tensor, outlier_channels: int, shared: dict | None, qmax: float = E4M3_MAX
 ) -> tuple[Tensor | None, tuple[Tensor, Tensor]]:
     """(outlier columns or None, x's rows quantized to e4m3 (±qmax) with them): computed once per `shared` dict."""

@@ -91,12 +91,14 @@ class K6DiT:
         self.backend = backend or ExactBackend()
         self.blocks = blocks or ResidentBlocks(weights)
         self.dtype = weights["visual_embeddings.in_layer.weight"].dtype
-        self._fused_block = fused_block
+        # What the forward runs for every fused block (compiled by `compile_blocks`): a caller may wrap it to count,
+        # pause or stop the forward block by block.
+        self.fused_block = fused_block
         self.should_stop: StopCheck | None = None  # set per request by the pipeline: checked between fused blocks
 
     def compile_blocks(self) -> None:
         """torch.compile the fused block (one graph for all blocks: weights are inputs, not constants)."""
-        self._fused_block = torch.compile(fused_block, dynamic=False)
+        self.fused_block = torch.compile(fused_block, dynamic=False)
 
     def begin_step(self, step: int) -> None:
         """The sampler announces each denoising step (the attention policy keeps the first steps exact)."""
@@ -191,7 +193,7 @@ class K6DiT:
             for i in range(cfg.num_visual_blocks):
                 self._check_stop(i)
                 be.begin_block(i, cfg.num_visual_blocks)
-                vis, aud = self._fused_block(be, cfg, self.blocks.get(i), vis, aud, inputs)
+                vis, aud = self.fused_block(be, cfg, self.blocks.get(i), vis, aud, inputs)
                 self.blocks.release(i)
         except BaseException:
             # The runtime outlives a failed or cancelled request (a server's next job): its block source must not
