@@ -9,9 +9,11 @@ second; the residency plan comes from the safetensors headers alone, the same ar
 from __future__ import annotations
 
 import json
+import math
 import os
 import shutil
 import subprocess
+import sys
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -266,6 +268,14 @@ def register(subparsers):
 
 
 def cmd_doctor(args) -> int:
+    problem = None
+    if args.model and not Path(args.model).is_dir():  # run_doctor would report the machine alone, silently
+        problem = f"--model {args.model}: no such directory; expected a local checkpoint directory (download a Hub id)"
+    elif not (math.isfinite(args.budget_gb) and args.budget_gb >= 0):
+        problem = f"--budget-gb: expected a number of GiB >= 0 (0 = the whole card), found {args.budget_gb}"
+    if problem:
+        print(f"error: {problem}", file=sys.stderr)
+        return 2
     report = run_doctor(args.model, args.budget_gb, measure=not args.no_read_test)
     print(json.dumps(report.as_dict(), indent=2) if args.json else render(report))
     return 0

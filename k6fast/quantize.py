@@ -41,7 +41,7 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
-from .dit.config import QUANT_CONFIG_KEY, QUANT_FORMATS, QUANT_VERSION, quantized_layer, quantized_tensors
+from .dit.config import QUANT_CONFIG_KEY, QUANT_VERSION, quantized_layer, quantized_tensors
 from .safetensors_index import ITEMSIZE, TensorLocation, file_tensors
 
 WEIGHT_STEM = "diffusion_pytorch_model"
@@ -228,21 +228,10 @@ def quantize_checkpoint(
 
     Raises ValueError for an unknown format, CheckpointError for a missing, invalid or already quantized SRC, and
     FileExistsError for a DST that is a file or a non-empty directory."""
-    from .checkpoint import CheckpointError, open_checkpoint, weight_files
+    from .checkpoint import open_checkpoint, weight_files
+    from .quantize_check import check_quantize
 
-    if fmt not in QUANT_FORMATS:
-        raise ValueError(f"quantize: expected --format one of {', '.join(QUANT_FORMATS)}, found {fmt!r}")
-    src, dst = Path(src).expanduser(), Path(dst).expanduser()
-    if not src.is_dir():
-        raise CheckpointError(f"quantize: SRC {src} is not a checkpoint directory")
-    if dst.exists() and (not dst.is_dir() or any(dst.iterdir())):
-        kind = "a non-empty directory" if dst.is_dir() else "a file"
-        raise FileExistsError(f"quantize: expected a missing or empty directory for DST, found {kind}: {dst}")
-    if dst.resolve().is_relative_to(src.resolve()):
-        raise CheckpointError(f"quantize: DST {dst} lies inside SRC {src}; write it elsewhere")
-    ckpt = open_checkpoint(src)
-    if ckpt.quantization is not None:
-        raise CheckpointError(f"quantize: SRC {src} is already quantized ({ckpt.quantization}); start from bf16")
+    ckpt, dst = check_quantize(src, dst, fmt)
     device = torch.device(device)
     root = ckpt.root
     transformer = root / "transformer"

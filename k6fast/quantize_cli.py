@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 
+from .cli_args import no_gpu_device_files
 from .dit.config import QUANT_FORMATS
 
 
@@ -13,14 +14,20 @@ def _device_arg(text: str) -> str:
     Imports torch only for a CUDA device, the one answer that needs it."""
     if not text.startswith("cuda"):
         return text
-    import torch
+    unavailable = no_gpu_device_files()  # no GPU device files: no driver can find one, and PyTorch need not load
+    if not unavailable:
+        import torch
 
-    if not torch.cuda.is_available():
+        unavailable = not torch.cuda.is_available()
+    if unavailable:
         raise argparse.ArgumentTypeError(f"{text}: CUDA is not available here; use --device cpu")
     return text
 
 
 def cmd_quantize(args: argparse.Namespace) -> int:
+    from .quantize_check import check_quantize
+
+    check_quantize(args.src, args.dst, args.format)  # before PyTorch loads: a bad SRC or DST fails at once
     from .quantize import quantize_checkpoint
 
     quantize_checkpoint(args.src, args.dst, args.format, device=args.device)

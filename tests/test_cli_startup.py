@@ -4,16 +4,19 @@ of one.
 
 Each case runs `python -X importtime -m k6fast.cli ...` (or `-m k6fast.server`) in a fresh process and checks its exit
 status, that its stderr is the one `error: ...` line, and that no heavy package appears in the import log. The import
-log, not the wall time, is what is asserted: a busy machine makes any time bound flaky, while one heavy import is
-already most of the time the command is allowed.
+log, not the wall time, is what is asserted: a busy machine makes a tight time bound flaky, while one heavy import is
+already most of the time the command is allowed. Each error case also has a loose wall bound, WALL_BOUND_S, which
+catches what the import log cannot see (a hang, a checkpoint read where only its headers should be).
 """
 
 from __future__ import annotations
 
 import os
 import shutil
+import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -23,6 +26,9 @@ from k6fast.cli_args import no_gpu_device_files
 
 HEAVY = ("torch", "diffusers", "transformers")
 IMPORT_LOG = "import time:"
+# Five times the 1 s an error may take on an idle machine: the import log below is the real check, this bound only
+# catches a command that waits or reads where it should not, on a busy 2-core machine too.
+WALL_BOUND_S = 5.0
 
 
 def _subcommands() -> list[str]:
@@ -31,8 +37,10 @@ def _subcommands() -> list[str]:
 
 
 def _run(args: list[str], cwd, env: dict[str, str] | None = None, module: str = "k6fast.cli"):
-    """(the finished process, its stderr without the import log, the heavy packages it imported)."""
+    """(the finished process, its stderr without the import log, the heavy packages it imported). The process's wall
+    time is `done.wall_s`."""
     environ = {k: v for k, v in os.environ.items() if not k.startswith("K6_")} | (env or {})
+    start = time.perf_counter()
     done = subprocess.run(
         [sys.executable, "-X", "importtime", "-m", module, *args],
         capture_output=True,
@@ -41,6 +49,7 @@ def _run(args: list[str], cwd, env: dict[str, str] | None = None, module: str = 
         env=environ,
         timeout=120,
     )
+    done.wall_s = time.perf_counter() - start
     log = done.stderr.splitlines()
     imported = [line.rsplit("|", 1)[1].strip() for line in log if line.startswith(IMPORT_LOG)]
     heavy = sorted({name for name in imported if name.split(".")[0] in HEAVY})
@@ -117,16 +126,114 @@ CASES = {
         {},
         "--blocks must be in 1..60 for pro-distill",
     ),
+    "generate-model-truncated": ([*GEN, "--model", "{truncated}"], {}, "truncated safetensors file"),
+    "serve-port": (["serve", "--model", "{tiny}", "--port", "99999"], {}, "port must be in [0, 65535]"),
+    "serve-queue": (["serve", "--model", "{tiny}", "--max-queue", "0"], {}, "max_queue must be an integer >= 1"),
+    "serve-upload": (["serve", "--model", "{tiny}", "--max-upload-mb", "0"], {}, "--max-upload-mb must be a number"),
+    "serve-arm": (["serve", "--model", "{tiny}", "--arm", "nope"], {}, "Unknown arm 'nope'"),
+    "serve-replicas": (["serve", "--model", "{tiny}", "--ray", "--replicas", "0"], {}, "--replicas must be an integer"),
+    "serve-data-dir-foreign": (
+        ["serve", "--model", "{tiny}", "--device", "cpu", "--data-dir", "{foreign}"],
+        {},
+        "holds files or folders k6fast did not write (mine.txt)",
+    ),
+    "serve-store-corrupt": (
+        ["serve", "--model", "{tiny}", "--device", "cpu", "--data-dir", "{corrupt}"],
+        {},
+        "jobs.sqlite3 is not a readable job store",
+    ),
+    "bench-needs-model": (["bench", "--arms", "reference"], {}, "k6fast bench needs --model and --arms"),
+    "bench-geometry": (
+        ["bench", "--model", "{tiny}", "--arms", "final", "--geometry", "big"],
+        {},
+        "expected one of w1",
+    ),
+    "bench-size": (["bench", "--model", "{tiny}", "--arms", "final", "--geometry", "65x64x9"], {}, "width 65 is not"),
+    "bench-model": (["bench", "--model", "{here}/nowhere", "--arms", "final"], {}, "no such directory"),
+    "bench-model-not-a-checkpoint": (["bench", "--model", "{here}", "--arms", "final"], {}, "missing file {here}/"),
+    "bench-model-truncated": (["bench", "--model", "{truncated}", "--arms", "final"], {}, "truncated safetensors"),
+    "bench-arm": (["bench", "--model", "{tiny}", "--arms", "final,nope"], {}, "Unknown arm 'nope'"),
+    "bench-arms-twice": (["bench", "--model", "{tiny}", "--arms", "final,final"], {}, "arms must be distinct"),
+    "bench-switch": (
+        ["bench", "--model", "{tiny}", "--arms", "final", "--set", "K6_GEMM=bogus"],
+        {},
+        "Unable to use K6_GEMM='bogus'",
+    ),
+    "bench-switch-unknown": (
+        ["bench", "--model", "{tiny}", "--arms", "final", "--set", "K6_GEM=fp8"],
+        {},
+        "unknown switch 'K6_GEM'; did you mean K6_GEMM?",
+    ),
+    "bench-device": (["bench", "--model", "{tiny}", "--arms", "final", "--device", "tpu"], {}, "not a device name"),
+    "bench-repeats": (["bench", "--model", "{tiny}", "--arms", "final", "--repeats", "0"], {}, "repeats must be >= 1"),
+    "bench-report-sessions": (["bench", "report", "--sessions", "{here}/nowhere"], {}, "no such folder"),
+    "acceptance-geometry": (["acceptance", "--model", "{tiny}", "--geometry", "big"], {}, "expected one of w1"),
+    "acceptance-model": (["acceptance", "--model", "{here}/nowhere"], {}, "no such directory"),
+    "acceptance-model-not-a-checkpoint": (["acceptance", "--model", "{here}"], {}, "missing file {here}/model_index"),
+    "acceptance-model-component": (["acceptance", "--model", "{broken}"], {}, "missing component folder"),
+    "acceptance-arm": (["acceptance", "--model", "{tiny}", "--arms", "final,nope"], {}, "--arms: Unknown arm 'nope'"),
+    "acceptance-peer": (["acceptance", "--model", "{tiny}", "--peer", "torch"], {}, "--peer 'torch': expected one of"),
+    "acceptance-steps": (["acceptance", "--model", "{tiny}", "--steps", "0"], {}, "--steps: expected an integer >= 1"),
+    "acceptance-guidance": (["acceptance", "--model", "{tiny}", "--guidance", "inf"], {}, "--guidance: expected a"),
+    "acceptance-seed": (["acceptance", "--model", "{tiny}", "--seed", "-1"], {}, "--seed: expected an integer in"),
+    "acceptance-preset": (
+        ["acceptance", "--model", "{here}/new", "--make-synthetic", "huge"],
+        {},
+        "--make-synthetic 'huge': expected one of pro-distill",
+    ),
+    "acceptance-text-encoder-dir": (
+        ["acceptance", "--model", "{here}/new", "--make-synthetic", "pro", "--text-encoder-dir", "{here}/te"],
+        {},
+        "add --text-encoders full",
+    ),
+    "acceptance-only": (["acceptance", "--model", "{tiny}", "--only", "nope"], {}, "--only ['nope']: expected run"),
+    "doctor-model": (["doctor", "--model", "{here}/nowhere"], {}, "no such directory; expected a local checkpoint"),
+    "doctor-model-not-a-checkpoint": (["doctor", "--model", "{here}"], {}, "missing file {here}/model_index.json"),
+    "doctor-budget": (["doctor", "--budget-gb", "nan"], {}, "--budget-gb: expected a number of GiB >= 0"),
+    "quantize-src": (["quantize", "--format", "fp8", "{here}/nowhere", "{out}"], {}, "is not a checkpoint directory"),
+    "quantize-src-broken": (["quantize", "--format", "fp8", "{broken}", "{out}"], {}, "missing component folder"),
+    "quantize-src-truncated": (["quantize", "--format", "fp8", "{truncated}", "{out}"], {}, "truncated safetensors"),
+    "quantize-dst-inside": (["quantize", "--format", "fp8", "{tiny}", "{tiny}/q"], {}, "lies inside SRC"),
+    "quantize-dst-busy": (["quantize", "--format", "fp8", "{tiny}", "{foreign}"], {}, "found a non-empty directory"),
+}
+# Refused by argparse: its usage lines, then `k6fast COMMAND: error: argument ...`.
+USAGE_CASES = {
+    "generate-dtype": ([*GEN, "--model", "x", "--dtype", "int8"], "argument --dtype: invalid choice: 'int8'"),
+    "generate-size-text": ([*GEN, "--model", "x", "--size", "big"], "expected WIDTHxHEIGHT such as 864x480"),
+    "generate-no-prompt": (["generate", "--model", "x", "--out", "a.mp4"], "the following arguments are required"),
+    "serve-no-model": (["serve"], "the following arguments are required: --model"),
+    "gate-seeds": (["gate", "--model", "x", "--seeds", "4,4"], "argument --seeds: expected distinct seeds"),
+    "bench-order": (["bench", "--model", "x", "--arms", "final", "--order", "AAB"], "argument --order: invalid choice"),
+    "acceptance-budgets": (["acceptance", "--model", "x", "--budgets", "0"], "budgets must be > 0 GiB"),
+    "quantize-format": (["quantize", "--format", "int4", "a", "b"], "argument --format: invalid choice: 'int4'"),
+    "make-synthetic-preset": (["make-synthetic", "s", "--preset", "huge"], "argument --preset: invalid choice"),
+    "make-tiny-variant": (["make-tiny", "t", "--variant", "huge"], "argument --variant: invalid choice"),
 }
 
 
 @pytest.fixture(scope="module")
 def paths(tiny_distill: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
+    """{tiny}: a tiny checkpoint; {broken}: a copy without its vocoder; {truncated}: a copy with a DiT shard 100 bytes
+    short; {text}: a text file named .png; {foreign}: a folder holding a user's file; {corrupt}: a server data
+    directory whose job store is not SQLite; {out}: a path outside the tests' working folder that nothing creates."""
+    from k6fast.server.datadir import MARKER, MARKER_TEXT
+
     root = tmp_path_factory.mktemp("cli-errors")
     broken = shutil.copytree(tiny_distill, root / "broken")
     shutil.rmtree(broken / "vocoder")
+    truncated = shutil.copytree(tiny_distill, root / "truncated")
+    shard = sorted((truncated / "transformer").glob("*.safetensors"))[0]
+    os.truncate(shard, shard.stat().st_size - 100)
     (root / "text.png").write_text("not an image\n")
-    return {"tiny": str(tiny_distill), "broken": str(broken), "text": str(root / "text.png")}
+    (root / "foreign").mkdir()
+    (root / "foreign" / "mine.txt").write_text("a user's file\n")
+    (root / "corrupt").mkdir()
+    (root / "corrupt" / MARKER).write_text(MARKER_TEXT)
+    (root / "corrupt" / "jobs.sqlite3").write_bytes(b"not a database" * 100)
+    folders = {"broken": broken, "truncated": truncated, "foreign": root / "foreign", "corrupt": root / "corrupt"}
+    return {"tiny": str(tiny_distill), "text": str(root / "text.png"), "out": str(root / "never-written")} | {
+        name: str(path) for name, path in folders.items()
+    }
 
 
 @pytest.mark.parametrize("case", CASES)
@@ -147,6 +254,33 @@ def test_every_cli_error_is_one_line_before_any_heavy_import(paths: dict[str, st
     allowed = {"torch"} if counts_gpus else set()
     assert [m for m in heavy if m.split(".")[0] not in allowed] == [], f"{case} imported {heavy[:5]} before refusing"
     assert list(here.iterdir()) == []  # refused before writing anything
+    assert not Path(names["out"]).exists()
+    assert done.wall_s < WALL_BOUND_S, f"{case} took {done.wall_s:.1f} s to refuse"
+
+
+@pytest.mark.parametrize("case", USAGE_CASES)
+def test_every_usage_error_is_refused_by_argparse_before_any_heavy_import(tmp_path, case: str) -> None:
+    args, words = USAGE_CASES[case]
+    done, stderr, heavy = _run(args, tmp_path)
+    assert done.returncode == 2, done.stderr[-3000:]
+    assert stderr[0].startswith("usage: k6fast") and stderr[-1].startswith(f"k6fast {args[0]}: error: "), stderr
+    assert words in stderr[-1], stderr
+    assert heavy == [], f"{case} imported {heavy[:5]} before refusing"
+    assert list(tmp_path.iterdir()) == []
+    assert done.wall_s < WALL_BOUND_S, f"{case} took {done.wall_s:.1f} s to refuse"
+
+
+def test_serve_on_a_taken_port_is_one_line_before_any_heavy_import(tiny_distill: Path, tmp_path) -> None:
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        args = ["serve", "--model", str(tiny_distill), "--device", "cpu", "--port", str(port)]
+        done, stderr, heavy = _run([*args, "--data-dir", str(tmp_path / "data")], tmp_path)
+    assert done.returncode == 2, done.stderr[-3000:]
+    assert stderr == [f"error: cannot listen on 127.0.0.1:{port} (Address already in use); expected a free port"]
+    assert heavy == []
+    assert done.wall_s < WALL_BOUND_S
 
 
 def test_unknown_switch_is_one_warning_line_in_the_server_entry_point(tmp_path) -> None:

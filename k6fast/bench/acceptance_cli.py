@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import datetime as dt
 import json
+import math
 import sys
 import time
 from pathlib import Path
@@ -120,6 +121,35 @@ def text_encoder_note(model: Path) -> dict | None:
     }
 
 
+def check_arguments(args: argparse.Namespace) -> str | None:
+    """What is wrong with the arguments on their own (no checkpoint read, nothing imported but the switch registry),
+    or None: a bad arm, peer or number fails now, not in the run that reaches it minutes later."""
+    from ..cli_args import seed_problem
+    from ..switches import SwitchError, read_arm, resolve_arm
+    from .peers import PEER_ARMS
+
+    if args.make_synthetic:
+        from ..testing.synthetic import PRESETS
+
+        if args.make_synthetic not in PRESETS:
+            return f"--make-synthetic {args.make_synthetic!r}: expected one of {', '.join(PRESETS)}"
+    if args.text_encoder_dir and args.text_encoders != "full":
+        return "--text-encoder-dir holds full-size text encoders; add --text-encoders full"
+    if args.peer not in (*PEER_ARMS, "none"):
+        return f"--peer {args.peer!r}: expected one of {', '.join(PEER_ARMS)} or none"
+    for arm in args.arms:
+        try:
+            read_arm(resolve_arm(arm))
+        except SwitchError as exc:
+            return f"--arms: {exc}"
+    if args.steps is not None and args.steps < 1:
+        return f"--steps: expected an integer >= 1, found {args.steps}"
+    if args.guidance is not None and not (math.isfinite(args.guidance) and args.guidance >= 1.0):
+        return f"--guidance: expected a finite number >= 1.0 (1.0 = no CFG), found {args.guidance}"
+    problem = seed_problem(args.seed)
+    return f"--seed: {problem}" if problem else None
+
+
 def cmd_acceptance(args: argparse.Namespace) -> int:
     from ..checkpoint import open_checkpoint
     from .acceptance import REFERENCE_ARM, Workload, build_plan, run_acceptance
@@ -131,11 +161,12 @@ def cmd_acceptance(args: argparse.Namespace) -> int:
     except ValueError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
+    problem = check_arguments(args)
+    if problem:
+        print(f"error: {problem}", file=sys.stderr)
+        return 2
     model = Path(args.model)
     made = None
-    if args.text_encoder_dir and args.text_encoders != "full":
-        print("error: --text-encoder-dir holds full-size text encoders; add --text-encoders full", file=sys.stderr)
-        return 2
     if args.make_synthetic and not (model / "model_index.json").is_file():
         from ..testing.synthetic import make_synthetic
 

@@ -10,7 +10,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from ..cli_args import comma_list
+from ..cli_args import comma_list, device_problem
 
 DEFAULT_SESSIONS = "measurements/sessions"
 
@@ -80,6 +80,9 @@ def cmd_bench(args: argparse.Namespace) -> int:
         return 2
     try:
         geometry = parse_geometry(args.geometry)
+        problem = device_problem(args.device)
+        if problem:  # the visits would each fail on it, after the session folder is made
+            raise ValueError(f"--device {args.device}: {problem}")
         arms = tuple(check_arm(arm) for arm in args.arms)
         switches = tuple(parse_session_switch(text) for text in args.switches)
         ckpt = open_checkpoint(args.model)  # validated once here, before any visit starts

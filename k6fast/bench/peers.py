@@ -17,12 +17,13 @@ from __future__ import annotations
 
 import time
 from pathlib import Path
-from typing import Any
-
-import torch
+from typing import TYPE_CHECKING, Any
 
 from .runner import VisitSpec, peak_vram, reset_peak, sync, time_call
 from .workload import audio_tokens, block_inputs, dit_inputs
+
+if TYPE_CHECKING:  # PyTorch loads with the peer's model: `k6fast bench` checks its arguments without it
+    import torch
 
 PEER_ARMS = ("diffusers", "diffusers-offload")
 GROUP_OFFLOAD = {"offload_type": "block_level", "num_blocks_per_group": 1, "use_stream": True}
@@ -69,14 +70,12 @@ class _Peer:
         self.spec, self.offload = spec, offload
         self.device, self.dtype = spec.resolved_device(), spec.resolved_dtype()
         self.ckpt = open_checkpoint(spec.model)
-        self.budget_gb = peer_budget_gb(spec)
-        if self.budget_gb and self.device.type == "cuda":
-            from ..allocator import device_budget
-
-            device_budget(self.device, self.budget_gb)  # the same allocator cap the k6fast arms run under
+        self.budget_gb = peer_budget_gb(spec)  # the visit caps the allocator at it (k6fast.bench.visit)
         _quiet_diffusers()
 
     def _place(self, model: torch.nn.Module) -> None:
+        import torch
+
         if self.offload:
             model.enable_group_offload(onload_device=self.device, offload_device=torch.device("cpu"), **GROUP_OFFLOAD)
         else:
@@ -128,6 +127,7 @@ class PeerBlock(_Peer):
     """`visual_transformer_blocks[0]` of a transformer loaded with one fused block (the others are not read)."""
 
     def load(self) -> None:
+        import torch
         from diffusers import Kandinsky6Transformer3DModel
 
         model = Kandinsky6Transformer3DModel.from_pretrained(
@@ -229,6 +229,8 @@ class PeerPipeline(_Peer):
         return timed
 
     def run(self) -> dict[str, Any]:
+        import torch
+
         spec = self.spec
         self.clock = clock = _PhaseClock(self.device)
         reset_peak(self.device)

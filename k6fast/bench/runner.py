@@ -5,16 +5,18 @@ share."""
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field
-from typing import Any, Protocol
+from dataclasses import asdict, dataclass, field, fields
+from typing import TYPE_CHECKING, Any, Protocol
 
-import torch
-
+from ..request import Request
 from .records import DEFAULT_PROMPT
 from .workload import Geometry
 
+if TYPE_CHECKING:  # PyTorch loads in the visit process only: the session that plans visits never needs it
+    import torch
+
 COMPONENTS = ("pipeline", "dit", "block")
-DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+DTYPES = ("bf16", "fp16", "fp32")
 
 
 @dataclass(frozen=True)
@@ -47,14 +49,25 @@ class VisitSpec:
     def geometry(self) -> Geometry:
         return Geometry(self.width, self.height, self.frames)
 
+    @property
+    def request(self) -> Request:
+        """The request a `pipeline` visit runs: the fields this spec shares with `Request` by name; the others (no
+        image, no negative prompt, the model's frame rate) keep their defaults."""
+        shared = {f.name for f in fields(Request)} & {f.name for f in fields(self)}
+        return Request.from_dict({name: getattr(self, name) for name in shared})
+
     def resolved_device(self) -> torch.device:
+        import torch
+
         from ..allocator import resolve_device
 
         return resolve_device(self.device or ("cuda" if torch.cuda.is_available() else "cpu"))
 
     def resolved_dtype(self) -> torch.dtype:
+        import torch
+
         if self.dtype is not None:
-            return DTYPES[self.dtype]
+            return {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[self.dtype]
         return torch.bfloat16 if self.resolved_device().type == "cuda" else torch.float32
 
     @classmethod
@@ -87,16 +100,22 @@ class Runner(Protocol):
 
 
 def sync(device: torch.device) -> None:
+    import torch
+
     if device.type == "cuda":
         torch.cuda.synchronize(device)
 
 
 def reset_peak(device: torch.device) -> None:
+    import torch
+
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
 
 
 def peak_vram(device: torch.device) -> dict[str, int]:
+    import torch
+
     if device.type != "cuda":
         return {"allocated": 0, "reserved": 0}
     return {"allocated": torch.cuda.max_memory_allocated(device), "reserved": torch.cuda.max_memory_reserved(device)}
@@ -107,6 +126,8 @@ def time_call(
 ) -> dict[str, Any]:
     """Time one synchronised call as a one-step Telemetry (a DiT forward is one step at guidance 1); `on_done`
     receives the Telemetry after the call, to add what the runtime measured inside it."""
+    import torch
+
     from ..telemetry import Telemetry
 
     telemetry = Telemetry(device=str(device))

@@ -13,9 +13,11 @@ import math
 import re
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-import torch
-from torch import Tensor
+if TYPE_CHECKING:  # PyTorch loads where tensors are drawn: `k6fast bench` checks its arguments without it
+    import torch
+    from torch import Tensor
 
 GEOMETRIES = {"w1": (864, 480, 121), "smoke": (64, 64, 9)}
 TEXT_TOKENS = 64  # a typical prompt after the chat-template crop
@@ -75,6 +77,8 @@ def dit_inputs(
 ) -> dict[str, Tensor]:
     """Keyword arguments of one DiT forward (diffusers' signature, which K6DiT shares), video+audio, no mask.
     cfg: k6fast DiTConfig."""
+    import torch
+
     g = torch.Generator("cpu").manual_seed(seed)
     h, w = geometry.height // 8, geometry.width // 8
     inputs = {
@@ -102,6 +106,8 @@ def block_inputs(
     cfg, geometry: Geometry, audio_len: int, device: torch.device, dtype: torch.dtype, seed: int
 ) -> BlockInputs:
     """Synthetic activations of the right shapes and scales for `k6fast.dit.blocks.fused_block`."""
+    import torch
+
     from ..dit.blocks import FusedBlockInputs
     from ..dit.rope import rope_1d, rope_3d
 
