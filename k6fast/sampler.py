@@ -110,7 +110,7 @@ def sample(
 
         called = i not in cache_steps
         if called and hasattr(dit, "begin_step"):
-            dit.begin_step(i)
+            dit.begin_step(i, num_steps)
         if called:
             timestep = t.expand(batch)
             common = dict(

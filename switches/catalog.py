@@ -100,6 +100,14 @@ EXACT_ATTN_STEPS = Switch(
     doc="with a quantized K6_ATTN or K6_SPARSE_ATTN: the first N denoising steps keep exact attention",
     min=0,
 )
+EXACT_ATTN_LAST_STEPS = Switch(
+    name="K6_EXACT_ATTN_LAST_STEPS",
+    kind="int",
+    default=0,
+    doc="with a quantized K6_ATTN or K6_SPARSE_ATTN: the last N denoising steps keep exact attention (the step that "
+    "sets the final detail; radial-attention #51 found few-step sparse runs need it dense)",
+    min=0,
+)
 QUANT_ATTN_SITES = Switch(
     name="K6_QUANT_ATTN_SITES",
     kind="enum",
@@ -200,6 +208,7 @@ SWITCHES: tuple[Switch, ...] = (
     ATTN,
     EXACT_ATTN_BLOCKS,
     EXACT_ATTN_STEPS,
+    EXACT_ATTN_LAST_STEPS,
     QUANT_ATTN_SITES,
     EXACT_ATTN_KERNEL,
     SPARSE_ATTN,

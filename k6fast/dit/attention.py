@@ -8,8 +8,9 @@ once.
 
 Policy (switches): a lossy arm (a quantized `K6_ATTN=k6|sage` on the sites `K6_QUANT_ATTN_SITES` names, block-sparse
 video self-attention with `K6_SPARSE_ATTN`) runs everywhere except in the first and last `K6_EXACT_ATTN_BLOCKS` fused
-blocks and the first `K6_EXACT_ATTN_STEPS` steps, where errors would propagate through every later block or step
-(the policy Radial Attention's dense layers and timesteps also follow). Where both lossy arms could take video
+blocks, the first `K6_EXACT_ATTN_STEPS` steps, where errors would propagate through every later block or step, and
+the last `K6_EXACT_ATTN_LAST_STEPS` steps, which set the final detail (the policy Radial Attention's dense layers and
+timesteps also follow; its users found few-step runs need the last step dense). Where both lossy arms could take video
 self-attention, the sparse one does (it skips the work instead of cheapening it). A masked call always goes exact.
 
 The sparse arm needs the video tokens in 3-D tiles (kernels/tile_mask.py): the DiT asks `video_token_order` once
@@ -74,7 +75,9 @@ class AttentionDispatch:
         self.sites = SITE_SETS[options.quant_attn_sites]
         self.exact_blocks = options.exact_attn_blocks
         self.exact_steps = options.exact_attn_steps
+        self.exact_last_steps = options.exact_attn_last_steps
         self.step = 0
+        self.num_steps: int | None = None  # the schedule's length, when the caller says it (the last-steps rule)
         self.block_quantized = False  # the policy's verdict for the block running now
         self.counts: Counter[tuple[str, str]] = Counter()  # (backend, site) → calls
         self._backends = exact_sdpa_backends(device)
@@ -100,13 +103,15 @@ class AttentionDispatch:
                 ) from exc
             self._sage = sageattn
 
-    def begin_step(self, step: int) -> None:
-        self.step = step
+    def begin_step(self, step: int, num_steps: int | None = None) -> None:
+        self.step, self.num_steps = step, num_steps
 
     def lossy_block(self, block: int, num_blocks: int) -> bool:
-        """Whether a lossy arm may run in this block at the current step (first/last blocks and first steps stay
-        exact)."""
+        """Whether a lossy arm may run in this block at the current step (first/last blocks and first/last steps stay
+        exact; the last steps only where the schedule's length is known)."""
         if self.step < self.exact_steps:
+            return False
+        if self.num_steps is not None and self.step >= self.num_steps - self.exact_last_steps:
             return False
         return self.exact_blocks <= block < num_blocks - self.exact_blocks
 

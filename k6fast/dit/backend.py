@@ -50,7 +50,7 @@ class Backend(Protocol):
 
     def norm_rope(self, x: Tensor, weight: Tensor, rope: tuple[Tensor, Tensor] | None) -> Tensor: ...
 
-    def begin_step(self, step: int) -> None: ...
+    def begin_step(self, step: int, num_steps: int | None = None) -> None: ...
 
     def begin_block(self, block: int, num_blocks: int) -> None: ...
 
@@ -96,7 +96,7 @@ class ExactBackend:
         cos, sin = (None, None) if rope is None else rope
         return rms_norm_rope_ref(x, weight, cos, sin)
 
-    def begin_step(self, step: int) -> None:
+    def begin_step(self, step: int, num_steps: int | None = None) -> None:
         return None
 
     def begin_block(self, block: int, num_blocks: int) -> None:
@@ -180,8 +180,8 @@ class SwitchedBackend(ExactBackend):
             return rms_norm_rope(x, weight, cos, sin)
         return super().norm_rope(x, weight, rope)
 
-    def begin_step(self, step: int) -> None:
-        self.attn.begin_step(step)
+    def begin_step(self, step: int, num_steps: int | None = None) -> None:
+        self.attn.begin_step(step, num_steps)
 
     def begin_block(self, block: int, num_blocks: int) -> None:
         self.attn.begin_block(block, num_blocks)

@@ -100,9 +100,10 @@ class K6DiT:
         """torch.compile the fused block (one graph for all blocks: weights are inputs, not constants)."""
         self.fused_block = torch.compile(fused_block, dynamic=False)
 
-    def begin_step(self, step: int) -> None:
-        """The sampler announces each denoising step (the attention policy keeps the first steps exact)."""
-        self.backend.begin_step(step)
+    def begin_step(self, step: int, num_steps: int | None = None) -> None:
+        """The sampler announces each denoising step of a `num_steps` schedule (the attention policy keeps the first
+        and last steps exact)."""
+        self.backend.begin_step(step, num_steps)
 
     def _check_stop(self, block: int) -> None:
         check_stop(self.should_stop, "denoise", f"before fused block {block + 1} of {self.cfg.num_visual_blocks}")
