@@ -213,7 +213,7 @@ class Mp4Writer:
             for rgb in frames:
                 i = self.written
                 check_stop(self._should_stop, "mux", f"before frame {i + 1} of {t}")
-                frame = _video_frame(np.ascontiguousarray(rgb))
+                frame = video_frame(np.ascontiguousarray(rgb))
                 frame.pts, frame.time_base = i, 1 / rate
                 for packet in self._vstream.encode(frame):
                     container.mux(packet)
@@ -318,8 +318,10 @@ def _encode_audio(
     return start
 
 
-def _video_frame(rgb: np.ndarray) -> av.VideoFrame:
-    """rgb: uint8 [H, W, 3] -> yuv420p VideoFrame in BT.709 limited range (the matrix the stream is tagged with)."""
+def video_frame(rgb: np.ndarray) -> av.VideoFrame:
+    """rgb: uint8 [H, W, 3] -> yuv420p VideoFrame in BT.709 limited range (the matrix the stream is tagged with).
+    The mux converts every frame through this name, so a caller may wrap it to count, pause or fail the mux frame by
+    frame."""
     frame = av.VideoFrame.from_ndarray(rgb, format="rgb24")
     return frame.reformat(format="yuv420p", dst_colorspace=Colorspace.ITU709, dst_color_range=ColorRange.MPEG)
 

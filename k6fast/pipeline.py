@@ -166,14 +166,15 @@ class Pipeline:
                 )
             raise RequestError(message)
 
-    def _drop_dit(self) -> None:
+    def drop_dit(self) -> None:
+        """Send the DiT off the device (its runtime closed, its memory given back); the next request reloads it."""
         if self.runtime is not None:
             self.runtime.close()
             self.runtime = self.dit = None
             if self.device.type == "cuda":
                 torch.cuda.empty_cache()
 
-    def _free_budget(self) -> int:
+    def free_budget(self) -> int:
         """What the budget leaves on the device now. Reserved, not allocated: the budget caps what the caching
         allocator reserves, and free room inside partly used segments is not there for a new large tensor."""
         if self.device.type != "cuda":
@@ -181,14 +182,14 @@ class Pipeline:
         torch.cuda.empty_cache()
         return max(0, self.budget_bytes - torch.cuda.memory_reserved(self.device))
 
-    def _plan_decode(self, shape: tuple[int, int, int]) -> VideoDecodePlan | None:
+    def plan_decode(self, shape: tuple[int, int, int]) -> VideoDecodePlan | None:
         """The decode's plan inside what the budget leaves now; None where not even a streamed decode fits."""
         try:
-            return plan_video_decode(self.vae, shape, budget_bytes=self._free_budget())
+            return plan_video_decode(self.vae, shape, budget_bytes=self.free_budget())
         except ValueError:
             return None
 
-    def _decode_video(
+    def decode_video_latents(
         self,
         latents: torch.Tensor,
         telemetry: Telemetry,
@@ -207,15 +208,15 @@ class Pipeline:
                 on_frames(0, frames.shape[1], frames[0])
             return frames
         shape = tuple(latents.shape[1:4])
-        plan = self._plan_decode(shape)
+        plan = self.plan_decode(shape)
         # What the decode may send away when it needs the room: the DiT's resident blocks (the next request reloads
         # them, its "dit_load" phase), then text encoders kept resident. `exact` needs the whole clip (most of a 32 GB
         # card at W1); `streamed` only needs something to fit.
         if plan is None or not (plan.exact or mode == "streamed"):
-            self._drop_dit()
-            plan = self._plan_decode(shape)
+            self.drop_dit()
+            plan = self.plan_decode(shape)
         if plan is None or (mode == "exact" and not plan.exact):
-            free = self._free_budget() / 2**30
+            free = self.free_budget() / 2**30
             raise RequestError(
                 f"the {'exact ' if mode == 'exact' else ''}video decode of {shape[0]}x{shape[1]}x{shape[2]} latents "
                 f"does not fit the {free:.1f} GiB the VRAM budget leaves with the DiT off the "
@@ -238,7 +239,7 @@ class Pipeline:
         )
 
     def close(self) -> None:
-        self._drop_dit()
+        self.drop_dit()
         self.text.close()
 
     @property
@@ -361,5 +362,5 @@ class Pipeline:
             frame_sink.begin(request.frames, request.height, request.width, request.fps, audio, self.sample_rate)
             on_frames = frame_sink.frames
         with telemetry.phase("video_decode"):
-            frames = self._decode_video(out.video, telemetry, should_stop, on_frames)[0].cpu().numpy()
+            frames = self.decode_video_latents(out.video, telemetry, should_stop, on_frames)[0].cpu().numpy()
         return Result(frames, audio, self.sample_rate, request.fps, steps, guidance, telemetry, denoised)

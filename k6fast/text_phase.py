@@ -141,14 +141,15 @@ class TextPhase:
         units = [self.weights.layer(i) for i in range(len(self._layers))] + [self._clip_names()]
         for unit, module in zip(units, [*self._layers, self.clip], strict=True):
             _check_unit(unit, module)
-        self._layouts = [UnitLayout.of(unit) for unit in units]
+        # What each streamed unit (a Qwen decoder layer, then CLIP) reads: its pieces and bytes, in the encode's order.
+        self.layouts = [UnitLayout.of(unit) for unit in units]
         self._bound: list[tuple[nn.Module, str, nn.Parameter]] = []
         self._norm = self.qwen.language_model.norm
         self._bind(self._norm, self._read_resident({"weight": self.weights.norm}))
         self._bound.clear()  # the final norm stays bound while the phase lives
         self._staging = None
         if device.type == "cuda":
-            size = max(layout.nbytes for layout in self._layouts)
+            size = max(layout.nbytes for layout in self.layouts)
             self._staging = [torch.empty(size, dtype=torch.uint8, pin_memory=True) for _ in range(2)]
         limits = [PROMPT_TEMPLATE, str(QWEN_CROP_START), str(MAX_PROMPT_TOKENS), str(CLIP_MAX_LENGTH)]
         self.identity = hashlib.sha256("\n".join([text_identity(self.root), *limits]).encode()).hexdigest()
@@ -205,7 +206,7 @@ class TextPhase:
         prompts = [prompt] if negative is None else [prompt, negative]
         qwen_in = [qwen_inputs(self.processor, p, pad_to, self.device) for p in prompts]
         clip_in = [clip_inputs(self.clip_tokenizer, p, self.device) for p in prompts]
-        stream = UnitStream(self._layouts, self._reader, self.slots, self.device, self.dtype, self._staging)
+        stream = UnitStream(self.layouts, self._reader, self.slots, self.device, self.dtype, self._staging)
         try:
             states = [self._first_layer_inputs(inputs) for inputs in qwen_in]
             for i, layer in enumerate(self._layers):

@@ -101,7 +101,7 @@ def bench_pipeline(model: str, device: str, size: tuple[int, int, int], tmp: Pat
     for decode in ("whole-clip", "slabs"):
         if decode == "slabs":
             pipe.options = pipe.options.replace(video_decode="streamed")
-            pipe._plan_decode = lambda shape: plan_video_decode(
+            pipe.plan_decode = lambda shape: plan_video_decode(
                 pipe.vae, shape, budget_bytes=8 << 30, chunk_latent_frames=3
             )
         rows = {}

@@ -291,7 +291,7 @@ def main() -> int:
             return decode_video_fast(vae, latents, budget_bytes=run_budget, **options)
 
         if device.type == "cuda":
-            # As the pipeline before its decode (Pipeline._free_budget): segments the previous variant reserved are
+            # As the pipeline before its decode (Pipeline.free_budget): segments the previous variant reserved are
             # released, so under --cap-gb each variant starts from what it would find in a request.
             torch.cuda.empty_cache()
 

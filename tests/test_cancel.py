@@ -70,7 +70,7 @@ def _cancelled(run: Callable[[], object]) -> Cancelled:
 def test_denoise_stops_before_the_next_dit_block(pipe: Pipeline, monkeypatch) -> None:
     blocks = pipe.ckpt.dit.num_visual_blocks
     units = Units(stop_at=blocks + 1)  # the first block of the second step
-    monkeypatch.setattr(pipe.dit, "_fused_block", units.wrap(pipe.dit._fused_block))
+    monkeypatch.setattr(pipe.dit, "fused_block", units.wrap(pipe.dit.fused_block))
     exc = _cancelled(lambda: pipe.generate(REQUEST, should_stop=units.stop.is_set))
     assert units.calls == blocks + 1, "no block ran after the stop was asked for"
     assert exc.phase == "denoise" and exc.where == f"step 2 of 3, before fused block 2 of {blocks}"
@@ -81,10 +81,10 @@ def test_denoise_stops_before_the_next_dit_block(pipe: Pipeline, monkeypatch) ->
 
 def test_video_decode_stops_before_the_next_op(pipe: Pipeline, monkeypatch) -> None:
     units = Units(stop_at=4)
-    for kind, fn in list(run_ops._APPLY.items()):
-        monkeypatch.setitem(run_ops._APPLY, kind, units.wrap(fn))
+    for kind, fn in list(run_ops.OP_RUNNERS.items()):
+        monkeypatch.setitem(run_ops.OP_RUNNERS, kind, units.wrap(fn))
     blocks = Units(stop_at=0)
-    monkeypatch.setattr(pipe.dit, "_fused_block", blocks.wrap(pipe.dit._fused_block))
+    monkeypatch.setattr(pipe.dit, "fused_block", blocks.wrap(pipe.dit.fused_block))
     exc = _cancelled(lambda: pipe.generate(REQUEST, should_stop=units.stop.is_set))
     assert units.calls == 4, "no decoder op ran after the stop was asked for"
     assert blocks.calls == 3 * pipe.ckpt.dit.num_visual_blocks, "the denoise ran whole"
@@ -96,7 +96,7 @@ def test_video_decode_stops_before_the_next_op(pipe: Pipeline, monkeypatch) -> N
 def test_mux_stops_before_the_next_frame_and_leaves_no_file(pipe: Pipeline, tmp_path: Path, monkeypatch) -> None:
     result = pipe.generate(REQUEST)
     units = Units(stop_at=3)
-    monkeypatch.setattr(media, "_video_frame", units.wrap(media._video_frame))
+    monkeypatch.setattr(media, "video_frame", units.wrap(media.video_frame))
     out = tmp_path / "clip.mp4"
     exc = _cancelled(lambda: write_result(result, out, Options(), REQUEST, "tiny", "distill", units.stop.is_set))
     assert units.calls == 3 and exc.phase == "mux" and exc.where == "before frame 4 of 9"
@@ -105,7 +105,7 @@ def test_mux_stops_before_the_next_frame_and_leaves_no_file(pipe: Pipeline, tmp_
 
 def test_a_stop_before_the_request_starts_runs_nothing(pipe: Pipeline, monkeypatch) -> None:
     blocks = Units(stop_at=0)
-    monkeypatch.setattr(pipe.dit, "_fused_block", blocks.wrap(pipe.dit._fused_block))
+    monkeypatch.setattr(pipe.dit, "fused_block", blocks.wrap(pipe.dit.fused_block))
     exc = _cancelled(lambda: pipe.generate(REQUEST, should_stop=lambda: True))
     assert exc.phase == "text_encode" and blocks.calls == 0
 
@@ -127,7 +127,7 @@ def test_a_streamed_dit_stopped_between_blocks_runs_the_next_forward_exactly(tin
     try:
         assert streamed.streamer is not None
         units = Units(stop_at=1)
-        streamed.dit._fused_block = units.wrap(streamed.dit._fused_block)
+        streamed.dit.fused_block = units.wrap(streamed.dit.fused_block)
         streamed.dit.should_stop = units.stop.is_set
         exc = _cancelled(lambda: streamed.dit(**inputs))
         assert units.calls == 1 and exc.where == f"before fused block 2 of {cfg.num_visual_blocks}"
@@ -175,12 +175,12 @@ def test_delete_stops_the_running_job_in_every_phase(
 
     pause = Pause()
     if phase == "denoise":
-        monkeypatch.setattr(pipe.dit, "_fused_block", pause.wrap(pipe.dit._fused_block))
+        monkeypatch.setattr(pipe.dit, "fused_block", pause.wrap(pipe.dit.fused_block))
     elif phase == "video_decode":
-        for kind, fn in list(run_ops._APPLY.items()):
-            monkeypatch.setitem(run_ops._APPLY, kind, pause.wrap(fn))
+        for kind, fn in list(run_ops.OP_RUNNERS.items()):
+            monkeypatch.setitem(run_ops.OP_RUNNERS, kind, pause.wrap(fn))
     else:
-        monkeypatch.setattr(media, "_video_frame", pause.wrap(media._video_frame))
+        monkeypatch.setattr(media, "video_frame", pause.wrap(media.video_frame))
     caplog.set_level(logging.INFO, logger="k6fast.server")
     config = ServerConfig(model="tiny", served_model_name="tiny", data_dir=tmp_path / "data", default_size=(64, 64))
     fields = {"prompt": "a gong", "size": "64x64", "num_frames": "9", "num_inference_steps": "3"}
@@ -221,11 +221,11 @@ def test_on_cuda_a_cancelled_request_gives_its_memory_back(phase: str, tiny_dist
     baseline = torch.cuda.memory_allocated()
     if phase == "denoise":
         units = Units(stop_at=pipe.ckpt.dit.num_visual_blocks + 1)
-        monkeypatch.setattr(pipe.dit, "_fused_block", units.wrap(pipe.dit._fused_block))
+        monkeypatch.setattr(pipe.dit, "fused_block", units.wrap(pipe.dit.fused_block))
     else:
         units = Units(stop_at=4)
-        for kind, fn in list(run_ops._APPLY.items()):
-            monkeypatch.setitem(run_ops._APPLY, kind, units.wrap(fn))
+        for kind, fn in list(run_ops.OP_RUNNERS.items()):
+            monkeypatch.setitem(run_ops.OP_RUNNERS, kind, units.wrap(fn))
     exc = _cancelled(lambda: pipe.generate(REQUEST, should_stop=units.stop.is_set))
     assert exc.phase == phase
     monkeypatch.undo()

@@ -164,7 +164,7 @@ def test_av_sync_flash_and_beep(tmp_path: Path, k: int) -> None:
 
 def test_failed_write_leaves_nothing(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     seen_midway: list[list[str]] = []
-    real = media._video_frame
+    real = media.video_frame
 
     def fail_on_fifth(rgb: np.ndarray):
         if len(seen_midway) == 4:
@@ -172,7 +172,7 @@ def test_failed_write_leaves_nothing(tmp_path: Path, monkeypatch: pytest.MonkeyP
         seen_midway.append(_listing(tmp_path))
         return real(rgb)
 
-    monkeypatch.setattr(media, "_video_frame", fail_on_fifth)
+    monkeypatch.setattr(media, "video_frame", fail_on_fifth)
     path = tmp_path / "clip.mp4"
     with pytest.raises(RuntimeError, match="encoder exploded"):
         write_mp4(path, _frames(), FPS, _tone(SR), SR, {"a": "b"})
@@ -189,7 +189,7 @@ def test_failed_overwrite_keeps_existing_file(tmp_path: Path, monkeypatch: pytes
     def explode(rgb: np.ndarray):
         raise RuntimeError("encoder exploded")
 
-    monkeypatch.setattr(media, "_video_frame", explode)
+    monkeypatch.setattr(media, "video_frame", explode)
     with pytest.raises(RuntimeError, match="encoder exploded"):
         write_mp4(path, _frames(), FPS, _tone(SR), SR)
     assert _listing(tmp_path) == ["clip.mp4"]

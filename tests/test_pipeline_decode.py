@@ -39,7 +39,7 @@ def _untiled(vae, latents: torch.Tensor) -> torch.Tensor:
 def test_default_decode_is_exact_and_equals_diffusers_untiled(pipe) -> None:
     latents = _latents(pipe)  # 5 latent frames: past diffusers' framewise threshold (4)
     telemetry = Telemetry()
-    frames = pipe._decode_video(latents, telemetry)
+    frames = pipe.decode_video_latents(latents, telemetry)
     reference = _untiled(pipe.vae, latents)
     assert frames.shape == reference.shape == (1, 17, 64, 64, 3)
     assert (frames - reference).abs().max().item() < 1e-5
@@ -57,7 +57,7 @@ def test_tiled_mode_is_diffusers_tiled_decode(pipe, monkeypatch) -> None:
     latents = _latents(pipe, 3, 12, 12)
     monkeypatch.setattr(pipe, "options", pipe.options.replace(video_decode="tiled"))
     telemetry = Telemetry()
-    frames = pipe._decode_video(latents, telemetry)
+    frames = pipe.decode_video_latents(latents, telemetry)
     pipe.vae.enable_tiling()
     try:
         expected = decode_video(pipe.vae, latents)
@@ -85,17 +85,17 @@ def test_exact_decode_sends_the_dit_away_when_the_budget_needs_it(tiny_distill) 
         latents = _latents(pipe, *SHAPE)
         assert not plan_video_decode(pipe.vae, SHAPE, budget_bytes=SMALL).exact
         budgets = iter([SMALL, ROOM])  # too small beside the DiT; room once it has gone
-        pipe._free_budget = lambda: next(budgets)
+        pipe.free_budget = lambda: next(budgets)
         telemetry = Telemetry()
-        frames = pipe._decode_video(latents, telemetry)
+        frames = pipe.decode_video_latents(latents, telemetry)
         assert pipe.runtime is None  # the DiT left; the next request reloads it ("dit_load")
         assert "exact" in telemetry.video_decode
         assert (frames - _untiled(pipe.vae, latents)).abs().max().item() < 1e-5
 
         # Where even an emptied device cannot hold the exact decode, the request fails and says what to change.
-        pipe._free_budget = lambda: SMALL
+        pipe.free_budget = lambda: SMALL
         with pytest.raises(RequestError, match="K6_VIDEO_DECODE=streamed"):
-            pipe._decode_video(latents, telemetry)
+            pipe.decode_video_latents(latents, telemetry)
     finally:
         pipe.close()
 
@@ -104,15 +104,15 @@ def test_streamed_mode_keeps_the_dit_when_a_streamed_plan_fits(tiny_distill) -> 
     pipe = Pipeline(tiny_distill, load_options(environ={}).replace(video_decode="streamed"), device="cpu")
     try:
         latents = _latents(pipe, *SHAPE)
-        pipe._free_budget = lambda: SMALL
+        pipe.free_budget = lambda: SMALL
         telemetry = Telemetry()
-        frames = pipe._decode_video(latents, telemetry)
+        frames = pipe.decode_video_latents(latents, telemetry)
         assert pipe.runtime is not None and telemetry.video_decode.startswith("streamed")
         plan = plan_video_decode(pipe.vae, SHAPE, budget_bytes=SMALL)
         assert torch.equal(frames, decode_video_fast(pipe.vae, latents, plan=plan))
         budgets = iter([1 << 20, SMALL])  # nothing fits beside the DiT: it leaves, then a streamed plan fits
-        pipe._free_budget = lambda: next(budgets)
-        pipe._decode_video(latents, telemetry)
+        pipe.free_budget = lambda: next(budgets)
+        pipe.decode_video_latents(latents, telemetry)
         assert pipe.runtime is None
     finally:
         pipe.close()
@@ -137,13 +137,13 @@ def test_gpu_sending_the_dit_away_frees_its_memory_and_the_next_request_reloads_
     try:
         weights = int(0.9 * pipe.runtime.plan.weight_bytes)  # the planner's footprint; allocations round up
         before = torch.cuda.memory_allocated(pipe.device)
-        free_before = pipe._free_budget()
-        pipe._drop_dit()
+        free_before = pipe.free_budget()
+        pipe.drop_dit()
         assert torch.cuda.memory_allocated(pipe.device) <= before - weights
         # The budget counts reserved memory. The tiny DiT's weights (under 1 MB) live in the allocator's 2 MiB
         # small-block segments beside other tensors, so their segments need not be released (the first run on an
         # H200 showed free room unchanged); a real DiT's weights fill whole large segments, which empty_cache returns.
-        assert pipe._free_budget() >= free_before
+        assert pipe.free_budget() >= free_before
         result = pipe.generate(Request(prompt="a cat", width=64, height=64, frames=17, steps=2))
         assert pipe.runtime is not None and "dit_load" in result.telemetry.phases
         assert "exact" in result.telemetry.video_decode

@@ -21,7 +21,7 @@ from k6fast.output import frames_to_uint8, generate_to_mp4, sidecar_path, tensor
 from k6fast.pipeline import Pipeline, Request
 from k6fast.switches import Options
 from k6fast.vae import load_video_vae
-from k6fast.video_decode import _decode, _plan, decode_video_fast, plan_video_decode, run_ops
+from k6fast.video_decode import decode_video_fast, decode_with_plan, plan_video_decode, run_ops
 
 HUGE = 1 << 40  # a decode budget that holds anything here
 DEADLINE_S = 60.0
@@ -42,7 +42,7 @@ def _decode_in_slabs(pipe: Pipeline, monkeypatch) -> None:
     """The streamed decode in slabs of one latent frame: the frames are handed over slab by slab (1, 4, 4, ...)."""
     monkeypatch.setattr(pipe, "options", pipe.options.replace(video_decode="streamed"))
     monkeypatch.setattr(
-        pipe, "_plan_decode", lambda shape: plan_video_decode(pipe.vae, shape, budget_bytes=HUGE, chunk_latent_frames=1)
+        pipe, "plan_decode", lambda shape: plan_video_decode(pipe.vae, shape, budget_bytes=HUGE, chunk_latent_frames=1)
     )
 
 
@@ -82,7 +82,9 @@ PLANS = {
     "whole-clip": lambda vae, shape: plan_video_decode(vae, shape, budget_bytes=HUGE),
     "whole-clip lean": lambda vae, shape: plan_video_decode(vae, shape, budget_bytes=HUGE, upsample_fusion="stored"),
     "slabs": lambda vae, shape: plan_video_decode(vae, shape, budget_bytes=HUGE, chunk_latent_frames=2),
-    "slabs x tiles": lambda vae, shape: _plan(vae, shape, HUGE, chunk_latent_frames=1, min_grid=2, split=12),
+    "slabs x tiles": lambda vae, shape: plan_video_decode(
+        vae, shape, budget_bytes=HUGE, chunk_latent_frames=1, min_grid=2, split=12
+    ),
 }
 
 
@@ -98,10 +100,10 @@ def test_the_decode_hands_over_each_frame_once_in_order_as_it_returns_them(tiny_
     }[kind], plan.describe()
     chunks: list[tuple[int, int, torch.Tensor]] = []
     # Chunks of at most 2 frames: a whole-clip decode, too, hands its frames over chunk by chunk of the last op.
-    returned, _ = _decode(
+    returned, _ = decode_with_plan(
         tiny_vae, latents, plan, max_chunk_frames=2, on_frames=lambda f0, f1, y: chunks.append((f0, f1, y.clone()))
     )
-    alone, _ = _decode(tiny_vae, latents, plan, max_chunk_frames=2)
+    alone, _ = decode_with_plan(tiny_vae, latents, plan, max_chunk_frames=2)
     assert torch.equal(returned, alone), "handing the frames over changes nothing in them"
     assert [f0 for f0, _, _ in chunks] == [0] + [f1 for _, f1, _ in chunks[:-1]] and chunks[-1][1] == 13
     assert len(chunks) >= 7  # 13 frames, at most 2 a chunk
@@ -124,8 +126,8 @@ def test_frames_are_handed_over_before_the_decode_has_finished(tiny_vae) -> None
         return op
 
     with pytest.MonkeyPatch.context() as mp:
-        for kind, fn in list(run_ops._APPLY.items()):
-            mp.setitem(run_ops._APPLY, kind, counted(fn))
+        for kind, fn in list(run_ops.OP_RUNNERS.items()):
+            mp.setitem(run_ops.OP_RUNNERS, kind, counted(fn))
         decode_video_fast(tiny_vae, latents, plan=plan, on_frames=lambda f0, f1, y: seen_at.append((f1, ops_run[0])))
     assert [f1 for f1, _ in seen_at] == [1, 5, 9]
     assert seen_at[0][1] < seen_at[1][1] < seen_at[2][1] == ops_run[0]
@@ -181,7 +183,7 @@ def test_the_encoder_works_while_the_decode_goes_on(pipe: Pipeline, tmp_path: Pa
     # encoder runs beside the decode (a sequential mux starts after the last op and would time out here).
     _decode_in_slabs(pipe, monkeypatch)
     first_encoded, outs = threading.Event(), [0]
-    real_frame, real_out = media._video_frame, run_ops._APPLY["out"]
+    real_frame, real_out = media.video_frame, run_ops.OP_RUNNERS["out"]
 
     def video_frame(rgb):
         first_encoded.set()
@@ -193,8 +195,8 @@ def test_the_encoder_works_while_the_decode_goes_on(pipe: Pipeline, tmp_path: Pa
             assert first_encoded.wait(DEADLINE_S), "no frame was encoded before the decode's last slab"
         return real_out(*args, **kwargs)
 
-    monkeypatch.setattr(media, "_video_frame", video_frame)
-    monkeypatch.setitem(run_ops._APPLY, "out", out_op)
+    monkeypatch.setattr(media, "video_frame", video_frame)
+    monkeypatch.setitem(run_ops.OP_RUNNERS, "out", out_op)
     result = generate_to_mp4(pipe, _request(9), tmp_path / "clip.mp4", "tiny")
     assert outs[0] == 3
     t = result.telemetry
@@ -235,7 +237,7 @@ def test_a_stop_in_the_encoder_mid_stream_leaves_no_file(pipe: Pipeline, tmp_pat
     out = tmp_path / "clip.mp4"
     out.write_bytes(b"the previous clip")
     units = _StopAfter(3)
-    monkeypatch.setattr(media, "_video_frame", units.wrap(media._video_frame))
+    monkeypatch.setattr(media, "video_frame", units.wrap(media.video_frame))
     with pytest.raises(Cancelled) as caught:
         generate_to_mp4(pipe, _request(13), out, "tiny", should_stop=units.stop.is_set)
     # The encoder saw the stop before frame 4, or the decode did before its next op: either way nothing is left.
@@ -249,7 +251,7 @@ def test_a_stop_in_the_decode_after_frames_were_encoded_leaves_no_file(
 ) -> None:
     _decode_in_slabs(pipe, monkeypatch)
     encoded, stop, outs = threading.Event(), threading.Event(), [0]
-    real_frame, real_out = media._video_frame, run_ops._APPLY["out"]
+    real_frame, real_out = media.video_frame, run_ops.OP_RUNNERS["out"]
 
     def video_frame(rgb):
         encoded.set()
@@ -262,8 +264,8 @@ def test_a_stop_in_the_decode_after_frames_were_encoded_leaves_no_file(
             stop.set()
         return real_out(*args, **kwargs)
 
-    monkeypatch.setattr(media, "_video_frame", video_frame)
-    monkeypatch.setitem(run_ops._APPLY, "out", out_op)
+    monkeypatch.setattr(media, "video_frame", video_frame)
+    monkeypatch.setitem(run_ops.OP_RUNNERS, "out", out_op)
     with pytest.raises(Cancelled) as caught:
         generate_to_mp4(pipe, _request(13), tmp_path / "clip.mp4", "tiny", should_stop=stop.is_set)
     # The decode stops before its next op, or the encoder before the second slab's first frame.
@@ -275,7 +277,7 @@ def test_a_stop_in_the_decode_after_frames_were_encoded_leaves_no_file(
 def test_an_encoder_error_stops_the_request_and_leaves_no_file(pipe: Pipeline, tmp_path: Path, monkeypatch) -> None:
     _decode_in_slabs(pipe, monkeypatch)
     calls = [0]
-    real_frame = media._video_frame
+    real_frame = media.video_frame
 
     def failing(rgb):
         calls[0] += 1
@@ -283,7 +285,7 @@ def test_an_encoder_error_stops_the_request_and_leaves_no_file(pipe: Pipeline, t
             raise RuntimeError("encoder exploded")
         return real_frame(rgb)
 
-    monkeypatch.setattr(media, "_video_frame", failing)
+    monkeypatch.setattr(media, "video_frame", failing)
     with pytest.raises(RuntimeError, match="encoder exploded"):
         generate_to_mp4(pipe, _request(13), tmp_path / "clip.mp4", "tiny")
     assert list(tmp_path.iterdir()) == [] and not _mux_threads()

@@ -48,7 +48,7 @@ def test_streamed_encode_is_bit_identical_to_from_pretrained(tiny_distill, dtype
         assert_same(expected, got)
         assert (got[0].mask is None) == (pad_to is None)
         # Qwen's decoder layers and CLIP cross once for both prompts; the embedding, vision tower and lm_head never.
-        streamed = {loc.name for layout in phase._layouts for _, loc, _ in layout.pieces}
+        streamed = {loc.name for layout in phase.layouts for _, loc, _ in layout.pieces}
         assert not any(n.startswith(("visual.", "lm_head.")) or "embed_tokens" in n for n in streamed)
         assert phase.last.source == "encoded"
         assert phase.last.bytes_streamed == phase.footprint().streamed_bytes
@@ -184,7 +184,7 @@ def test_device_bytes_come_from_the_plan(tiny_distill) -> None:
         weights = text_weights(tiny_distill)
         assert phase.device_bytes() == text_footprint(weights, "F32").device_bytes
         assert phase.device_bytes(2048) > phase.device_bytes()
-        assert [layout.nbytes for layout in phase._layouts] == [unit_bytes(u) for u in weights.units()]
+        assert [layout.nbytes for layout in phase.layouts] == [unit_bytes(u) for u in weights.units()]
     finally:
         phase.close()
 

@@ -50,23 +50,20 @@ ops, then the streamed slabs and tiles).
 Check: `pytest tests/test_video_decode.py`. Benchmark: `python measurements/bench_vae_decode.py --out vae.json`.
 """
 
-# The public API is __all__; the `_name as _name` imports re-export internals that tests reach as
-# `video_decode._name`.
-from .decode import LAYOUTS, decode_video_fast
-from .decode import _cudnn_benchmark as _cudnn_benchmark
-from .decode import _decode as _decode
-from .decoder import _geometry as _geometry
-from .decoder import decoder_ops
-from .plan import UPSAMPLE_FUSION, UpsampleFusion, VideoDecodePlan, plan_video_decode
-from .plan import _plan as _plan
-from .plan import _whole_clip_peak as _whole_clip_peak
+from .decode import LAYOUTS, cudnn_benchmark_scope, decode_video_fast, decode_with_plan
+from .decoder import decoder_geometry, decoder_ops
+from .plan import UPSAMPLE_FUSION, UpsampleFusion, VideoDecodePlan, plan_video_decode, whole_clip_peak
 
 __all__ = [
     "LAYOUTS",
     "UPSAMPLE_FUSION",
     "UpsampleFusion",
     "VideoDecodePlan",
+    "cudnn_benchmark_scope",
     "decode_video_fast",
+    "decode_with_plan",
+    "decoder_geometry",
     "decoder_ops",
     "plan_video_decode",
+    "whole_clip_peak",
 ]

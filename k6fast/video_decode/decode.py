@@ -11,7 +11,7 @@ import torch
 from torch import Tensor, nn
 
 from ..cancel import StopCheck
-from .decoder import _geometry, decoder_ops
+from .decoder import decoder_geometry, decoder_ops
 from .norm_stats import _Moments, _Stream
 from .plan import VideoDecodePlan, plan_video_decode
 from .run_ops import _check_fusions, _Ctx, _run
@@ -50,8 +50,9 @@ def _ramp(pos: Tensor, lo: float, hi: float) -> Tensor:
 
 
 @contextlib.contextmanager
-def _cudnn_benchmark(on: bool):
-    """cudnn.benchmark for this decode only: the process-wide flag is restored on exit."""
+def cudnn_benchmark_scope(on: bool):
+    """cudnn.benchmark set to `on` inside the block (one decode's convolutions); the process-wide flag is restored on
+    exit."""
     before = torch.backends.cudnn.benchmark
     torch.backends.cudnn.benchmark = on
     try:
@@ -75,7 +76,7 @@ def _decode_sample(
     blended in by then). Returns the GroupNorm statistics the decode used (whole-clip ones when the plan is exact)."""
     ops = decoder_ops(vae)
     fusions = _check_fusions(ops, plan)
-    scale = _geometry(ops, *z.shape[2:])[-1].s_ratio
+    scale = decoder_geometry(ops, *z.shape[2:])[-1].s_ratio
     prefix = _Stream(frozen, whole_clip=True)
 
     def emit_whole(stream: _Stream, t0: int, t1: int, y: Tensor) -> None:
@@ -89,7 +90,7 @@ def _decode_sample(
         return prefix.moments
     seg_ops = ops[plan.split :]
     ratio = scale // plan.segment_scale
-    t_ratio = _geometry(ops, *z.shape[2:])[plan.split].t_ratio
+    t_ratio = decoder_geometry(ops, *z.shape[2:])[plan.split].t_ratio
     latent_frames = plan.latent_shape[0]
     bounds = list(range(0, latent_frames, plan.slab_latent_frames)) + [latent_frames]
     slabs = [
@@ -136,7 +137,7 @@ def _outer(wr: Tensor | None, wc: Tensor | None, rs, cs, device: torch.device) -
 
 
 @torch.no_grad()
-def _decode(
+def decode_with_plan(
     vae: nn.Module,
     latents: Tensor,
     plan: VideoDecodePlan,
@@ -151,9 +152,10 @@ def _decode(
     on_frames: Callable[[int, int, Tensor], None] | None = None,
 ) -> tuple[Tensor, dict[str, _Moments]]:
     """`decode_video_fast` with an explicit plan; also returns the GroupNorm statistics of the last sample.
-    For tests: `frozen` replaces running statistics with given ones (the whole-clip ones make any plan exact);
-    `max_chunk_frames` caps the frames of every chunk; `raw` returns the decoder's output as is (in [-1, 1] but
-    neither shifted nor clamped). `should_stop`, `on_frames`: see `decode_video_fast`."""
+    For checks and measurements of the decode itself: `frozen` replaces running statistics with given ones (the
+    whole-clip ones make any plan exact); `max_chunk_frames` caps the frames of every chunk; `raw` returns the
+    decoder's output as is (in [-1, 1] but neither shifted nor clamped). `should_stop`, `on_frames`: see
+    `decode_video_fast`."""
     if layout not in LAYOUTS:
         raise ValueError(f"layout must be one of {', '.join(LAYOUTS)}, found {layout!r}")
     if latents.ndim != 5 or latents.shape[-1] != vae.config.latent_channels:
@@ -176,7 +178,7 @@ def _decode(
     s = vae.config.spatial_compression_ratio
     out = torch.zeros((b, frames, h * s, w * s, 3), dtype=torch.float32, device=device)
     moments: dict[str, _Moments] = {}
-    with _cudnn_benchmark(cudnn_benchmark) if device.type == "cuda" else contextlib.nullcontext():
+    with cudnn_benchmark_scope(cudnn_benchmark) if device.type == "cuda" else contextlib.nullcontext():
         for i in range(b):
             zi = vae.post_quant_conv(z[i : i + 1]).contiguous(memory_format=ctx.memory_format)
             finished = _Finisher(out[i], frames, raw, on_frames)
@@ -257,7 +259,7 @@ def decode_video_fast(
     elif plan.latent_shape != tuple(latents.shape[1:4]):
         raise ValueError(f"the plan is for latents {plan.latent_shape}, found {tuple(latents.shape[1:4])}")
     logger.info("video decode: %s", plan.describe())
-    frames, _ = _decode(
+    frames, _ = decode_with_plan(
         vae,
         latents,
         plan,

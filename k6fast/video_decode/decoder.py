@@ -152,7 +152,7 @@ class _Geom:
     s_ratio: int
 
 
-def _geometry(ops: list[_Op], t: int, h: int, w: int) -> list[_Geom]:
+def decoder_geometry(ops: list[_Op], t: int, h: int, w: int) -> list[_Geom]:
     """Input geometry of every op, plus the decoder's output as the last entry."""
     out, t_ratio, s_ratio = [], 1, 1
     for op in ops:

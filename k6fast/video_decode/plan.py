@@ -10,8 +10,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from ..memory import decode_reserve, decode_workspace
-from .decoder import _Conv, _first_streamable, _fusable, _Geom, _geometry, _Op, decoder_ops
+from ..memory import GiB, decode_reserve, decode_workspace
+from .decoder import _Conv, _first_streamable, _fusable, _Geom, _Op, decoder_geometry, decoder_ops
 from .norm_stats import _NORM_BLOCK_BYTES
 
 # The reach of a tile edge's replicate padding counted over every convolution left (114 output pixels from the mid
@@ -71,7 +71,7 @@ class VideoDecodePlan:
     def describe(self, peak: bool = True) -> str:
         """One line for people; `peak=False` leaves out the estimated peak (a GPU figure: on the CPU it means
         nothing)."""
-        estimate = f"; estimated peak {self.estimated_peak_bytes / 2**30:.2f} GiB" if peak else ""
+        estimate = f"; estimated peak {self.estimated_peak_bytes / GiB:.2f} GiB" if peak else ""
         if self.split == self.num_ops:
             fused = f": {'; '.join(f.describe() for f in self.fusions)}" if self.fusions else ""
             return f"{self.mode} decode of all {self.num_ops} ops (exact){fused}{estimate}"
@@ -201,7 +201,7 @@ def _fusion_bytes(
     return peak, chunk_frame_bytes
 
 
-def _whole_clip_peak(
+def whole_clip_peak(
     ops: list[_Op], geoms: list[_Geom], fusions: Mapping[int, bool], elt: int, workspace: int
 ) -> tuple[int, int]:
     """(peak bytes, index of the op at the peak) of decoding all ops over the whole clip, with the upsamplers at the
@@ -230,11 +230,11 @@ def _lean_fusions(
     pairs = [i for i in range(len(ops)) if _fusable(ops, i)]
     if policy in ("stored", "recomputed"):
         every = {i: policy == "recomputed" for i in pairs}
-        peak, _ = _whole_clip_peak(ops, geoms, every, elt, workspace)
+        peak, _ = whole_clip_peak(ops, geoms, every, elt, workspace)
         return (every, peak) if peak <= usable else None
     fusions: dict[int, bool] = {}
     while True:
-        peak, at = _whole_clip_peak(ops, geoms, fusions, elt, workspace)
+        peak, at = whole_clip_peak(ops, geoms, fusions, elt, workspace)
         if peak <= usable:
             return fusions, peak
         up = at if at in pairs else at - 1  # the peak at a resnet right after an upsampler: fuse that pair
@@ -251,6 +251,8 @@ def plan_video_decode(
     chunk_latent_frames: int | None = None,
     dtype: torch.dtype | None = None,
     upsample_fusion: str = "auto",
+    split: int | None = None,
+    min_grid: int = 1,
 ) -> VideoDecodePlan:
     """Plan the decode of one latent clip of shape (T, H, W) within `budget_bytes` (what the decode may allocate:
     activations, temporaries, carried frames and the fp32 output), activations in `dtype` (default the VAE's).
@@ -260,30 +262,9 @@ def plan_video_decode(
     fit without tiles; else the fewest tiles. With it: everything after the mid-block attention streams in slabs of
     that many latent frames (the least memory for that slab). `upsample_fusion` "off" never fuses; "stored" or
     "recomputed" fuse every upsampler that a resnet follows, with that shortcut (to measure or test the lean path).
+    To measure or test a streamed decode: `split` fixes where streaming starts (an op index after the mid-block
+    attention), `min_grid` forces at least that many tiles per side.
     """
-    return _plan(
-        vae,
-        latent_shape,
-        budget_bytes,
-        chunk_latent_frames=chunk_latent_frames,
-        dtype=dtype,
-        upsample_fusion=upsample_fusion,
-    )
-
-
-def _plan(
-    vae: nn.Module,
-    latent_shape: tuple[int, int, int],
-    budget_bytes: int,
-    *,
-    chunk_latent_frames: int | None = None,
-    dtype: torch.dtype | None = None,
-    split: int | None = None,
-    min_grid: int = 1,
-    upsample_fusion: str = "auto",
-) -> VideoDecodePlan:
-    """`plan_video_decode`, and for tests: `split` fixes where streaming starts, `min_grid` forces at least that
-    many tiles per side."""
     t, h, w = latent_shape
     if min(t, h, w) < 1:
         raise ValueError(f"expected a latent clip (T, H, W) with positive sizes, found {latent_shape}")
@@ -295,7 +276,7 @@ def _plan(
     first = _first_streamable(ops)
     if split is not None and not first <= split < len(ops):
         raise ValueError(f"split must be in [{first}, {len(ops)}) (after the attention), found {split}")
-    geoms = _geometry(ops, t, h, w)
+    geoms = decoder_geometry(ops, t, h, w)
     elt = torch.empty((), dtype=dtype or vae.dtype).element_size()
     reserve, workspace = decode_reserve(budget_bytes), decode_workspace(budget_bytes)
     out_bytes = geoms[-1].t * geoms[-1].h * geoms[-1].w * 3 * 4
@@ -352,6 +333,6 @@ def _plan(
                 if found is not None:
                     return found
     raise ValueError(
-        f"video decode of latents {latent_shape} does not fit a budget of {budget_bytes / 2**30:.2f} GiB at any "
+        f"video decode of latents {latent_shape} does not fit a budget of {budget_bytes / GiB:.2f} GiB at any "
         f"split, slab or tile count (chunk_latent_frames={chunk_latent_frames}); expected a larger budget"
     )

@@ -232,7 +232,9 @@ def _out(op: _Op, x: Tensor, stream: _Stream, ctx: _Ctx) -> None:
     stream.frames_out += n
 
 
-_APPLY = {"conv_in": _conv_in, "resnet": _resnet, "upsample": _upsample, "attention": _attention, "out": _out}
+# What runs a decoder op of each kind, looked up per op as the decode runs: tests wrap its entries to count, pause or
+# stop the decode op by op.
+OP_RUNNERS = {"conv_in": _conv_in, "resnet": _resnet, "upsample": _upsample, "attention": _attention, "out": _out}
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -314,7 +316,7 @@ def _run(
         check_stop(ctx.should_stop, "video_decode", f"before decoder op {ops[i].name}")
         fusion = (fusions or {}).get(ops[i].name)
         if fusion is None:
-            x = _APPLY[ops[i].kind](ops[i], x, stream, ctx)
+            x = OP_RUNNERS[ops[i].kind](ops[i], x, stream, ctx)
             i += 1
         else:
             x = _upsample_resnet(ops[i], ops[i + 1], x, stream, ctx, fusion.recompute_shortcut)
