@@ -27,7 +27,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from .adaln_layout import _check_activation, _modulation_layout, _per_sample, _row_tile
+from .adaln_layout import _check_activation, _modulation_layout, _per_sample, row_tile
 from .fallback import cuda_at_least, kernel_runs
 from .fp8_linear import e4m3_quantize, e4m3_scales, fp8_native, quantize_rows_fp8_ref
 
@@ -57,7 +57,7 @@ def _use_triton(op: str, device: torch.device, need_fp8: bool) -> bool:
 
 # fp32 values per program of the norm kernels: a 4096-wide K6 row, 16 values per thread at 8 warps, stays in
 # registers. Both norm kernels use it, so the fused residual + norm reduces each row exactly as the norm alone does.
-_NORM_TILE = 4096
+NORM_TILE = 4096
 
 
 def layernorm_modulate_ref(
@@ -164,7 +164,7 @@ def layernorm_modulate_triton(
         q_scale = y  # unused by the kernel when OUT_FP8 is False
     if n_rows == 0:
         return (y, q_scale) if out_fp8 else y
-    block_d, rows, num_warps = _row_tile(d, n_rows, _NORM_TILE)
+    block_d, rows, num_warps = row_tile(d, n_rows, NORM_TILE)
     _layernorm_modulate_kernel[(triton.cdiv(n_rows, rows),)](
         x, scale, shift, y, q_scale, n_rows, d, rows_per_sample, d, sb, sd, hb, hd, eps,
         OUT_FP8=out_fp8, ROWS=rows, BLOCK_D=block_d, num_warps=num_warps,
@@ -275,7 +275,7 @@ def gated_residual_triton(x: Tensor, out: Tensor, gate: Tensor, *, inplace: bool
     if n_rows == 0:
         return y
     # 8192 elements per program: pure streaming, so larger tiles than the norm (which keeps fp32 rows live).
-    block_d, rows, num_warps = _row_tile(d, n_rows, 8192)
+    block_d, rows, num_warps = row_tile(d, n_rows, 8192)
     _gated_residual_kernel[(triton.cdiv(n_rows, rows),)](
         x, out, gate, y, n_rows, d, rows_per_sample, gb, gd, ROWS=rows, BLOCK_D=block_d, num_warps=num_warps
     )
@@ -400,7 +400,7 @@ def gated_residual_modulate_triton(
     if n_rows == 0:
         return x_new, y
     # The norm kernel's tile and warps (not the residual kernel's larger tile): the same reduction tree per row.
-    block_d, rows, num_warps = _row_tile(d, n_rows, _NORM_TILE)
+    block_d, rows, num_warps = row_tile(d, n_rows, NORM_TILE)
     _gated_residual_modulate_kernel[(triton.cdiv(n_rows, rows),)](
         x, out, gate, scale, shift, x_new, y, n_rows, d, rows_per_sample, gb, gd, sb, sd, hb, hd, eps,
         ROWS=rows, BLOCK_D=block_d, num_warps=num_warps,

@@ -2,7 +2,7 @@
 
 x is [..., D] (rows = tokens). A modulation vector is [D] (shared by all rows), [1, D], or [B, D] with x [B, ..., D]
 (one vector per sample, rows of sample b are x[b].reshape(-1, D)), as diffusers broadcasts them. A kernel program
-takes whole rows (`_row_tile`).
+takes whole rows (`row_tile`).
 """
 
 from __future__ import annotations
@@ -52,7 +52,7 @@ def _per_sample(vec: Tensor, x: Tensor) -> Tensor:
     return vec
 
 
-def _row_tile(d: int, n_rows: int, elements: int) -> tuple[int, int, int]:
+def row_tile(d: int, n_rows: int, elements: int) -> tuple[int, int, int]:
     """→ (BLOCK_D, rows per program, num_warps): a whole row per program; short rows are stacked up to `elements`."""
     block_d = triton.next_power_of_2(d)
     rows = max(1, min(elements // block_d, triton.next_power_of_2(n_rows)))

@@ -131,7 +131,7 @@ def fp16acc_chunk_steps(k_chunk: int) -> tuple[int, int]:
 # card's shared memory are skipped by the autotuner. Each chunk ends in a wait for its MMAs and an fp16→fp32 add of
 # the whole tile on the ALUs, so longer chunks (fewer waits) and configs that put two CTAs on an SM (one CTA's adds
 # overlap the other's MMAs) are what is tried.
-_FP16ACC_CONFIGS = [
+FP16ACC_CONFIGS = [
     triton.Config({"BLOCK_M": 128, "BLOCK_N": 256, "GROUP_M": 8}, num_warps=8, num_stages=3),
     triton.Config({"BLOCK_M": 256, "BLOCK_N": 128, "GROUP_M": 8}, num_warps=8, num_stages=3),
     triton.Config({"BLOCK_M": 128, "BLOCK_N": 128, "GROUP_M": 8}, num_warps=8, num_stages=3),
@@ -142,7 +142,7 @@ _FP16ACC_CONFIGS = [
     triton.Config({"BLOCK_M": 64, "BLOCK_N": 128, "GROUP_M": 8}, num_warps=4, num_stages=4),
 ]
 _fp16acc_linear_tuned = triton.autotune(
-    configs=_FP16ACC_CONFIGS, key=["M", "N", "K", "BLOCK_K", "CHUNK_STEPS", "HAS_BIAS"]
+    configs=FP16ACC_CONFIGS, key=["M", "N", "K", "BLOCK_K", "CHUNK_STEPS", "HAS_BIAS"]
 )(_fp16acc_linear_kernel)
 
 

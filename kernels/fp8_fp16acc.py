@@ -133,13 +133,13 @@ def _fp8_fp16acc_kernel(
 # by the autotuner. Untuned: no GeForce card was available.
 # The tiles that build without register spills at 32-wide chunks for sm_120 and sm_89 (128x256 and 128x128 on 4 warps
 # spill); which is fastest is for a GeForce run of measurements/bench_gemm.py to say.
-_CONFIGS = [
+FP8_FP16ACC_CONFIGS = [
     triton.Config({"BLOCK_M": 128, "BLOCK_N": 128, "GROUP_M": 8}, num_warps=8, num_stages=3),
     triton.Config({"BLOCK_M": 64, "BLOCK_N": 256, "GROUP_M": 8}, num_warps=8, num_stages=3),
     triton.Config({"BLOCK_M": 128, "BLOCK_N": 64, "GROUP_M": 8}, num_warps=4, num_stages=4),
     triton.Config({"BLOCK_M": 64, "BLOCK_N": 128, "GROUP_M": 8}, num_warps=4, num_stages=4),
 ]
-_tuned = triton.autotune(configs=_CONFIGS, key=["M", "N", "K", "BLOCK_K", "HAS_BIAS"])(_fp8_fp16acc_kernel)
+_tuned = triton.autotune(configs=FP8_FP16ACC_CONFIGS, key=["M", "N", "K", "BLOCK_K", "HAS_BIAS"])(_fp8_fp16acc_kernel)
 
 
 def fp8_fp16acc_linear_triton(

@@ -196,7 +196,7 @@ def _quantize_rows_fp8_kernel(
 
 
 # One program holds at most this many fp32 values of a row (64 per thread at 16 warps); longer rows take two sweeps.
-_MAX_SINGLE_PASS = 16384
+MAX_SINGLE_PASS = 16384
 
 
 def quantize_rows_fp8_triton(
@@ -214,7 +214,7 @@ def quantize_rows_fp8_triton(
     if n_rows == 0 or k == 0:
         scale.fill_(AMAX_FLOOR / qmax)
         return xq, scale
-    block_k = min(triton.next_power_of_2(k), _MAX_SINGLE_PASS)
+    block_k = min(triton.next_power_of_2(k), MAX_SINGLE_PASS)
     rows = max(1, min(4096 // block_k, triton.next_power_of_2(n_rows)))
     num_warps = min(16, max(4, rows * block_k // 1024))
     _quantize_rows_fp8_kernel[(triton.cdiv(n_rows, rows),)](

@@ -31,8 +31,8 @@ OUTLIER_COUNTS = (0, 16, 32, 64)  # C: how many channels get corrected (0: off)
 OUTLIER_WIDTH = 128  # columns appended when C > 0: C chosen, the rest zeros, so K stays a multiple of 128
 ROW_STRIDE = 64  # rows sampled for the channel absmax: outlier channels are outliers on every token
 _MAX_SELECT_BLOCK = 1 << 14  # widest K the one-program selection was tested at on a GPU; wider runs the reference
-_ABSMAX_COLUMNS = 128
-_ABSMAX_ROWS = 32  # sampled rows per load: 8 KB of bf16 in flight per program
+ABSMAX_COLUMNS = 128
+ABSMAX_ROWS = 32  # sampled rows per load: 8 KB of bf16 in flight per program
 _ABSMAX_PROGRAMS = 1024  # column blocks × row splits aimed at: enough loads in flight to run at HBM bandwidth
 
 
@@ -106,12 +106,12 @@ def outlier_columns_triton(x: Tensor, count: int) -> Tensor:
     flat = x.reshape(-1, x.shape[-1])
     n_rows, k = flat.shape
     n_sampled = triton.cdiv(n_rows, ROW_STRIDE)
-    col_blocks = triton.cdiv(k, _ABSMAX_COLUMNS)
-    split = max(1, min(_ABSMAX_PROGRAMS // col_blocks, triton.cdiv(n_sampled, _ABSMAX_ROWS)))
+    col_blocks = triton.cdiv(k, ABSMAX_COLUMNS)
+    split = max(1, min(_ABSMAX_PROGRAMS // col_blocks, triton.cdiv(n_sampled, ABSMAX_ROWS)))
     amax_bits = torch.zeros(k, dtype=torch.int32, device=x.device)
     _sampled_column_absmax_kernel[(col_blocks, split)](
         flat, amax_bits, n_sampled, k, flat.stride(0) * ROW_STRIDE,
-        SPLIT=split, ROWS=_ABSMAX_ROWS, BLOCK_C=_ABSMAX_COLUMNS, num_warps=4,
+        SPLIT=split, ROWS=ABSMAX_ROWS, BLOCK_C=ABSMAX_COLUMNS, num_warps=4,
     )  # fmt: skip
     out = torch.empty(OUTLIER_WIDTH, dtype=torch.int32, device=x.device)
     block = triton.next_power_of_2(k)

@@ -41,10 +41,10 @@ _ABSMAX_FLOOR = 1e-30
 # programs share an SM); key rows quantized per program (k_block-row blocks one after another) and its warps. The
 # quantized tensors are bit-identical for any of these shapes; the statistics differ only in their fp32 summation
 # order.
-_STATS_CHUNK = 512
-_STATS_ROWS = 16
-_KV_QUANT_ROWS = 128
-_KV_QUANT_WARPS = 4
+STATS_CHUNK = 512
+STATS_ROWS = 16
+KV_QUANT_ROWS = 128
+KV_QUANT_WARPS = 4
 
 
 @dataclass(frozen=True)
@@ -242,11 +242,11 @@ def _quantize_qkv(
         HEAD_DIM=d, BLOCK=Q_BLOCK, num_warps=8,
     )  # fmt: skip
 
-    n_chunks = triton.cdiv(n, _STATS_CHUNK)
+    n_chunks = triton.cdiv(n, STATS_CHUNK)
     stats = torch.empty((b, h, n_chunks, 4, d), dtype=torch.float32, device=dev)  # per chunk: ΣK, ΣV, max V, min V
     _kv_stats_kernel[(n_chunks, b * h)](
         k, v, stats, *k.stride(), *v.stride(), h, n, n_chunks,
-        HEAD_DIM=d, BLOCK=_STATS_ROWS, CHUNK=_STATS_CHUNK, PV_FP8=pv_fp8, num_warps=4,
+        HEAD_DIM=d, BLOCK=STATS_ROWS, CHUNK=STATS_CHUNK, PV_FP8=pv_fp8, num_warps=4,
     )  # fmt: skip
     # The second stage of the reductions is over n_chunks (99 at 50,220 tokens) values: negligible, left to torch.
     k_mean = (stats[:, :, :, 0].sum(dim=2) / n).contiguous()
@@ -259,7 +259,7 @@ def _quantize_qkv(
     k8 = torch.empty((b, h, n_pad, d), dtype=torch.int8, device=dev)
     k_scale = torch.empty((b, h, n_pad // k_block), dtype=torch.float32, device=dev)
     vt = torch.empty((b, h, d, n_pad), dtype=torch.float8_e4m3fn if pv_fp8 else torch.float16, device=dev)
-    sub_blocks = _KV_QUANT_ROWS // k_block
+    sub_blocks = KV_QUANT_ROWS // k_block
     n_programs = triton.cdiv(n_pad, k_block * sub_blocks)
     vq_sum = torch.empty((b, h, n_programs, d), dtype=torch.float32, device=dev) if pv_fp8 else k_mean
     _kv_quantize_kernel[(n_programs, b * h)](
@@ -267,7 +267,7 @@ def _quantize_qkv(
         k8, k_scale, vt, vq_sum, n_programs,
         *k.stride(), *v.stride(), h, n, n_pad,
         HEAD_DIM=d, BLOCK=k_block, SUB=sub_blocks, PV_FP8=pv_fp8, V_PERM=v_key_perm,
-        V_QMAX=v_qmax, num_warps=_KV_QUANT_WARPS,
+        V_QMAX=v_qmax, num_warps=KV_QUANT_WARPS,
     )  # fmt: skip
     v_scale = v_offset = None
     if pv_fp8:

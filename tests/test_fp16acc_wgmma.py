@@ -14,6 +14,7 @@ import pytest
 import torch
 from kernel_testing import assert_ptxas_sm90a_clean, compile_gluon_sm90, needs_cuda, needs_gluon, needs_sm90_gluon
 
+from k6fast.kernels import aot
 from k6fast.kernels import fp16acc_wgmma as wg
 from k6fast.kernels.fp16acc_linear import fp16acc_linear, fp16acc_linear_ref
 from k6fast.testing.bounds import rel_l2
@@ -30,7 +31,7 @@ def _compile_sm90(tile: wg.WgmmaTile):
         "HAS_BIAS": "constexpr", "STAGES": "constexpr", "GROUP_M": "constexpr", "num_warps": "constexpr",
     }  # fmt: skip
     const = {"HAS_BIAS": True, "STAGES": tile.stages, "GROUP_M": tile.group_m, "num_warps": tile.num_warps}
-    return compile_gluon_sm90(wg._fp16acc_wgmma_kernel, sig, const, tile.num_warps)
+    return compile_gluon_sm90(aot.body("fp16acc_wgmma"), sig, const, tile.num_warps)
 
 
 @needs_gluon

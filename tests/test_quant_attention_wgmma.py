@@ -24,6 +24,7 @@ from kernel_testing import (
 )
 from test_quant_attention import FP8_PV_VS_FP32, SEEDS, assert_kernel_vs_ref, assert_vs_fp32, dit_like_qkv
 
+from k6fast.kernels import aot
 from k6fast.kernels import quant_attention as qa
 from k6fast.kernels import quant_attention_wgmma as wa
 
@@ -43,7 +44,7 @@ def _compile_sm90(block_n: int, head_dim: int, stages: int):
     }  # fmt: skip
     const = {"Q_BLK": qa.Q_BLOCK, "STAGES": stages, "CONSUMER_REGS": 240, "PINGPONG": False}
     const["num_warps"] = 4
-    return compile_gluon_sm90(wa._qattn_wgmma_kernel, sig, const, 4)
+    return compile_gluon_sm90(aot.body("quant_attention_wgmma"), sig, const, 4)
 
 
 @needs_gluon

@@ -35,9 +35,8 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 from triton.tools.disasm import get_sass
 
-from k6fast.kernels import adaln, fp8_fp16acc, fp8_linear, fp8_outliers, fp16acc_linear, qk_norm_rope
+from k6fast.kernels import adaln, aot, fp8_fp16acc, fp8_linear, fp8_outliers, fp16acc_linear
 from k6fast.kernels import quant_attention as qa
-from k6fast.kernels import quant_attention_core as qc
 from k6fast.kernels import quant_attention_prologue as qp
 from k6fast.kernels.attention_constants import FP8_MAX, V_FP16_ACC_MAX
 
@@ -123,26 +122,26 @@ _GEMM_POINTERS = {"x_ptr": "*bf16", "w_ptr": "*fp16", "bias_ptr": "*bf16", "y_pt
 
 
 @pytest.mark.parametrize("target", TARGETS)
-@pytest.mark.parametrize("config", fp16acc_linear._FP16ACC_CONFIGS, ids=str)
+@pytest.mark.parametrize("config", fp16acc_linear.FP16ACC_CONFIGS, ids=str)
 def test_fp16acc_gemm_accumulates_in_fp16(target, config) -> None:
     # GeForce runs the default 32-wide chunk (`fp16acc_default_chunk` off sm_90): one 32-deep MMA per FP32 add.
     block_k, steps = fp16acc_linear.fp16acc_chunk_steps(32)
     tile, warps, stages = _config_kwargs(config)
     consts = {"HAS_BIAS": True, "EVEN_K": True, "BLOCK_K": block_k, "CHUNK_STEPS": steps, **tile}
-    b = build(fp16acc_linear._fp16acc_linear_kernel, TARGETS[target], _GEMM_POINTERS, consts, num_warps=warps,
+    b = build(aot.body("fp16acc_linear"), TARGETS[target], _GEMM_POINTERS, consts, num_warps=warps,
               num_stages=stages)  # fmt: skip
     assert set(b.mma) == {"HMMA.16816.F16"}, f"{target}: expected FP16-accumulate HMMA only, found {dict(b.mma)}"
     assert b.spill_stores <= MAX_SPILL_STORES, f"{target}: {b.spill_stores} spill stores, {b.registers} registers"
 
 
 @pytest.mark.parametrize("target", TARGETS)
-@pytest.mark.parametrize("config", fp8_fp16acc._CONFIGS, ids=str)
+@pytest.mark.parametrize("config", fp8_fp16acc.FP8_FP16ACC_CONFIGS, ids=str)
 def test_fp8_gemm_accumulates_chunks_in_fp16(target, config) -> None:
     tile, warps, stages = _config_kwargs(config)
     pointers = {"x_ptr": "*fp8e4nv", "xs_ptr": "*fp32", "w_ptr": "*fp8e4nv", "ws_ptr": "*fp32",
                 "bias_ptr": "*bf16", "y_ptr": "*bf16"}  # fmt: skip
     consts = {"HAS_BIAS": True, "EVEN_K": True, "BLOCK_K": fp8_fp16acc.DEFAULT_CHUNK, **tile}
-    b = build(fp8_fp16acc._fp8_fp16acc_kernel, TARGETS[target], pointers, consts, num_warps=warps, num_stages=stages)
+    b = build(aot.body("fp8_fp16acc"), TARGETS[target], pointers, consts, num_warps=warps, num_stages=stages)
     assert set(b.mma) == {"QMMA.16832.F16.E4M3.E4M3"}, f"{target}: expected FP16-accumulate QMMA, found {dict(b.mma)}"
     assert b.spill_stores <= MAX_SPILL_STORES, f"{target}: {b.spill_stores} spill stores, {b.registers} registers"
 
@@ -165,7 +164,7 @@ def _attention_core(target: str, head_dim: int) -> Build:
     consts = {"stride_od": 1, "HEAD_DIM": head_dim, "BLOCK_M": cfg.block_m, "BLOCK_N": cfg.block_n,
               "Q_BLK": qa.Q_BLOCK, "PV_FP8": True, "FP8_NO_FOLD": True, "UNROLL": cfg.unroll,
               "EXP2_POLY": cfg.exp2_poly, "PIPELINE": cfg.pipeline, "PV_FP16_ACC": _fp16_acc(target)}  # fmt: skip
-    return build(qc._quant_attention_kernel, TARGETS[target], pointers, consts, num_warps=cfg.num_warps,
+    return build(aot.body("quant_attention"), TARGETS[target], pointers, consts, num_warps=cfg.num_warps,
                  num_stages=cfg.num_stages)  # fmt: skip
 
 
@@ -200,18 +199,18 @@ def test_quant_attention_prologue_builds(target, head_dim) -> None:
     cap = TARGETS[target]
     src = {"stride_d": 1}
     builds = [
-        build(qp._quantize_q_kernel, cap, {"Q": "*bf16", "Q8": "*i8", "QS": "*fp32"},
+        build(aot.body("quantize_q"), cap, {"Q": "*bf16", "Q8": "*i8", "QS": "*fp32"},
               {**src, "HEAD_DIM": head_dim, "BLOCK": qa.Q_BLOCK}, num_warps=8),
-        build(qp._kv_stats_kernel, cap, {"K": "*bf16", "V": "*bf16", "STATS": "*fp32"},
-              {"stride_kd": 1, "stride_vd": 1, "HEAD_DIM": head_dim, "BLOCK": qp._STATS_ROWS,
-               "CHUNK": qp._STATS_CHUNK, "PV_FP8": True}, num_warps=4),
-        build(qp._kv_quantize_kernel, cap,
+        build(aot.body("kv_stats"), cap, {"K": "*bf16", "V": "*bf16", "STATS": "*fp32"},
+              {"stride_kd": 1, "stride_vd": 1, "HEAD_DIM": head_dim, "BLOCK": qp.STATS_ROWS,
+               "CHUNK": qp.STATS_CHUNK, "PV_FP8": True}, num_warps=4),
+        build(aot.body("kv_quantize"), cap,
               {"K": "*bf16", "V": "*bf16", "KMEAN": "*fp32", "VMEAN": "*fp32", "VMAX": "*fp32", "K8": "*i8",
                "KS": "*fp32", "VT": "*fp8e4nv", "VQSUM": "*fp32"},
               {"stride_kd": 1, "stride_vd": 1, "HEAD_DIM": head_dim, "BLOCK": qa.K_BLOCK,
-               "SUB": qp._KV_QUANT_ROWS // qa.K_BLOCK, "PV_FP8": True, "V_PERM": False,
+               "SUB": qp.KV_QUANT_ROWS // qa.K_BLOCK, "PV_FP8": True, "V_PERM": False,
                "V_QMAX": V_FP16_ACC_MAX if _fp16_acc(target) else FP8_MAX},
-              num_warps=qp._KV_QUANT_WARPS),
+              num_warps=qp.KV_QUANT_WARPS),
     ]  # fmt: skip
     for b in builds:
         bound = spill_bound(b.name, head_dim)
@@ -224,37 +223,37 @@ def test_quant_attention_prologue_builds(target, head_dim) -> None:
 
 
 def _elementwise_builds(cap: int) -> list[Build]:
-    norm_d, norm_rows, norm_warps = adaln._row_tile(DIM, W1_TOKENS, adaln._NORM_TILE)
-    res_d, res_rows, res_warps = adaln._row_tile(DIM, W1_TOKENS, 8192)
+    norm_d, norm_rows, norm_warps = adaln.row_tile(DIM, W1_TOKENS, adaln.NORM_TILE)
+    res_d, res_rows, res_warps = adaln.row_tile(DIM, W1_TOKENS, 8192)
     builds = []
     for k in (DIM, FF_DIM):  # both GEMM input widths of the fp8 arm, with the 32 outlier columns it appends
-        block_k = min(triton.next_power_of_2(k), fp8_linear._MAX_SINGLE_PASS)
+        block_k = min(triton.next_power_of_2(k), fp8_linear.MAX_SINGLE_PASS)
         rows = max(1, min(4096 // block_k, W1_TOKENS))
         builds.append(build(
-            fp8_linear._quantize_rows_fp8_kernel, cap,
+            aot.body("quantize_rows_fp8"), cap,
             {"x_ptr": "*bf16", "q_ptr": "*fp8e4nv", "scale_ptr": "*fp32", "cols_ptr": "*i32"},
             {"ROWS": rows, "BLOCK_K": block_k, "SINGLE_PASS": block_k >= k, "C": fp8_outliers.OUTLIER_WIDTH,
              "RESIDUAL": False, "QMAX": fp8_fp16acc.FP16_CHUNK_QMAX[fp8_fp16acc.DEFAULT_CHUNK]},
             num_warps=min(16, max(4, rows * block_k // 1024)),
         ))  # fmt: skip
     builds += [
-        build(fp8_outliers._sampled_column_absmax_kernel, cap, {"x_ptr": "*bf16", "amax_ptr": "*i32"},
-              {"SPLIT": 8, "ROWS": fp8_outliers._ABSMAX_ROWS, "BLOCK_C": fp8_outliers._ABSMAX_COLUMNS}, num_warps=4),
-        build(fp8_outliers._select_top_channels_kernel, cap, {"amax_ptr": "*i32", "out_ptr": "*i32"},
+        build(aot.body("sampled_column_absmax"), cap, {"x_ptr": "*bf16", "amax_ptr": "*i32"},
+              {"SPLIT": 8, "ROWS": fp8_outliers.ABSMAX_ROWS, "BLOCK_C": fp8_outliers.ABSMAX_COLUMNS}, num_warps=4),
+        build(aot.body("select_top_channels"), cap, {"amax_ptr": "*i32", "out_ptr": "*i32"},
               {"COUNT": 32, "WIDTH": fp8_outliers.OUTLIER_WIDTH, "BLOCK": FF_DIM}, num_warps=16),
-        build(adaln._layernorm_modulate_kernel, cap,
+        build(aot.body("layernorm_modulate"), cap,
               {"x_ptr": "*bf16", "scale_ptr": "*fp32", "shift_ptr": "*fp32", "y_ptr": "*bf16", "q_scale_ptr": "*fp32"},
               {"stride_scale_d": 1, "stride_shift_d": 1, "OUT_FP8": False, "ROWS": norm_rows, "BLOCK_D": norm_d},
               num_warps=norm_warps),
-        build(adaln._gated_residual_kernel, cap,
+        build(aot.body("gated_residual"), cap,
               {"x_ptr": "*bf16", "out_ptr": "*bf16", "gate_ptr": "*fp32", "y_ptr": "*bf16"},
               {"stride_gate_d": 1, "ROWS": res_rows, "BLOCK_D": res_d}, num_warps=res_warps),
-        build(adaln._gated_residual_modulate_kernel, cap,
+        build(aot.body("gated_residual_modulate"), cap,
               {"x_ptr": "*bf16", "out_ptr": "*bf16", "gate_ptr": "*fp32", "scale_ptr": "*fp32", "shift_ptr": "*fp32",
                "x_new_ptr": "*bf16", "y_ptr": "*bf16"},
               {"stride_gate_d": 1, "stride_scale_d": 1, "stride_shift_d": 1, "ROWS": norm_rows, "BLOCK_D": norm_d},
               num_warps=norm_warps),
-        build(qk_norm_rope._rms_norm_rope_kernel, cap,
+        build(aot.body("rms_norm_rope"), cap,
               {"x_ptr": "*bf16", "w_ptr": "*bf16", "cos_ptr": "*fp32", "sin_ptr": "*fp32", "y_ptr": "*bf16"},
               {"D": 128, "BLOCK_D": 128, "ROWS": 4096 // 128, "ROPE": True}, num_warps=4),
     ]  # fmt: skip

@@ -19,6 +19,7 @@ import torch
 import torch.nn.functional as F
 from kernel_testing import interpreter_suite, needs_cuda
 
+from k6fast.kernels import aot
 from k6fast.kernels import sparse_attention as sa
 from k6fast.kernels import tile_mask as tm
 from k6fast.testing.bounds import assert_within_baseline_error, rel_l2
@@ -301,7 +302,7 @@ def _compile(capability: int, config: sa.SparseAttentionConfig, head_dim: int):
               "PRECISION": "tf32"}  # fmt: skip
     sig |= {n: "constexpr" for n in consts}
     aligned = {(i,): [["tt.divisibility", 16]] for i in range(len(names) + len(strides))}
-    src = ASTSource(fn=sa._sparse_attention_kernel, signature=sig, constexprs=consts, attrs=aligned)
+    src = ASTSource(fn=aot.body("sparse_attention"), signature=sig, constexprs=consts, attrs=aligned)
     options = {"num_warps": config.num_warps, "num_stages": config.num_stages}
     return triton.compile(src, target=GPUTarget("cuda", capability, 32), options=options)
 
