@@ -281,7 +281,7 @@ def server(tmp_path: Path, real_pipeline: Pipeline, monkeypatch) -> Iterator[Ser
     with TestClient(app) as client:
         until(lambda: client.get("/health").status_code == 200, "the server to become ready")
         state = client.app.state.k6
-        monkeypatch.setattr(state.store, "_db", FullDiskConnection(state.store._db, disk))
+        monkeypatch.setattr(state.store, "connection", FullDiskConnection(state.store.connection, disk))
         yield Server(client, gated, disk)
         gated.gate.set()
 

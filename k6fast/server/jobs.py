@@ -220,6 +220,16 @@ class JobStore:
         with self._lock:
             self._db.close()
 
+    @property
+    def connection(self) -> sqlite3.Connection:
+        """The store's one SQLite connection. Settable, so that a test can put a connection whose writes fail (a full
+        disk) in its place."""
+        return self._db
+
+    @connection.setter
+    def connection(self, db: sqlite3.Connection) -> None:
+        self._db = db
+
     def now(self) -> int:
         return int(self._clock())
 
