@@ -1,0 +1,277 @@
+"""DF11: a BF16 tensor stored losslessly in about 11 bits a weight, laid out for decoding on the GPU in parallel.
+
+The exponent byte of trained or Gaussian-initialised BF16 weights carries 2-3 bits of information (DFloat11, arXiv
+2504.11651). The sign and mantissa are stored raw, one byte an element; the exponents are Huffman-coded with codes of
+at most 12 bits (so one table lookup decodes a symbol) and dealt to lanes that decode independently (see
+`kernels/df11_decode.py` for the order). Every tensor is one uint8 blob, little-endian, sections 16-byte aligned:
+
+  header      128 bytes     MAGIC, version, dtype (BF16), ndim, chunk, lanes, n, total bits, CRC-32 of the
+                            original bytes, shape (up to 8 dims)
+  lut         int16 [4096]  symbol | code length << 8 for every 12-bit window
+  group_base  int64 [G]     first bit of each group of lanes · chunk elements
+  lane_bits   int16 [G·L]   bits each lane's codes take
+  sm          uint8 [n]     sign | mantissa
+  words       int32 [W]     the bitstream, two words of padding at its end
+
+`encode` builds a blob with vectorised NumPy (no per-symbol Python) and checks it: decoded with `decode_ref`, it must
+give the tensor back bit for bit. `parse_header` checks a blob's header and section sizes against its length (cheap,
+at every load); `crc32_matches` checks the decoded bytes against the stored CRC (a full read).
+"""
+
+from __future__ import annotations
+
+import heapq
+import struct
+import zlib
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+from torch import Tensor
+
+from .kernels.df11_decode import CODE_BITS, LUT_SIZE, PAD_WORDS, decode, decode_ref
+
+MAGIC = b"K6DF11\x00\x00"
+VERSION = 1
+DTYPE_BF16 = 1
+CHUNK = 256  # codes one lane decodes: fewer lanes' bit lengths to store against more lanes running at once
+LANES = 128  # lanes of a group (one Triton program): 128 x 256 = 32768 elements
+MIN_ELEMENTS = 1 << 20  # smaller bf16 tensors stay raw in a checkpoint (`compressible`)
+MAX_DIMS = 8
+HEADER_BYTES = 128
+_HEADER = struct.Struct(f"<8sIIIIIQQI{MAX_DIMS}Q")
+_ALIGN = 16
+
+
+class DF11Error(ValueError):
+    """A blob that is not a DF11 tensor, or whose header and sizes disagree with its length."""
+
+
+@dataclass(frozen=True)
+class Layout:
+    """Where a blob's sections lie (byte offsets into the blob) and what it decodes to."""
+
+    shape: tuple[int, ...]
+    chunk: int
+    lanes: int
+    total_bits: int
+    crc32: int
+
+    @property
+    def n(self) -> int:
+        return int(np.prod(self.shape, dtype=np.int64))
+
+    @property
+    def groups(self) -> int:
+        return -(-self.n // (self.lanes * self.chunk))
+
+    @property
+    def n_words(self) -> int:
+        return -(-self.total_bits // 32) + PAD_WORDS
+
+    def sections(self) -> dict[str, tuple[int, int, torch.dtype]]:
+        """name → (byte offset, element count, dtype), in blob order."""
+        out, at = {}, HEADER_BYTES
+        for name, count, dtype in (
+            ("lut", LUT_SIZE, torch.int16),
+            ("group_base", self.groups, torch.int64),
+            ("lane_bits", self.groups * self.lanes, torch.int16),
+            ("sm", self.n, torch.uint8),
+            ("words", self.n_words, torch.int32),
+        ):
+            out[name] = (at, count, dtype)
+            at += -(-count * dtype.itemsize // _ALIGN) * _ALIGN
+        return out
+
+    @property
+    def nbytes(self) -> int:
+        at, count, dtype = self.sections()["words"]
+        return at + count * dtype.itemsize
+
+    def header(self) -> bytes:
+        shape = list(self.shape) + [0] * (MAX_DIMS - len(self.shape))
+        raw = _HEADER.pack(MAGIC, VERSION, DTYPE_BF16, len(self.shape), self.chunk, self.lanes, self.n,
+                           self.total_bits, self.crc32, *shape)  # fmt: skip
+        return raw + bytes(HEADER_BYTES - len(raw))
+
+
+def parse_header(head: bytes | memoryview | np.ndarray, nbytes: int, *, name: str = "tensor") -> Layout:
+    """The layout of a blob of `nbytes` bytes from its first HEADER_BYTES, after checking magic, version, dtype and
+    that the sections fill exactly `nbytes`. Raises DF11Error naming `name`."""
+    head = bytes(memoryview(head)[:HEADER_BYTES])
+    if len(head) < _HEADER.size or head[:8] != MAGIC:
+        raise DF11Error(f"{name}: not a DF11 blob (expected magic {MAGIC!r}, found {head[:8]!r})")
+    magic, version, dtype, ndim, chunk, lanes, n, total_bits, crc, *dims = _HEADER.unpack(head[: _HEADER.size])
+    if version != VERSION or dtype != DTYPE_BF16:
+        raise DF11Error(f"{name}: expected DF11 version {VERSION} of BF16, found version {version} dtype {dtype}")
+    if not 0 <= ndim <= MAX_DIMS or chunk < 1 or lanes < 1 or any(dims[ndim:]):
+        raise DF11Error(f"{name}: corrupt DF11 header (ndim {ndim}, chunk {chunk}, lanes {lanes}, dims {dims})")
+    layout = Layout(tuple(dims[:ndim]), chunk, lanes, total_bits, crc)
+    if layout.n != n or n < 1 or total_bits > n * CODE_BITS + layout.groups * lanes * chunk * CODE_BITS:
+        raise DF11Error(f"{name}: corrupt DF11 header ({n} elements for shape {layout.shape}, {total_bits} bits)")
+    if layout.nbytes != nbytes:
+        raise DF11Error(f"{name}: DF11 blob of {nbytes} bytes, its header describes {layout.nbytes}")
+    return layout
+
+
+def code_lengths(counts: np.ndarray, max_len: int = CODE_BITS) -> np.ndarray:
+    """Huffman code lengths (uint8 [256], 0 for absent symbols) of symbol counts [256], none longer than `max_len`:
+    where Huffman's are longer, the counts are halved (keeping every present symbol at least 1) and the code rebuilt,
+    which flattens the rare tail at a cost of a small fraction of a bit per symbol."""
+    counts = counts.astype(np.int64)
+    present = np.flatnonzero(counts)
+    lengths = np.zeros(256, dtype=np.uint8)
+    if len(present) == 1:
+        lengths[present] = 1
+        return lengths
+    while True:
+        heap = [(int(counts[s]), int(s), [int(s)]) for s in present]
+        heapq.heapify(heap)
+        depth = dict.fromkeys((int(s) for s in present), 0)
+        while len(heap) > 1:
+            c1, t1, a = heapq.heappop(heap)
+            c2, t2, b = heapq.heappop(heap)
+            for s in a + b:
+                depth[s] += 1
+            heapq.heappush(heap, (c1 + c2, min(t1, t2), a + b))
+        if max(depth.values()) <= max_len:
+            for s, d in depth.items():
+                lengths[s] = d
+            return lengths
+        counts = np.where(counts > 0, np.maximum(counts >> 1, 1), 0)
+
+
+def canonical_codes(lengths: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(codes int64 [256], lut int16 [4096]) of the canonical prefix code with these lengths: codes assigned in
+    (length, symbol) order; the table maps every 12-bit window starting with a code to symbol | length << 8."""
+    codes = np.zeros(256, dtype=np.int64)
+    lut = np.zeros(LUT_SIZE, dtype=np.int16)
+    code, prev = 0, 0
+    for s in sorted(np.flatnonzero(lengths), key=lambda s: (lengths[s], s)):
+        length = int(lengths[s])
+        code <<= length - prev
+        prev = length
+        codes[s] = code
+        span = CODE_BITS - length
+        lut[code << span : (code + 1) << span] = s | (length << 8)
+        code += 1
+    if code > 1 << prev:
+        raise AssertionError(f"code lengths {lengths[lengths > 0]} violate Kraft's inequality")
+    return codes, lut
+
+
+def split_bf16(t: Tensor) -> tuple[Tensor, Tensor]:
+    """(exponents int32 [n], sign | mantissa uint8 [n]) of a bf16 tensor, flattened, on its device."""
+    bits = t.detach().contiguous().reshape(-1).view(torch.int16).to(torch.int32) & 0xFFFF
+    return bits >> 7 & 0xFF, ((bits >> 8 & 0x80) | (bits & 0x7F)).to(torch.uint8)
+
+
+def compressible(t: Tensor) -> bool:
+    """Whether the checkpoint writer stores `t` as DF11: bf16 of at least MIN_ELEMENTS elements. Smaller tensors
+    (biases, norms) stay raw: their bytes are a fraction of a percent of a block, and a one-group tensor decodes at
+    one lane's serial speed."""
+    return t.dtype == torch.bfloat16 and t.numel() >= MIN_ELEMENTS and t.ndim <= MAX_DIMS
+
+
+def encode(t: Tensor, *, chunk: int = CHUNK, lanes: int = LANES, check: bool = True, device=None) -> np.ndarray:
+    """A bf16 tensor [...] (1 element or more) → its DF11 blob (uint8 [nbytes], host memory). The bit packing runs
+    in PyTorch on `device` (default: t's; a GPU does it in milliseconds). With `check`, the blob is decoded there with
+    `decode_ref` and compared with `t` bit for bit, else AssertionError."""
+    if t.dtype != torch.bfloat16 or t.numel() < 1 or t.ndim > MAX_DIMS:
+        raise ValueError(f"df11: expected a non-empty bfloat16 tensor of <= {MAX_DIMS} dims, found {t.dtype} "
+                         f"{tuple(t.shape)}")  # fmt: skip
+    device = torch.device(device) if device is not None else t.device
+    host = t.detach().contiguous().cpu()
+    crc = zlib.crc32(host.reshape(-1).view(torch.int16).numpy())
+    x = host.to(device)
+    exps, sm = split_bf16(x)
+    n = exps.numel()
+    counts = torch.bincount(exps, minlength=256)
+    lengths = code_lengths(counts.cpu().numpy())
+    codes, lut = canonical_codes(lengths)
+    group = lanes * chunk
+    groups = -(-n // group)
+    # Pad with the most frequent symbol (the shortest code), then deal: stream order is (group, lane, step).
+    padded = torch.full((groups * group,), int(counts.argmax()), dtype=torch.int32, device=device)
+    padded[:n] = exps
+    stream = padded.view(groups, chunk, lanes).transpose(1, 2).reshape(-1)
+    table = torch.from_numpy(codes << 8 | lengths.astype(np.int64)).to(device)
+    entry = table.index_select(0, stream)  # [groups · lanes · chunk] code << 8 | length
+    del padded, stream
+    length = entry & 0xFF
+    end = torch.cumsum(length, 0)
+    start = end - length
+    layout = Layout(tuple(t.shape), chunk, lanes, int(end[-1]), crc)
+    words = _pack_bits(entry >> 8, length, start, layout.n_words)
+    parts = {
+        "lut": torch.from_numpy(lut),
+        "group_base": start.view(groups, group)[:, 0],
+        "lane_bits": length.view(-1, chunk).sum(1).to(torch.int16),
+        "sm": sm,
+        "words": words,
+    }
+    blob = np.zeros(layout.nbytes, dtype=np.uint8)
+    blob[:HEADER_BYTES] = np.frombuffer(layout.header(), dtype=np.uint8)
+    for name, (at, _, _) in layout.sections().items():
+        raw = parts[name].contiguous().cpu().numpy().view(np.uint8)
+        blob[at : at + raw.size] = raw
+    if check:
+        decoded = decode_blob_ref(torch.from_numpy(blob).to(device), layout)
+        if not torch.equal(decoded.view(torch.int16), x.view(torch.int16)):
+            raise AssertionError(f"df11: a {tuple(t.shape)} tensor did not decode to itself")
+    return blob
+
+
+def _pack_bits(code: Tensor, length: Tensor, start: Tensor, n_words: int) -> Tensor:
+    """The bitstream (int32 [n_words], first bit in each word's most significant bit) of codes (int64 [N]) of
+    `length` bits at ascending bit offsets `start`. A code of <= 12 bits spans at most two words, and every word
+    holds the start of a code (a spilled tail has at most 11 bits); the parts landing in one word occupy disjoint
+    bits, so their sum is their OR: a word is a difference of a running sum at the last code that starts in it."""
+    word = start >> 5
+    end = (start & 31) + length
+    spill = torch.nonzero(end > 32).squeeze(1)
+    head = code << (32 - end).clamp_min(0)
+    head[spill] = code[spill] >> (end[spill] - 32)
+    last = torch.nonzero(word[1:] != word[:-1]).squeeze(1)
+    last = torch.cat([last, torch.tensor([word.numel() - 1], device=word.device)])
+    sums = torch.cumsum(head, 0)[last]
+    acc = torch.zeros(n_words, dtype=torch.int64, device=code.device)
+    acc[word[last]] = torch.diff(sums, prepend=sums.new_zeros(1))
+    acc[word[spill] + 1] += (code[spill] << (64 - end[spill])) & 0xFFFFFFFF  # at most one spill into a word
+    return torch.where(acc >= 1 << 31, acc - (1 << 32), acc).to(torch.int32)
+
+
+def sections(blob: Tensor, layout: Layout) -> dict[str, Tensor]:
+    """Views of a blob's sections (uint8 blob [nbytes], CPU or GPU): lut, group_base, lane_bits, sm, words."""
+    return {name: blob[at : at + count * dtype.itemsize].view(dtype)
+            for name, (at, count, dtype) in layout.sections().items()}  # fmt: skip
+
+
+def decode_blob(blob: Tensor, layout: Layout, out: Tensor | None = None) -> Tensor:
+    """Decode a blob (uint8 [nbytes] on the target device) into `out` (bf16 [layout.shape], allocated if None) with
+    the op (`kernels.df11_decode.decode`: Triton on CUDA)."""
+    if out is None:
+        out = torch.empty(layout.shape, dtype=torch.bfloat16, device=blob.device)
+    s = sections(blob, layout)
+    return decode(s["words"], s["sm"], s["lane_bits"], s["group_base"], s["lut"], out, chunk=layout.chunk)
+
+
+def decode_blob_ref(blob: Tensor, layout: Layout, out: Tensor | None = None) -> Tensor:
+    """`decode_blob` with the PyTorch reference decoder, on the blob's device."""
+    if out is None:
+        out = torch.empty(layout.shape, dtype=torch.bfloat16, device=blob.device)
+    s = sections(blob, layout)
+    return decode_ref(s["words"], s["sm"], s["lane_bits"], s["group_base"], s["lut"], out, chunk=layout.chunk)
+
+
+def crc32_matches(decoded: Tensor, layout: Layout) -> bool:
+    """Whether a decoded bf16 tensor's bytes have the CRC-32 its header stores (reads the tensor on the CPU)."""
+    raw = decoded.detach().contiguous().reshape(-1).view(torch.int16).cpu().numpy()
+    return zlib.crc32(raw.tobytes()) == layout.crc32
+
+
+def exponent_entropy_bits(t: Tensor) -> float:
+    """Shannon entropy of a bf16 tensor's exponent bytes, in bits a symbol: the bound for any exponent coder."""
+    p = torch.bincount(split_bf16(t)[0], minlength=256).double().cpu().numpy()
+    p = p[p > 0] / p.sum()
+    return float(-(p * np.log2(p)).sum())
