@@ -15,8 +15,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from .df11_header import COMPRESSION_FORMATS, COMPRESSION_KEY, COMPRESSION_VERSION, DF11Error, read_layout
 from .dit.config import QUANT_CONFIG_KEY, QUANT_FORMATS, QUANT_VERSION, DiTConfig, expected_shapes, quantized_layout
-from .safetensors_index import CheckpointError, file_tensors, read_header
+from .safetensors_index import CheckpointError, TensorLocation, file_tensors, read_header
 
 COMPONENTS = (
     "transformer",
@@ -46,6 +47,9 @@ class Checkpoint:
     # "fp8" / "nvfp4" for a checkpoint written by `k6fast quantize` (its fused-block linears are stored quantized and
     # run that format's GEMM whatever K6_GEMM says; lossy by construction), None for the released bf16 checkpoints.
     quantization: str | None = None
+    # "df11" for a checkpoint written by `k6fast quantize --format df11`: its large BF16 transformer tensors are
+    # stored as DF11 blobs (U8), lossless (k6fast/df11_checkpoint.py); None otherwise.
+    compression: str | None = None
 
     @property
     def distilled(self) -> bool:
@@ -142,7 +146,33 @@ def quantization_of(config: dict[str, Any], path: Path) -> str | None:
     return entry["format"]
 
 
-def _check_transformer(dit: DiTConfig, files: tuple[Path, ...], quantization: str | None = None) -> None:
+def compression_of(config: dict[str, Any], path: Path) -> str | None:
+    """The `k6fast_compression` entry of a transformer config.json: its format, or None when absent."""
+    entry = config.get(COMPRESSION_KEY)
+    if entry is None:
+        return None
+    if (not isinstance(entry, dict) or entry.get("format") not in COMPRESSION_FORMATS
+            or entry.get("version") != COMPRESSION_VERSION):  # fmt: skip
+        raise CheckpointError(
+            f"{path}: {COMPRESSION_KEY} must be {{'format': one of {list(COMPRESSION_FORMATS)}, 'version': "
+            f"{COMPRESSION_VERSION}}}, found {entry!r}"
+        )
+    return entry["format"]
+
+
+def _stored_as(loc: TensorLocation, compression: str | None) -> tuple[tuple[int, ...], str]:
+    """(shape, dtype) a tensor decodes to: a DF11 blob's from its header (checked against its stored length)."""
+    if compression is None or loc.dtype != "U8":
+        return loc.shape, loc.dtype
+    try:
+        return read_layout(loc.file, loc.offset, loc.nbytes, loc.name).shape, "BF16"
+    except DF11Error as exc:
+        raise CheckpointError(str(exc)) from exc
+
+
+def _check_transformer(
+    dit: DiTConfig, files: tuple[Path, ...], quantization: str | None = None, compression: str | None = None
+) -> None:
     expected = expected_shapes(dit)
     expected_dtypes: dict[str, str] = {}
     if quantization is not None:
@@ -151,8 +181,8 @@ def _check_transformer(dit: DiTConfig, files: tuple[Path, ...], quantization: st
     dtypes: dict[str, str] = {}
     for file in files:
         for loc in file_tensors(file):
-            found[loc.name] = (loc.shape, file)
-            dtypes[loc.name] = loc.dtype
+            shape, dtypes[loc.name] = _stored_as(loc, compression)
+            found[loc.name] = (shape, file)
     missing = sorted(set(expected) - set(found))
     if missing:
         raise CheckpointError(
@@ -199,8 +229,11 @@ def open_checkpoint(model: str | Path) -> Checkpoint:
     transformer_config = _read_json(root / "transformer" / "config.json")
     dit = DiTConfig.from_dict(transformer_config)
     quantization = quantization_of(transformer_config, root / "transformer" / "config.json")
+    compression = compression_of(transformer_config, root / "transformer" / "config.json")
+    if quantization is not None and compression is not None:
+        raise CheckpointError(f"{root / 'transformer' / 'config.json'}: both {QUANT_CONFIG_KEY} and {COMPRESSION_KEY}")
     transformer_files = weight_files(root / "transformer", "diffusion_pytorch_model")
-    _check_transformer(dit, transformer_files, quantization)
+    _check_transformer(dit, transformer_files, quantization, compression)
 
     scheduler_config = _read_json(root / "scheduler" / "scheduler_config.json")
     scheduler_class = scheduler_config.get("_class_name", "")
@@ -222,4 +255,6 @@ def open_checkpoint(model: str | Path) -> Checkpoint:
             f"{root / 'transformer' / 'config.json'}: a flow-matching checkpoint needs out dims equal to in dims, "
             f"found video {dit.out_visual_dim}/{dit.in_visual_dim}, audio {dit.out_audio_dim}/{dit.in_audio_dim}"
         )
-    return Checkpoint(root, model_index, dit, scheduler_class, scheduler_config, transformer_files, quantization)
+    return Checkpoint(
+        root, model_index, dit, scheduler_class, scheduler_config, transformer_files, quantization, compression
+    )

@@ -3,115 +3,41 @@
 The exponent byte of trained or Gaussian-initialised BF16 weights carries 2-3 bits of information (DFloat11, arXiv
 2504.11651). The sign and mantissa are stored raw, one byte an element; the exponents are Huffman-coded with codes of
 at most 12 bits (so one table lookup decodes a symbol) and dealt to lanes that decode independently (see
-`kernels/df11_decode.py` for the order). Every tensor is one uint8 blob, little-endian, sections 16-byte aligned:
+`kernels/df11_decode.py` for the order). Every tensor is one uint8 blob; `df11_header.py` gives its sections.
 
-  header      128 bytes     MAGIC, version, dtype (BF16), ndim, chunk, lanes, n, total bits, CRC-32 of the
-                            original bytes, shape (up to 8 dims)
-  lut         int16 [4096]  symbol | code length << 8 for every 12-bit window
-  group_base  int64 [G]     first bit of each group of lanes · chunk elements
-  lane_bits   int16 [G·L]   bits each lane's codes take
-  sm          uint8 [n]     sign | mantissa
-  words       int32 [W]     the bitstream, two words of padding at its end
-
-`encode` builds a blob with vectorised NumPy (no per-symbol Python) and checks it: decoded with `decode_ref`, it must
-give the tensor back bit for bit. `parse_header` checks a blob's header and section sizes against its length (cheap,
-at every load); `crc32_matches` checks the decoded bytes against the stored CRC (a full read).
+`encode` builds a blob with vectorised PyTorch (no per-symbol Python) on the CPU or a GPU and checks it: decoded with
+`decode_ref`, it must give the tensor back bit for bit. `parse_header` checks a blob's header and section sizes
+against its length (cheap, at every load); `crc32_matches` checks decoded bytes against the stored CRC (a full read).
 """
 
 from __future__ import annotations
 
 import heapq
-import struct
 import zlib
-from dataclasses import dataclass
 
 import numpy as np
 import torch
 from torch import Tensor
 
-from .kernels.df11_decode import CODE_BITS, LUT_SIZE, PAD_WORDS, decode, decode_ref
+from .df11_header import (  # noqa: F401 (the format's API, re-exported)
+    CODE_BITS,
+    HEADER_BYTES,
+    LUT_SIZE,
+    MAX_DIMS,
+    PAD_WORDS,
+    SECTIONS,
+    DF11Error,
+    Layout,
+    parse_header,
+)
+from .kernels import df11_decode
+from .kernels.df11_decode import decode, decode_ref
 
-MAGIC = b"K6DF11\x00\x00"
-VERSION = 1
-DTYPE_BF16 = 1
 CHUNK = 256  # codes one lane decodes: fewer lanes' bit lengths to store against more lanes running at once
 LANES = 128  # lanes of a group (one Triton program): 128 x 256 = 32768 elements
 MIN_ELEMENTS = 1 << 20  # smaller bf16 tensors stay raw in a checkpoint (`compressible`)
-MAX_DIMS = 8
-HEADER_BYTES = 128
-_HEADER = struct.Struct(f"<8sIIIIIQQI{MAX_DIMS}Q")
-_ALIGN = 16
-
-
-class DF11Error(ValueError):
-    """A blob that is not a DF11 tensor, or whose header and sizes disagree with its length."""
-
-
-@dataclass(frozen=True)
-class Layout:
-    """Where a blob's sections lie (byte offsets into the blob) and what it decodes to."""
-
-    shape: tuple[int, ...]
-    chunk: int
-    lanes: int
-    total_bits: int
-    crc32: int
-
-    @property
-    def n(self) -> int:
-        return int(np.prod(self.shape, dtype=np.int64))
-
-    @property
-    def groups(self) -> int:
-        return -(-self.n // (self.lanes * self.chunk))
-
-    @property
-    def n_words(self) -> int:
-        return -(-self.total_bits // 32) + PAD_WORDS
-
-    def sections(self) -> dict[str, tuple[int, int, torch.dtype]]:
-        """name → (byte offset, element count, dtype), in blob order."""
-        out, at = {}, HEADER_BYTES
-        for name, count, dtype in (
-            ("lut", LUT_SIZE, torch.int16),
-            ("group_base", self.groups, torch.int64),
-            ("lane_bits", self.groups * self.lanes, torch.int16),
-            ("sm", self.n, torch.uint8),
-            ("words", self.n_words, torch.int32),
-        ):
-            out[name] = (at, count, dtype)
-            at += -(-count * dtype.itemsize // _ALIGN) * _ALIGN
-        return out
-
-    @property
-    def nbytes(self) -> int:
-        at, count, dtype = self.sections()["words"]
-        return at + count * dtype.itemsize
-
-    def header(self) -> bytes:
-        shape = list(self.shape) + [0] * (MAX_DIMS - len(self.shape))
-        raw = _HEADER.pack(MAGIC, VERSION, DTYPE_BF16, len(self.shape), self.chunk, self.lanes, self.n,
-                           self.total_bits, self.crc32, *shape)  # fmt: skip
-        return raw + bytes(HEADER_BYTES - len(raw))
-
-
-def parse_header(head: bytes | memoryview | np.ndarray, nbytes: int, *, name: str = "tensor") -> Layout:
-    """The layout of a blob of `nbytes` bytes from its first HEADER_BYTES, after checking magic, version, dtype and
-    that the sections fill exactly `nbytes`. Raises DF11Error naming `name`."""
-    head = bytes(memoryview(head)[:HEADER_BYTES])
-    if len(head) < _HEADER.size or head[:8] != MAGIC:
-        raise DF11Error(f"{name}: not a DF11 blob (expected magic {MAGIC!r}, found {head[:8]!r})")
-    magic, version, dtype, ndim, chunk, lanes, n, total_bits, crc, *dims = _HEADER.unpack(head[: _HEADER.size])
-    if version != VERSION or dtype != DTYPE_BF16:
-        raise DF11Error(f"{name}: expected DF11 version {VERSION} of BF16, found version {version} dtype {dtype}")
-    if not 0 <= ndim <= MAX_DIMS or chunk < 1 or lanes < 1 or any(dims[ndim:]):
-        raise DF11Error(f"{name}: corrupt DF11 header (ndim {ndim}, chunk {chunk}, lanes {lanes}, dims {dims})")
-    layout = Layout(tuple(dims[:ndim]), chunk, lanes, total_bits, crc)
-    if layout.n != n or n < 1 or total_bits > n * CODE_BITS + layout.groups * lanes * chunk * CODE_BITS:
-        raise DF11Error(f"{name}: corrupt DF11 header ({n} elements for shape {layout.shape}, {total_bits} bits)")
-    if layout.nbytes != nbytes:
-        raise DF11Error(f"{name}: DF11 blob of {nbytes} bytes, its header describes {layout.nbytes}")
-    return layout
+if (df11_decode.CODE_BITS, df11_decode.PAD_WORDS) != (CODE_BITS, PAD_WORDS):
+    raise ImportError("kernels/df11_decode.py and k6fast/df11_header.py disagree on the DF11 format's constants")
 
 
 def code_lengths(counts: np.ndarray, max_len: int = CODE_BITS) -> np.ndarray:
@@ -212,7 +138,7 @@ def encode(t: Tensor, *, chunk: int = CHUNK, lanes: int = LANES, check: bool = T
     }
     blob = np.zeros(layout.nbytes, dtype=np.uint8)
     blob[:HEADER_BYTES] = np.frombuffer(layout.header(), dtype=np.uint8)
-    for name, (at, _, _) in layout.sections().items():
+    for name, (at, _) in layout.sections().items():
         raw = parts[name].contiguous().cpu().numpy().view(np.uint8)
         blob[at : at + raw.size] = raw
     if check:
@@ -243,8 +169,11 @@ def _pack_bits(code: Tensor, length: Tensor, start: Tensor, n_words: int) -> Ten
 
 def sections(blob: Tensor, layout: Layout) -> dict[str, Tensor]:
     """Views of a blob's sections (uint8 blob [nbytes], CPU or GPU): lut, group_base, lane_bits, sm, words."""
-    return {name: blob[at : at + count * dtype.itemsize].view(dtype)
-            for name, (at, count, dtype) in layout.sections().items()}  # fmt: skip
+    out = {}
+    for name, (at, count) in layout.sections().items():
+        itemsize, dtype = SECTIONS[name]
+        out[name] = blob[at : at + count * itemsize].view(getattr(torch, dtype))
+    return out
 
 
 def decode_blob(blob: Tensor, layout: Layout, out: Tensor | None = None) -> Tensor:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 
 from .cli_args import no_gpu_device_files
+from .df11_header import COMPRESSION_FORMATS
 from .dit.config import QUANT_FORMATS
 
 
@@ -25,6 +26,12 @@ def _device_arg(text: str) -> str:
 
 
 def cmd_quantize(args: argparse.Namespace) -> int:
+    if args.format in COMPRESSION_FORMATS:
+        from .df11_checkpoint import check_compress, compress_checkpoint
+
+        check_compress(args.src, args.dst)  # before PyTorch loads: a bad SRC or DST fails at once
+        compress_checkpoint(args.src, args.dst, device=args.device)
+        return 0
     from .quantize_check import check_quantize
 
     check_quantize(args.src, args.dst, args.format)  # before PyTorch loads: a bad SRC or DST fails at once
@@ -50,14 +57,18 @@ def register(subparsers) -> argparse.ArgumentParser:
     p.add_argument(
         "--format",
         required=True,
-        choices=QUANT_FORMATS,
-        help="fp8 (FP8 GEMM on sm_89+), mxfp8 (block-scaled GEMM on sm_100/sm_120; needs torchao) or nvfp4; each "
-        "dequantized where its GEMM does not run",
+        choices=QUANT_FORMATS + COMPRESSION_FORMATS,
+        help="fp8 (FP8 GEMM on sm_89+), mxfp8 (block-scaled GEMM on sm_100/sm_120; needs torchao) or nvfp4, each "
+        "dequantized where its GEMM does not run; or df11: lossless, the BF16 transformer's exponents Huffman-coded "
+        "(decoded on the GPU)",
     )
     p.add_argument("src", help="source checkpoint directory (bf16, Diffusers layout)")
     p.add_argument("dst", help="output directory (must be missing or empty)")
     p.add_argument(
-        "--device", default="cpu", type=_device_arg, help="where to quantize: cpu (default) or cuda (faster, same bits)"
+        "--device",
+        default="cpu",
+        type=_device_arg,
+        help="where to quantize or compress: cpu (default) or cuda (faster, same bits)",
     )
     p.set_defaults(func=cmd_quantize)
     return p

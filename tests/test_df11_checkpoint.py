@@ -1,0 +1,113 @@
+"""`k6fast quantize --format df11`: the compressed checkpoint's layout, its exact round trip, and its checks at load.
+
+The source is the tiny checkpoint with its transformer in BF16 except the norms (F32), as a mixed checkpoint would
+be; every BF16 tensor is compressed (min_elements=1; the command's own threshold keeps small tensors raw), so each
+tensor's blob is read back from the written shards and decoded with the reference decoder.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+from k6fast import df11
+from k6fast.checkpoint import CheckpointError, open_checkpoint
+from k6fast.df11_checkpoint import compress_checkpoint
+from k6fast.safetensors_index import index_safetensors
+
+
+@pytest.fixture(scope="module")
+def tiny_bf16(tiny_distill, tmp_path_factory):
+    """The tiny checkpoint (float32) with its transformer stored BF16, norms left F32."""
+    root = tmp_path_factory.mktemp("bf16") / "ckpt"
+    shutil.copytree(tiny_distill, root, copy_function=shutil.copy)
+    for file in open_checkpoint(root).transformer_files:
+        with safe_open(file, "pt") as f:
+            meta = f.metadata()
+            tensors = {k: f.get_tensor(k) for k in f.keys()}  # noqa: SIM118 (safe_open has no __iter__)
+        tensors = {k: t if "norm" in k else t.to(torch.bfloat16) for k, t in tensors.items()}
+        save_file(tensors, file, metadata=meta)
+    return root
+
+
+@pytest.fixture(scope="module")
+def compressed(tiny_bf16, tmp_path_factory):
+    dst = tmp_path_factory.mktemp("df11") / "ckpt"
+    lines: list[str] = []
+    report = compress_checkpoint(tiny_bf16, dst, min_elements=1, log=lines.append)
+    assert report.compressed > 0 and lines[-1] == f"wrote {dst}"
+    return dst, report
+
+
+def test_every_tensor_round_trips_bit_exact(tiny_bf16, compressed):
+    dst, report = compressed
+    ckpt = open_checkpoint(dst)
+    assert ckpt.compression == "df11" and ckpt.quantization is None
+    source = index_safetensors(open_checkpoint(tiny_bf16).transformer_files)
+    stored = index_safetensors(ckpt.transformer_files)
+    assert set(stored) == set(source)
+    dtypes = set()
+    for name, loc in source.items():
+        with safe_open(loc.file, "pt") as f:
+            want = f.get_tensor(name)
+        with safe_open(stored[name].file, "pt") as f:  # the shards stay readable by safetensors itself
+            got = f.get_tensor(name)
+        dtypes.add(loc.dtype)
+        if loc.dtype == "BF16":
+            assert stored[name].dtype == "U8"
+            blob = got.numpy()
+            got = df11.decode_blob_ref(torch.from_numpy(blob), df11.parse_header(blob, blob.size, name=name))
+        assert got.dtype == want.dtype and got.shape == want.shape, name
+        assert torch.equal(got.view(torch.uint8), want.view(torch.uint8)), name
+    assert dtypes == {"BF16", "F32"}
+    assert report.tensors == len(source) and report.compressed == sum(s.dtype == "BF16" for s in source.values())
+
+
+def test_shards_and_config_say_what_they_hold(tiny_bf16, compressed):
+    dst, _ = compressed
+    config = json.loads((dst / "transformer" / "config.json").read_text())
+    assert config["k6fast_compression"] == {"format": "df11", "version": 1}
+    for file in open_checkpoint(dst).transformer_files:
+        with safe_open(file, "pt") as f:
+            assert f.metadata()["k6fast_compression"] == "df11"
+        header_len = int.from_bytes(file.read_bytes()[:8], "little")
+        assert (8 + header_len) % 16 == 0  # blobs start aligned; each is a multiple of 16 bytes
+    vae = next((tiny_bf16 / "vae").glob("*.safetensors"))
+    assert (dst / "vae" / vae.name).stat().st_ino == vae.stat().st_ino  # other components hard-linked
+
+
+def test_refuses_a_compressed_source_and_a_used_destination(tiny_bf16, compressed, tmp_path):
+    dst, _ = compressed
+    with pytest.raises(CheckpointError, match="already stored as df11"):
+        compress_checkpoint(dst, tmp_path / "twice")
+    (tmp_path / "used").mkdir()
+    (tmp_path / "used" / "x").write_text("")
+    with pytest.raises(FileExistsError, match="non-empty directory"):
+        compress_checkpoint(tiny_bf16, tmp_path / "used")
+
+
+def test_open_names_a_damaged_blob(compressed, tmp_path):
+    dst, _ = compressed
+    copy = tmp_path / "copy"
+    shutil.copytree(dst, copy, copy_function=shutil.copy)  # real copies: the source's files stay untouched
+    loc = next(loc for loc in index_safetensors(open_checkpoint(copy).transformer_files).values() if loc.dtype == "U8")
+    with open(loc.file, "r+b") as f:
+        f.seek(loc.offset + 28)  # the element count in the blob's header
+        f.write(b"\xff")
+    with pytest.raises(CheckpointError, match=rf"tensor {loc.name}: corrupt DF11 header"):
+        open_checkpoint(copy)
+
+
+def test_command_line_writes_it(tiny_bf16, tmp_path):
+    from k6fast.cli import main
+
+    assert main(["quantize", "--format", "df11", str(tiny_bf16), str(tmp_path / "cli")]) == 0
+    ckpt = open_checkpoint(tmp_path / "cli")
+    assert ckpt.compression == "df11"
+    # The command's threshold keeps the tiny model's small tensors raw: nothing to decode, bytes unchanged.
+    assert all(loc.dtype != "U8" for loc in index_safetensors(ckpt.transformer_files).values())
