@@ -86,7 +86,10 @@ def _prepare_generate(args: argparse.Namespace) -> tuple[Options, Checkpoint, Re
     _check_generate_args(args)
     options = load_options(arm=args.arm)
     image = _open_image(args.image) if args.image else None
+    clock = startup_clock(args)
+    clock.lap("checks")
     ckpt = open_checkpoint(args.model)
+    clock.lap("checkpoint")
     width, height = args.size
     request = Request(
         prompt=args.prompt,
@@ -118,8 +121,19 @@ def prompt_cache_dir(args: argparse.Namespace, options: Options) -> Path | None:
     return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "k6fast" / "prompts"
 
 
+def startup_clock(args: argparse.Namespace):
+    """The `StartupClock` `main` started for this command; a fresh one where a caller runs the command itself."""
+    if getattr(args, "startup", None) is None:
+        from .telemetry import StartupClock
+
+        args.startup = StartupClock(from_process_start=False)
+    return args.startup
+
+
 def cmd_generate(args: argparse.Namespace) -> int:
     options, ckpt, request = _prepare_generate(args)
+    clock = startup_clock(args)
+    clock.lap("checks")  # the request against the checkpoint, the device
     out = Path(args.out)
     # Everything is checked: now the imports that take seconds (PyTorch, diffusers, transformers).
     from tqdm import tqdm
@@ -127,9 +141,12 @@ def cmd_generate(args: argparse.Namespace) -> int:
     from .output import generate_to_mp4, sidecar_path
     from .pipeline import Pipeline
 
+    clock.lap("imports")
     width, height = args.size
+    clock.lap("cuda_context")  # since the imports: the CUDA context and the allocator's cap at the budget
     pipe = Pipeline(ckpt, options, device=args.device, dtype=_dtype(args.dtype), plan_geometry=(width, height,
                     args.frames), prompt_cache_dir=prompt_cache_dir(args, options))  # fmt: skip
+    clock.lap_split(pipe.load_parts, "load_other")
     if pipe.device.type == "cuda":  # the residency plan is a GPU memory budget; the CPU has none
         print(pipe.runtime.plan.describe(), file=sys.stderr)
     steps, _ = pipe.resolve(request)
@@ -146,19 +163,46 @@ def cmd_generate(args: argparse.Namespace) -> int:
         import torch
 
         extra["gpu_name"] = torch.cuda.get_device_name(pipe.device)
+    clock.lap("before_request")
+    extra["process"] = clock.as_dict()  # the start-up profile; `main` adds the request and the teardown at the end
     try:
         with tqdm(total=steps, desc="denoise", unit="step", file=sys.stderr) as bar:
             # The MP4 is encoded on its own thread while the video decodes (`generate_to_mp4`).
             result = generate_to_mp4(pipe, request, out, args.model, on_step=lambda event: bar.update(1), extra=extra)
     except OSError as exc:  # the disk filled up or the directory changed while the clip was generated
         raise CliError(f"--out {out}: could not write the clip ({exc.strerror or 'write failed'})") from None
+    clock.lap("request")  # the request, its MP4 and the sidecar's first write
     if args.save_latents:
         from safetensors.torch import save_file
 
+        from .atomic import fsync_path
+
         save_file({k: v.contiguous() for k, v in result.latents.items()}, args.save_latents)
+        fsync_path(Path(args.save_latents))  # on disk before the process ends without the interpreter's teardown
+        clock.lap("latents")
     print(result.telemetry.summary(), file=sys.stderr)
     print(f"wrote {out} and {sidecar_path(out)}", file=sys.stderr)
+    args.sidecar = sidecar_path(out)
     return 0
+
+
+def _finish_generate(sidecar: Path, clock, end: bool) -> None:
+    """Complete the sidecar's "process" entry: the request, the latents and, where this process ends here (`end`: the
+    `k6fast` command itself, not a caller of `main`), the teardown from the MP4 and sidecar written to the end (the
+    entry's own rewrite not counted). The process then ends without the interpreter's teardown (`entry.end_process`):
+    every file it wrote is closed and fsynced by now, and what that teardown would free the kernel frees at exit."""
+    import json
+
+    from .atomic import write_json_atomic
+    from .entry import end_process
+
+    clock.lap("teardown")
+    clock.ended = end
+    record = json.loads(sidecar.read_text())
+    record["process"] = clock.as_dict()
+    write_json_atomic(sidecar, record)
+    if end:
+        end_process(0)
 
 
 def cmd_make_tiny(args: argparse.Namespace) -> int:
@@ -280,18 +324,25 @@ def main(argv: list[str] | None = None) -> int:
     from .allocator import configure_environment
     from .server.cli import ServeError
     from .stream.plan import ResidencyError
+    from .telemetry import StartupClock
 
+    clock = StartupClock(from_process_start=argv is None)  # with argv, a caller's process: timed from here
     quiet_warnings()
     args = build_parser().parse_args(argv)
+    args.startup = clock
+    clock.lap("interpreter")  # Python's start, k6fast.cli's imports, the arguments parsed
     configure_environment()  # before anything touches CUDA (k6fast/allocator.py says why)
     try:
-        return args.func(args)
+        code = args.func(args)
     except (CliError, CheckpointError, RequestError, SwitchError, ResidencyError, ServeError, FileExistsError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         print("error: interrupted", file=sys.stderr)
         return 130
+    if code == 0 and getattr(args, "sidecar", None) is not None:  # `generate` wrote a clip
+        _finish_generate(args.sidecar, clock, end=argv is None)
+    return code
 
 
 if __name__ == "__main__":

@@ -8,6 +8,7 @@ one; writing the MP4 (with provenance) is `output.py`'s job (`generate_to_mp4` e
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -87,7 +88,10 @@ class Pipeline:
         self.budget_bytes = device_budget(self.device, options.vram_budget_gb)
         # The text phase never evicts the DiT: its layers stream through the room the denoising activations take
         # later, which the residency plan keeps free for the larger of the two.
+        self.load_parts: dict[str, float] = {}  # seconds per part of the load: `k6fast generate`'s start-up profile
+        started = time.perf_counter()
         self.text = TextPhase(self.ckpt.root, self.device, self.dtype, cache=PromptCache(directory=prompt_cache_dir))
+        self.load_parts["text_setup"] = time.perf_counter() - started
         self._dit_args = dict(
             text_bytes=self.text.device_bytes(),
             budget_bytes=self.budget_bytes,
@@ -101,6 +105,8 @@ class Pipeline:
         self.runtime_plan = None
         with telemetry.phase("load"):
             self._load_dit()
+            self.load_parts.update(self.runtime.load_s)
+            started = time.perf_counter()
             self.vae = load_video_vae(self.ckpt.root, self.device, self.dtype)
             self.audio_vae, self.vocoder = load_audio_decoder(self.ckpt.root, self.device, self.dtype)
             self._decoder_bytes = sum(  # what stays on the device whatever else leaves it
@@ -109,6 +115,7 @@ class Pipeline:
                 for t in (*module.parameters(), *module.buffers())
             )
             self.scheduler = self._load_scheduler()
+            self.load_parts["decoders"] = time.perf_counter() - started  # and the scheduler
         self.load_seconds = telemetry.phases["load"]
 
     def _load_scheduler(self):

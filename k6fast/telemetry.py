@@ -1,17 +1,18 @@
-"""One telemetry object per request: wall time per phase, per-step times, peak GPU memory and peak host RSS.
+"""One telemetry object per request: wall time per phase, per-step times, peak GPU memory and peak host RSS; and the
+start-up profile of a `k6fast generate` process (`StartupClock`), from the process's start to its exit.
 
 `generate`, `serve` and `bench` print or record it the same way (`summary()` for people, `as_dict()` for records).
+Importing this module does not import PyTorch (the command line times its own imports with it).
 """
 
 from __future__ import annotations
 
+import os
 import resource
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-
-import torch
 
 
 def peak_host_rss_bytes() -> int:
@@ -94,7 +95,11 @@ class Telemetry:
     def phase(self, name: str) -> Iterator[None]:
         """Time a phase; on CUDA also its own peak memory (the peak counters restart with each phase, so the
         residency planner's estimate can be held against the denoise phase alone)."""
-        cuda = self.device.startswith("cuda") and torch.cuda.is_available()
+        cuda = self.device.startswith("cuda")
+        if cuda:
+            import torch
+
+            cuda = torch.cuda.is_available()
         if cuda:
             torch.cuda.synchronize()
             if self.per_phase_peaks:
@@ -171,3 +176,61 @@ class Telemetry:
             )
         lines.append(f"peak host RSS: {peak_host_rss_bytes() / 2**30:.2f} GiB")
         return "\n".join(lines)
+
+
+def process_age_s() -> float | None:
+    """Seconds since this process started, by the kernel's account: its start time in /proc/self/stat against
+    /proc/uptime, both on the boot clock, in 10 ms ticks. None where /proc does not say (not Linux)."""
+    try:
+        with open("/proc/self/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()  # after the command name, which may hold spaces
+        with open("/proc/uptime") as f:
+            uptime = float(f.read().split()[0])
+        return max(0.0, uptime - int(fields[19]) / os.sysconf("SC_CLK_TCK"))  # field 22, starttime
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+# The parts of a `k6fast generate` process after its start-up: its request (the MP4 and sidecar written), the latents
+# it was asked to save, and its teardown (from there to the process's end).
+AFTER_STARTUP = ("request", "latents", "teardown")
+
+
+class StartupClock:
+    """The start-up profile of one process, in disjoint parts: `lap(part)` adds the seconds since the previous lap (the
+    first: since the process started) to `part`, so the parts cover the process's life up to the last lap, each second
+    counted once. `as_dict()` is what the sidecar records."""
+
+    def __init__(self, from_process_start: bool = True) -> None:
+        """from_process_start: the first part starts when the process did (where /proc says when); else now."""
+        age = process_age_s() if from_process_start else None
+        self.origin = "process start" if age is not None else "clock"  # where the first part starts
+        self._last = time.perf_counter() - (age or 0.0)
+        self.parts: dict[str, float] = {}
+        self.ended = False  # set when the process ends at the last lap (`k6fast.entry.end_process`)
+
+    def lap(self, part: str) -> None:
+        now = time.perf_counter()
+        self.parts[part] = self.parts.get(part, 0.0) + now - self._last
+        self._last = now
+
+    def lap_split(self, parts: dict[str, float], rest: str) -> None:
+        """Lap a span whose own parts were timed inside it (a pipeline's load): those parts, and the span's remainder
+        as `rest`."""
+        span = time.perf_counter() - self._last
+        self.lap(rest)
+        for name, seconds in parts.items():
+            self.parts[name] = self.parts.get(name, 0.0) + seconds
+        self.parts[rest] -= min(span, sum(parts.values()))
+
+    def as_dict(self) -> dict:
+        """{"startup_s": {part: seconds} in the order lapped, "origin" (when the first part starts), "request_s" and
+        "latents_s" (when lapped), "teardown_s" and "ended_at_s" (the process's age at its end; both None unless the
+        process ended at the last lap)}."""
+        startup = {name: round(s, 4) for name, s in self.parts.items() if name not in AFTER_STARTUP}
+        out = {"startup_s": startup, "origin": self.origin}
+        out |= {f"{name}_s": round(self.parts[name], 4) for name in AFTER_STARTUP[:2] if name in self.parts}
+        ended = self.ended and "teardown" in self.parts
+        out["teardown_s"] = round(self.parts["teardown"], 4) if ended else None
+        out["ended_at_s"] = round(sum(self.parts.values()), 4) if ended else None
+        return out

@@ -3,8 +3,9 @@ uploaded once, the rest streamed."""
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -44,6 +45,9 @@ class DiTRuntime:
     device: torch.device
     dtype: torch.dtype
     planner: Callable[[tuple[int, int]], ResidencyPlan]  # (video, audio) tokens -> the plan at that geometry
+    # Seconds per part of `build_dit`: plan (index and residency plan), resident_upload, staging (the streamer's pinned
+    # staging and device slots), dit_build (the module, its compile wrappers): the start-up profile's parts.
+    load_s: dict[str, float] = field(default_factory=dict)
 
     def plan_for(self, tokens: tuple[int, int]) -> ResidencyPlan:
         """The plan a request of `tokens` runs under: its own geometry's, never more resident blocks than the base
@@ -117,6 +121,7 @@ def build_dit(
     """The DiT of the checkpoint whose transformer weights are `files` (its shards) and config `cfg`, on `device`
     computing in `dtype`. tokens: (video, audio) token counts of the largest geometry this runtime must serve
     (sizes activations); text_bytes: the text phase's peak, planned in the activations' room."""
+    start = time.perf_counter()
     device = resolve_device(device)
     index = index_safetensors(files)
     fixed_bytes, block_bytes = index_footprint(index, cfg.num_visual_blocks, dtype.itemsize)
@@ -137,18 +142,31 @@ def build_dit(
         )
 
     plan = planner(tokens)
+    laps = [("plan", time.perf_counter())]
     reader = FileReader({loc.file for loc in index.values()})
     resident_names = [
         loc for name, loc in sorted(index.items()) if (b := block_of(name)) is None or b < plan.resident_blocks
     ]
     weights = upload(reader, resident_names, device, dtype)
+    laps.append(("resident_upload", _synced(device)))
     resident = _by_block(weights, plan.resident_blocks)
     # The fused blocks' tensors live in `resident` only, so that a block sent to the stream by `fit` frees its memory.
     fixed = {name: t for name, t in weights.items() if block_of(name) is None}
     streamer = None
     if plan.streamed_blocks:
         streamer = BlockStreamer(index, reader, cfg.num_visual_blocks, plan.resident_blocks, plan.slots, device, dtype)
+    laps.append(("staging", _synced(device)))
     dit = K6DiT(cfg, fixed, backend=backend, blocks=MixedBlocks(resident, streamer))
     if compile_blocks:
         dit.compile_blocks()
-    return DiTRuntime(dit, plan, plan, streamer, reader, index, cfg, device, dtype, planner)
+    laps.append(("dit_build", time.perf_counter()))
+    marks = [start] + [at for _, at in laps]
+    load_s = {name: at - marks[i] for i, (name, at) in enumerate(laps)}
+    return DiTRuntime(dit, plan, plan, streamer, reader, index, cfg, device, dtype, planner, load_s)
+
+
+def _synced(device: torch.device) -> float:
+    """The time once the device has finished what was queued on it (the uploads' copies may run ahead of the host)."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return time.perf_counter()

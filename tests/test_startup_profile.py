@@ -1,0 +1,97 @@
+"""The start-up profile a `k6fast generate` process writes into its sidecar (`"process"`), and how the process ends.
+
+The `k6fast` command itself (here `python -m k6fast.cli`) times its parts from the process's start (by the kernel's
+account) to its end, each second in one part, and ends without the interpreter's teardown once every file is written
+(`k6fast.entry.end_process`); a caller of `main(argv)` keeps its process, and its sidecar says no teardown was timed.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from safetensors.torch import load_file
+
+from k6fast.cli import main
+from k6fast.media import probe_mp4
+from k6fast.telemetry import StartupClock, process_age_s
+
+GEN = ["generate", "--prompt", "A fox runs through snow", "--size", "32x32", "--frames", "9", "--steps", "2"]
+# What the load of a tiny checkpoint is made of, each timed on its own (README "Start-up profile").
+STARTUP_PARTS = {
+    "interpreter", "checks", "checkpoint", "imports", "cuda_context", "text_setup", "plan", "resident_upload",
+    "staging", "dit_build", "decoders", "load_other", "before_request",
+}  # fmt: skip
+# The kernel counts a process's start and its uptime in 10 ms ticks: the process's own age may read one tick long.
+TICK_S = 0.01
+
+
+def _profile_sum(process: dict) -> float:
+    after = [process[k] for k in ("request_s", "latents_s", "teardown_s") if process.get(k) is not None]
+    return sum(process["startup_s"].values()) + sum(after)
+
+
+def test_the_command_profiles_its_start_up_and_ends_once_its_files_are_written(tiny_distill: Path, tmp_path) -> None:
+    out, latents = tmp_path / "fox.mp4", tmp_path / "fox.safetensors"
+    args = [*GEN, "--model", str(tiny_distill), "--out", str(out), "--save-latents", str(latents)]
+    environ = {k: v for k, v in os.environ.items() if not k.startswith("K6_")}
+    start = time.perf_counter()
+    done = subprocess.run([sys.executable, "-m", "k6fast.cli", *args], capture_output=True, text=True, cwd=tmp_path,
+                          env=environ, timeout=600)  # fmt: skip
+    wall = time.perf_counter() - start
+    assert done.returncode == 0, done.stderr[-3000:]
+    # The last line printed before the process ended reached the pipe: its buffers were flushed.
+    assert done.stderr.rstrip().endswith(f"wrote {out} and {out}.json"), done.stderr[-500:]
+    record = json.loads((tmp_path / "fox.mp4.json").read_text())
+    process = record["process"]
+    assert process["origin"] == "process start"
+    assert set(process["startup_s"]) == STARTUP_PARTS
+    seconds = [*process["startup_s"].values(), process["request_s"], process["latents_s"], process["teardown_s"]]
+    assert all(s >= 0 for s in seconds), process
+    assert process["startup_s"]["imports"] > 0 and process["request_s"] > 0
+    # Disjoint parts: together they are the process's age when it ended, and no more than its wall time outside.
+    assert abs(_profile_sum(process) - process["ended_at_s"]) < 1e-3 * len(seconds)
+    assert process["ended_at_s"] <= wall + TICK_S, (process, wall)
+    # The DiT's parts and the decoders are timed inside the pipeline's "load" phase.
+    inside = ("plan", "resident_upload", "staging", "dit_build", "decoders")
+    assert sum(process["startup_s"][k] for k in inside) <= record["load_s"] + 1e-3
+    # Every file is whole although the interpreter never tore down: the clip, its latents, the sidecar.
+    assert probe_mp4(out).frame_count == 9
+    assert set(load_file(latents)) == {"video", "audio"}
+    assert record["telemetry"]["phases_s"]["denoise"] <= process["request_s"]
+
+
+def test_a_caller_of_main_keeps_its_process_and_no_teardown_is_timed(tiny_distill: Path, tmp_path) -> None:
+    out = tmp_path / "fox.mp4"
+    assert main([*GEN, "--model", str(tiny_distill), "--out", str(out)]) == 0
+    process = json.loads((tmp_path / "fox.mp4.json").read_text())["process"]
+    assert process["origin"] == "clock"  # timed from the call, not from the start of the test's process
+    assert process["teardown_s"] is None and process["ended_at_s"] is None and "latents_s" not in process
+    assert set(process["startup_s"]) == STARTUP_PARTS and process["request_s"] > 0
+
+
+def test_laps_split_a_span_into_its_own_parts_and_the_rest() -> None:
+    clock = StartupClock(from_process_start=False)
+    time.sleep(0.02)
+    clock.lap("a")
+    time.sleep(0.03)
+    clock.lap_split({"inner": 0.01}, "rest")
+    parts = clock.as_dict()["startup_s"]
+    assert list(parts) == ["a", "rest", "inner"] and parts["inner"] == 0.01
+    assert parts["a"] >= 0.02 and parts["rest"] + parts["inner"] >= 0.03
+
+
+def test_process_age_is_the_kernels_account_of_this_process() -> None:
+    age = process_age_s()
+    started = subprocess.run(
+        [sys.executable, "-c", "import time; from k6fast.telemetry import process_age_s; t = time.perf_counter(); "
+         "time.sleep(0.3); print(process_age_s(), time.perf_counter() - t)"],
+        capture_output=True, text=True, check=True, timeout=120,
+    ).stdout.split()  # fmt: skip
+    child_age, slept = float(started[0]), float(started[1])
+    assert age is not None and age > child_age  # this test's process started before the child
+    assert slept - TICK_S <= child_age  # the child is at least as old as the time it slept
