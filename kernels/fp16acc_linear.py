@@ -219,8 +219,8 @@ def fp16acc_linear(
     BF16 and exists for numerical parity with the GeForce path. On sm_90 with k_chunk=64 a Gluon kernel
     (kernels/fp16acc_wgmma.py: TMA, fp16-accumulator wgmma kept in flight) runs the call, faster there than the
     Triton kernel though still slower than cuBLAS BF16 (measurements/sessions/2026-11-29_fp16acc-wgmma/README.md; the
-    Triton kernel's tiles and chunks: measurements/sessions/2026-11-29_fp16acc-sweep/README.md). GeForce cards are
-    not measured. Triton on CUDA sm_80+; the reference elsewhere."""
+    Triton kernel's tiles and chunks: measurements/sessions/2026-11-29_fp16acc-sweep/README.md). Triton on CUDA
+    sm_80+; the reference elsewhere."""
     if x.dtype not in (torch.bfloat16, torch.float16) or w.dtype not in (torch.bfloat16, torch.float16):
         raise ValueError(f"fp16acc_linear: expected bf16/fp16 x and w, found x {x.dtype}, w {w.dtype}")
     if w.ndim != 2 or x.ndim < 1 or x.shape[-1] != w.shape[1]:

@@ -5,7 +5,7 @@ rate of the FP32-accumulator form (`QMMA.16832.F32...`) that `torch._scaled_mm` 
 rate. This is the approach SageAttention2++ takes for P·V: short FP16 accumulations, added into FP32.
 
 Overflow: FP16 saturates at 65504, so a chunk's partial sums must stay below it. Operands are quantized per row to
-±qmax instead of ±448 (`FP16_CHUNK_QMAX`), with qmax² · chunk ≤ 65504: 44 for 32-wide chunks, 30 for 64, 22 for
+±qmax instead of ±E4M3_MAX (`FP16_CHUNK_QMAX`), with qmax² · chunk ≤ 65504: 44 for 32-wide chunks, 30 for 64, 22 for
 128. That bound holds for any data; it costs nothing in precision while values stay in e4m3's normal range (its
 relative rounding does not depend on the scale), only values below qmax · 2^-6 / absmax of their row lose bits.
 
@@ -22,7 +22,7 @@ GeForce sm_89/sm_12x only (k6fast/dit/arch.py); elsewhere it keeps `torch._scale
 Checked on the CPU: the emulation against the FP32-accumulate product (tests/test_fp8_fp16acc.py: ≤ 2e-3 relative
 L2 at K up to 16,384), the kernel under the Triton interpreter (its dot rounds each chunk's exact sum to FP16 once:
 at 32-wide chunks the emulation's result bit for bit), and the SASS for sm_120 and sm_89 (tests/test_sass_geforce.py:
-`QMMA.16832.F16.E4M3.E4M3` only, no FP32-accumulate QMMA, no spills). Speed: not measured (no GeForce card here).
+`QMMA.16832.F16.E4M3.E4M3` only, no FP32-accumulate QMMA, no spills).
 """
 
 from __future__ import annotations
@@ -130,9 +130,8 @@ def _fp8_fp16acc_kernel(
 
 
 # Starting points for mma.sync cards (~100 KB of shared memory on sm_89/sm_120); configs that do not fit are skipped
-# by the autotuner. Untuned: no GeForce card was available.
-# The tiles that build without register spills at 32-wide chunks for sm_120 and sm_89 (128x256 and 128x128 on 4 warps
-# spill); which is fastest is for a GeForce run of measurements/bench_gemm.py to say.
+# by the autotuner. The tiles that build without register spills at 32-wide chunks for sm_120 and sm_89 (128x256 and
+# 128x128 on 4 warps spill); which is fastest is for a GeForce run of measurements/bench_gemm.py to say.
 FP8_FP16ACC_CONFIGS = [
     triton.Config({"BLOCK_M": 128, "BLOCK_N": 128, "GROUP_M": 8}, num_warps=8, num_stages=3),
     triton.Config({"BLOCK_M": 64, "BLOCK_N": 256, "GROUP_M": 8}, num_warps=8, num_stages=3),

@@ -1,7 +1,8 @@
 """FP8 row-wise linear layers for the K6 DiT.
 
 What it holds:
-- `quantize_rows_fp8(x)`: one Triton pass per row: absmax, scale = absmax / 448, x · (448 / absmax) rounded to e4m3.
+- `quantize_rows_fp8(x)`: one Triton pass per row: absmax, scale = absmax / E4M3_MAX, x · (E4M3_MAX / absmax) rounded
+  to e4m3 (`formats.E4M3_MAX`, e4m3's largest value).
 - `quantize_weight_fp8(w)`: the same per output channel, at load or (streamed bf16 weights) at use.
 - extra columns (`extra_cols`, `residual`) that correct the weight's e4m3 rounding at the activations' largest
   channels; `fp8_outliers.outlier_columns(x, C)` chooses them and says what they buy.
@@ -27,12 +28,14 @@ import triton.language as tl
 from torch import Tensor
 
 from .fallback import kernel_runs
+from .formats import E4M3_MAX, E4M3_VALUES
 from .fp8_outliers import OUTLIER_WIDTH
 
 logger = logging.getLogger(__name__)
 
-E4M3_MAX = 448.0
-# An all-zero row gets scale AMAX_FLOOR / 448 instead of 0, so dequantization never divides by zero.
+# E4M3_MAX as a Triton constant, for the device helpers the fused-quantization kernels share.
+_E4M3_MAX_JIT = tl.constexpr(E4M3_MAX)
+# An all-zero row gets scale AMAX_FLOOR / E4M3_MAX instead of 0, so dequantization never divides by zero.
 AMAX_FLOOR = 1e-12
 _FLOAT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
@@ -84,11 +87,11 @@ def quantize_rows_fp8_ref(
 ) -> tuple[Tensor, Tensor]:
     """x: [..., K] bf16/fp16/fp32 → (xq: [..., K + C] float8_e4m3fn, scale: [..., 1] fp32) with x ≈ xq[..., :K] * scale.
 
-    scale = max(absmax(row), 1e-12) / qmax; qmax = 448 (e4m3's largest value) unless a GEMM needs a smaller range
+    scale = max(absmax(row), 1e-12) / qmax; qmax = E4M3_MAX (e4m3's largest value) unless a GEMM needs a smaller range
     (`fp8_fp16acc.FP16_CHUNK_QMAX`: FP16 accumulation must not overflow); it must be an e4m3 value. The multiplier
     qmax / absmax is computed once per row and applied by multiplication, so the Triton kernel (IEEE division via
-    div_rn) reproduces these bits. Both divisions here are tensor / tensor on purpose: PyTorch turns `448.0 / t` into
-    reciprocal(t) · 448 and, on CUDA, `t / 448.0` into t · (1 / 448), each one rounding more than an IEEE division.
+    div_rn) reproduces these bits. Both divisions here are tensor / tensor on purpose: PyTorch turns `qmax / t` into
+    reciprocal(t) · qmax and, on CUDA, `t / qmax` into t · (1 / qmax), each one rounding more than an IEEE division.
 
     extra_cols (int [C], or None for C = 0) appends the columns x[..., extra_cols] on the same scale (index -1: a
     zero column): their e4m3 values again, or with `residual` what e4m3 rounding left of them (x·qmax/absmax − its
@@ -125,14 +128,14 @@ def e4m3_quantize_to(x, inv_scale, qmax):
 
 @triton.jit
 def e4m3_scales(amax):
-    """Device helper shared with kernels that fuse quantization (adaln): `e4m3_scales_to` with qmax = 448."""
-    return e4m3_scales_to(amax, 448.0)
+    """Device helper shared with kernels that fuse quantization (adaln): `e4m3_scales_to` with qmax = E4M3_MAX."""
+    return e4m3_scales_to(amax, _E4M3_MAX_JIT)
 
 
 @triton.jit
 def e4m3_quantize(x, inv_scale):
-    """`e4m3_quantize_to` with qmax = 448 (shared with adaln)."""
-    return e4m3_quantize_to(x, inv_scale, 448.0)
+    """`e4m3_quantize_to` with qmax = E4M3_MAX (shared with adaln)."""
+    return e4m3_quantize_to(x, inv_scale, _E4M3_MAX_JIT)
 
 
 @triton.jit
@@ -164,7 +167,7 @@ def _quantize_rows_fp8_kernel(
     SINGLE_PASS: tl.constexpr,
     C: tl.constexpr,
     RESIDUAL: tl.constexpr,
-    QMAX: tl.constexpr,  # largest quantized magnitude (an e4m3 value; 448 unless a GEMM needs a smaller range)
+    QMAX: tl.constexpr,  # largest quantized magnitude (an e4m3 value; E4M3_MAX unless a GEMM needs a smaller range)
 ):
     rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
     row_ok = rows < n_rows
@@ -264,9 +267,9 @@ def _check_extra_cols(extra_cols: Tensor | None, device: torch.device) -> None:
 
 
 def _check_qmax(qmax: float) -> None:
-    exact = torch.tensor(qmax).to(torch.float8_e4m3fn).float().item() == qmax
-    if not (exact and 0.0 < qmax <= E4M3_MAX):
-        raise ValueError(f"qmax: expected a positive e4m3 value <= 448, found {qmax}")
+    # A lookup in the e4m3 values built at import: no tensor and no device read per call.
+    if not (qmax > 0.0 and qmax in E4M3_VALUES):
+        raise ValueError(f"qmax: expected a positive e4m3 value <= {E4M3_MAX}, found {qmax}")
 
 
 def quantize_rows_fp8(

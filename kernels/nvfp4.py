@@ -5,7 +5,8 @@ Format (NVIDIA's NVFP4 recipe, the layout TensorRT-ModelOpt checkpoints use):
   (the order Triton's `dot_scaled` documents: "first element in lower bits"). A code is s·eem: sign, 2 exponent bits
   (bias 1), 1 mantissa bit, so the 8 magnitudes are 0, 0.5, 1, 1.5, 2, 3, 4, 6.
 - `block_scales`: float8_e4m3fn [N, K/16], one per 16 consecutive elements of a row.
-- `global_scale`: float32 [] = amax(|w|) / (448 · 6), so that every block scale fits e4m3 (≤ 448).
+- `global_scale`: float32 [] = amax(|w|) / (E4M3_MAX · 6), so that every block scale fits e4m3 (≤ E4M3_MAX,
+  `formats.E4M3_MAX`).
 - w[n, k] ≈ e2m1(packed)[n, k] · block_scales[n, k // 16] · global_scale, where
   block_scales = e4m3(block_amax / (6 · global_scale)) and the codes round w / (block scale · global scale) to the
   nearest E2M1 value (ties to even, saturating at ±6).
@@ -37,12 +38,12 @@ import triton.language as tl
 from torch import Tensor
 
 from .fallback import cuda_at_least, kernel_runs
+from .formats import E4M3_MAX
 from .tiles import INTERPRETER_TILE, launch_gemm, store_tile, wrapped_tile
 
 logger = logging.getLogger(__name__)
 
 E2M1_MAX = 6.0
-E4M3_MAX = 448.0
 BLOCK = 16  # elements per block scale
 # An all-zero weight gets global scale AMAX_FLOOR / 2688 instead of 0, so nothing divides by zero.
 AMAX_FLOOR = 1e-12
@@ -123,14 +124,14 @@ def _scales(wf: Tensor) -> tuple[Tensor, Tensor, Tensor]:
     """wf: fp32 [N, K] → (block_scales e4m3 [N, K/16], global_scale fp32 [], divisor fp32 [N, K/16, 1]).
 
     Shared by `quantize_nvfp4` and its reference: the scale recipe is the format's definition; what the reference
-    checks independently is the rounding. Divisions are tensor / tensor: PyTorch on CUDA turns `t / 448.0` into a
+    checks independently is the rounding. Divisions are tensor / tensor: PyTorch on CUDA turns `t / E4M3_MAX` into a
     multiplication by a rounded reciprocal, which would make CPU and GPU quantization differ."""
     n, k = wf.shape
     amax = wf.abs().amax().clamp_min(AMAX_FLOOR)
     global_scale = amax / torch.tensor(E4M3_MAX * E2M1_MAX, device=wf.device)
     block_amax = wf.view(n, k // BLOCK, BLOCK).abs().amax(-1)
     six = torch.tensor(E2M1_MAX, device=wf.device)
-    # ≤ 448 by construction (block_amax ≤ amax); the clamp guards the last ulp of the two roundings.
+    # ≤ E4M3_MAX by construction (block_amax ≤ amax); the clamp guards the last ulp of the two roundings.
     block_scales = (block_amax / (six * global_scale)).clamp(max=E4M3_MAX).to(torch.float8_e4m3fn)
     divisor = (block_scales.float() * global_scale).unsqueeze(-1)
     return block_scales, global_scale, divisor
@@ -330,7 +331,7 @@ def _nvfp4_linear_kernel(
     store_tile(y_ptr, acc, bias_ptr, offs_m, offs_n, M, N, stride_ym, HAS_BIAS)
 
 
-# Starting points for sm_80/sm_90 (untuned beyond a first sweep): the decode runs on the tile's [BLOCK_K, BLOCK_N]
+# Starting points for sm_80/sm_90: the decode runs on the tile's [BLOCK_K, BLOCK_N]
 # weight elements once per M tile, so wide M tiles amortise it; configs that do not fit shared memory are skipped.
 _NVFP4_CONFIGS = [
     triton.Config({"BLOCK_M": 128, "BLOCK_N": 128, "BLOCK_K": 64, "GROUP_M": 8}, num_warps=8, num_stages=3),

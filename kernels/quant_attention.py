@@ -26,10 +26,10 @@ The scheme (SageAttention 2, Zhang et al. 2024):
 4. P·V: FP8 e4m3 on GPUs with FP8 tensor cores (sm_89 and newer): V smoothed (its per-(b, h, channel) mean
    removed and added back to O, exact because each row of P sums to 1 after normalisation, together with a
    correction for the mean rounding error of the quantized V, see ``QuantizedQKV.v_offset``), scaled per
-   (b, h, channel) by absmax / 448; P (in [0, 1]) scaled by 448 (folded into exp2's argument); each key tile's
+   (b, h, channel) by absmax / FP8_MAX; P (in [0, 1]) scaled by FP8_MAX (folded into exp2's argument); each key tile's
    FP8 product summed into the FP32 accumulator. On GeForce (sm_89, sm_12x), where FP8 MMAs with an FP32
    accumulator run at half rate, V is scaled to ±2.25 instead and each 32 keys' product is summed in FP16 (the
-   full-rate form; 32 · 448 · 2.25 < 65504, so it cannot overflow), then into FP32 (SageAttention2++).
+   full-rate form; 32 · FP8_MAX · 2.25 < 65504, so it cannot overflow), then into FP32 (SageAttention2++).
    Elsewhere P and V in FP16 (V unsmoothed: FP16 keeps 11 significant bits whatever the offset).
 
 Accuracy: the INT8 Q·Kᵀ costs little next to the FP8 rounding of P and of V (e4m3's 3-bit mantissa: no scale choice

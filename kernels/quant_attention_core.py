@@ -178,9 +178,10 @@ def _fp8_no_fold(device: torch.device) -> bool:
     return not (device.type == "cuda" and torch.cuda.get_device_capability(device) == (9, 0))
 
 
-def p_to_fp8_ref(p448: torch.Tensor) -> torch.Tensor:
-    """P·448 (fp32) -> e4m3 values as fp32, saturating like cvt.rn.satfinite. A seam the interpreter test replaces."""
-    return p448.clamp_max(FP8_MAX).to(torch.float8_e4m3fn).float()
+def p_to_fp8_ref(p_scaled: torch.Tensor) -> torch.Tensor:
+    """P·FP8_MAX (fp32) -> e4m3 values as fp32, saturating like cvt.rn.satfinite. A seam the interpreter test
+    replaces."""
+    return p_scaled.clamp_max(FP8_MAX).to(torch.float8_e4m3fn).float()
 
 
 def pv_fp16_chunks_ref(p_q: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
@@ -292,7 +293,7 @@ def _tile_probs(
     alpha = tl.exp2(m_i - m_new)
     bias = m_new + MAGIC_F * sc
     if PV_FP8:
-        bias -= LOG2_FP8_MAX  # P comes out already scaled to e4m3's range [0, 448]; l carries the same factor
+        bias -= LOG2_FP8_MAX  # P comes out already scaled to e4m3's range [0, FP8_MAX]; l carries the same factor
     x = f * sc - bias[:, None]
     p = _exp2_poly(x) if POLY else tl.exp2(x)
     if MASK:
@@ -311,12 +312,12 @@ def _tile_pv(
     if PV_FP16_ACC:
         # GeForce (sm_89, sm_12x): the FP8 MMA with an FP16 accumulator (QMMA.16832.F16.E4M3.E4M3) runs at twice the
         # rate of the FP32-accumulator form there. Each 32-key chunk is one MMA deep (m16n8k32) from zero, so its
-        # FP16 sum is bounded by 32 · 448 · V_FP16_ACC_MAX = 32,256 < 65,504 (the prologue quantized V to ±2.25 for
+        # FP16 sum is bounded by 32 · FP8_MAX · V_FP16_ACC_MAX = 32,256 < 65,504 (the prologue quantized V to ±2.25 for
         # it); the chunks are added in FP32. SageAttention2++'s scheme. Splitting the tile into chunks costs no data
         # movement: the halves are register bits of both P's accumulator layout and Vᵀ's load layout (the SASS has
         # the same shared-memory traffic as the unsplit FP32 form); what it adds is an FP16 -> FP32 conversion and an
-        # FP32 add per chunk and accumulator element. Speed: not measured on a GeForce card.
-        p8 = p.to(tl.float8e4nv)  # saturating (cvt.rn.satfinite): P·448 <= 448
+        # FP32 add per chunk and accumulator element.
+        p8 = p.to(tl.float8e4nv)  # saturating (cvt.rn.satfinite): P·FP8_MAX <= FP8_MAX
         if BLOCK_N == 128:
             p_lo, p_hi = _key_halves(p8)
             v_lo, v_hi = _key_halves(vt)
@@ -332,7 +333,7 @@ def _tile_pv(
         # seen compiling for sm_90a with Triton 3.8), and Triton's default for FP8 there (2**30) already stops its
         # combine pass from folding `acc + dot` back into the dot. Elsewhere the default is 0 and the fold happens,
         # so a nonzero value is passed; outside sm_90's wgmma lowering it has no other effect.
-        # The conversion saturates (cvt.rn.satfinite), which caps P·448 rounded a hair above 448.
+        # The conversion saturates (cvt.rn.satfinite), which caps P·FP8_MAX rounded a hair above FP8_MAX.
         if FP8_NO_FOLD:
             pv = tl.dot(p.to(tl.float8e4nv), tl.trans(vt), max_num_imprecise_acc=BLOCK_N)
         else:
@@ -436,7 +437,7 @@ def _quant_attention_kernel(
             HEAD_DIM, BLOCK_N, PV_FP8, FP8_NO_FOLD, PV_FP16_ACC, True, False,
         )  # fmt: skip
 
-    out = acc / l_i[:, None]  # with FP8, P's factor 448 is in both acc and l
+    out = acc / l_i[:, None]  # with FP8, P's factor FP8_MAX is in both acc and l
     if PV_FP8:  # undoes V's scale, then adds v_offset (V's smoothing, corrected for V_q's mean rounding error)
         out = out * tl.load(VS + bh64 * HEAD_DIM + offs_d)[None, :] + tl.load(VO + bh64 * HEAD_DIM + offs_d)[None, :]
     b = (bh // H).to(tl.int64)

@@ -3,7 +3,7 @@ FP8 (or FP16) operands of the attention cores, with their scales, in three Trito
 
 - ``quantize_qkv(q, k, v, *, pv_fp8, sm_scale, k_block, v_key_perm, pv_fp16_acc)``: Q to INT8 per 128 query rows;
   K smoothed (its per-(b, h, channel) mean removed) and to INT8 per k_block key rows; V transposed, and with FP8 P·V
-  smoothed, scaled per channel to ±448 (or to ±2.25 for the FP16-accumulate P·V, ``pv_fp16_acc_on``) and to e4m3
+  smoothed, scaled per channel to ±FP8_MAX (or to ±2.25 for the FP16-accumulate P·V, ``pv_fp16_acc_on``) and to e4m3
   (steps 1, 2 and 4 of the scheme in quant_attention.py). Returns a ``QuantizedQKV``.
 - ``quantize_qkv_ref``: the same in PyTorch, bit for bit (IEEE division and ties-away rounding as the kernels do).
 - The input checks and the device rules (which devices run the Triton kernels, where FP8 P·V may run) that the
@@ -33,7 +33,7 @@ from .attention_constants import (
 )
 from .fallback import cuda_at_least, device_label, is_geforce
 
-# Keeps 127 / absmax and 448 / absmax finite for all-zero blocks (e.g. K after smoothing when N == 1).
+# Keeps 127 / absmax and FP8_MAX / absmax finite for all-zero blocks (e.g. K after smoothing when N == 1).
 _ABSMAX_FLOOR = 1e-30
 # The two K/V passes' launch shapes, the fastest of a sweep at W1 on an H200
 # (measurements/sessions/2026-11-29_attention-tree/README.md, "Prologue"): key rows summed per program in the K-mean /
@@ -58,7 +58,7 @@ class QuantizedQKV:
     vt: [B, H, D, N_pad] V transposed (tokens contiguous, so V is K-major as the B operand of P·V, which sm_90's
       FP8 wgmma requires): float8_e4m3fn V_q = (V - mean(V)) / v_scale when pv_fp8, else fp16 (V as is). Keys in
       token order, or in ``v_key_order`` when v_key_perm (only the Gluon core reads that).
-    v_scale: [B, H, D] fp32 absmax(V - mean(V)) / v_qmax when pv_fp8, else None; v_qmax is 448 (e4m3's largest),
+    v_scale: [B, H, D] fp32 absmax(V - mean(V)) / v_qmax when pv_fp8, else None; v_qmax is FP8_MAX (e4m3's largest),
       or V_FP16_ACC_MAX (2.25) when pv_fp16_acc.
     v_offset: [B, H, D] fp32 added to every output row when pv_fp8, else None: mean(V) - v_scale · mean(V_q).
       mean(V) undoes the smoothing; subtracting the mean of the dequantized V_q as well cancels the mean FP8
@@ -424,7 +424,7 @@ def _kv_quantize_kernel(
     stride_vb, stride_vh, stride_vn, stride_vd,
     H, N, N_PAD,
     HEAD_DIM: tl.constexpr, BLOCK: tl.constexpr, SUB: tl.constexpr, PV_FP8: tl.constexpr, V_PERM: tl.constexpr,
-    V_QMAX: tl.constexpr,  # |V_q| bound: 448, or V_FP16_ACC_MAX for the FP16-accumulate P·V
+    V_QMAX: tl.constexpr,  # |V_q| bound: FP8_MAX, or V_FP16_ACC_MAX for the FP16-accumulate P·V
 ):  # fmt: skip
     pid = tl.program_id(0)
     bh = tl.program_id(1)

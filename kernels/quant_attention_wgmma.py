@@ -35,7 +35,7 @@ import torch
 import triton
 import triton.language
 
-# The softmax constants are the Triton core's (int32 + MAGIC_I's bits = fp32 1.5·2**23 + x; log2(448)).
+# The softmax constants are the Triton core's (int32 + MAGIC_I's bits = fp32 1.5·2**23 + x; log2(FP8_MAX)).
 from .attention_constants import LOG2_FP8_MAX, MAGIC_F, MAGIC_I, Q_BLOCK, on_device
 from .gluon_hopper import GLUON_AVAILABLE
 from .quant_attention_prologue import QuantizedQKV, v_key_order
@@ -188,7 +188,7 @@ if GLUON_AVAILABLE:
 
         offs_m = row0 + gl.arange(0, _WG_ROWS, layout=row_o)
         offs_d = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, o_layout))
-        out = acc / gl.convert_layout(l_i, row_o)[:, None]  # P's factor 448 is in both acc and l
+        out = acc / gl.convert_layout(l_i, row_o)[:, None]  # P's factor FP8_MAX is in both acc and l
         out = out * gl.load(VS + bh * HEAD_DIM + offs_d)[None, :] + gl.load(VO + bh * HEAD_DIM + offs_d)[None, :]
         b = (bh // H).to(gl.int64)
         h = (bh % H).to(gl.int64)

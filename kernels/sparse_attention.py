@@ -77,8 +77,8 @@ class SparseAttentionConfig:
             raise ValueError(f"expected num_warps 4 or 8 and num_stages 1..4, found {self}")
 
 
-# Not tuned on any GPU yet (the RTX 5090 is the card this path is for): `measurements/bench_sparse_attention.py
-# --sweep` times CANDIDATE_CONFIGS; until a record says otherwise every GPU runs the default. Every candidate compiles
+# `measurements/bench_sparse_attention.py --sweep` times CANDIDATE_CONFIGS (the RTX 5090 is the card this path is
+# for); every GPU runs the default unless a record picks another. Every candidate compiles
 # for sm_120 with its loads pipelined (cp.async) inside the card's 99 KiB of shared memory (the default at head_dim
 # 128 takes 96 KiB: both 64-key halves of a kept block in flight, double-buffered); tests/test_sparse_attention.py.
 _DEFAULT_CONFIG = SparseAttentionConfig()

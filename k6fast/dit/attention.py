@@ -28,7 +28,9 @@ from collections import Counter
 
 import torch
 from torch import Tensor
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
+from ..kernels import fa4_attention, quant_attention, sparse_attention, tile_mask
 from ..kernels.exact_attention import sdpa
 from ..kernels.tile_mask import TokenOrder
 from ..switches import Options, SwitchError
@@ -55,8 +57,6 @@ def exact_sdpa_backends(device: torch.device) -> list:
     """SDPA backends in order of preference: cuDNN first on Hopper (much faster than flash at W1 on an H200,
     measurements/sessions/2026-11-29_exact-attention/README.md), flash first elsewhere; the others stay as fallbacks
     for shapes a backend refuses."""
-    from torch.nn.attention import SDPBackend
-
     if device.type != "cuda":
         return [SDPBackend.MATH, SDPBackend.EFFICIENT_ATTENTION]
     order = [SDPBackend.FLASH_ATTENTION, SDPBackend.CUDNN_ATTENTION]
@@ -139,10 +139,8 @@ class AttentionDispatch:
         t_positions = None if positions is None else tuple(int(p) for p in positions[0].tolist())
         key = (tuple(int(n) for n in grid), t_positions)
         if key != self._order_key:
-            from ..kernels.tile_mask import tile_order, window_blocks
-
-            order = tile_order(grid, t_positions)
-            self._window = window_blocks(order, self.sparse_window).to(self._device)
+            order = tile_mask.tile_order(grid, t_positions)
+            self._window = tile_mask.window_blocks(order, self.sparse_window).to(self._device)
             dev = self._device
             self._order = dataclasses.replace(order, perm=order.perm.to(dev), inverse=order.inverse.to(dev))
             self._order_key = key
@@ -186,33 +184,24 @@ class AttentionDispatch:
     def __call__(self, q: Tensor, k: Tensor, v: Tensor, *, site: str, mask: Tensor | None) -> Tensor:
         """q: [B, Nq, H, D], k/v: [B, Nk, H, D], mask: bool [B, Nk] or None → [B, Nq, H, D]."""
         if self.sparse_here(site, mask is not None, q, k):
-            from ..kernels.sparse_attention import sparse_attention_op
-            from ..kernels.tile_mask import build_block_mask
-
             self._count("sparse", site)
-            kv_idx, kv_cnt = build_block_mask(q, k, self._window, self.sparse_density)
-            return sparse_attention_op(q, k, v, kv_idx, kv_cnt)
+            kv_idx, kv_cnt = tile_mask.build_block_mask(q, k, self._window, self.sparse_density)
+            return sparse_attention.sparse_attention_op(q, k, v, kv_idx, kv_cnt)
         if self.quantized_here(site, mask is not None, q.shape[-1]):
             self._count(self.kind, site)
             if self.kind == "sage":
                 return self._sage(q, k, v, tensor_layout="NHD", is_causal=False)
-            from ..kernels.quant_attention import quant_attention_op
-
             # The kernel takes bf16/fp16 (it quantizes to INT8/FP8 anyway); an fp32 run hands it bf16.
             dt = q.dtype if q.dtype in (torch.bfloat16, torch.float16) else torch.bfloat16
             q_, k_, v_ = (t.transpose(1, 2).to(dt).contiguous() for t in (q, k, v))
-            return quant_attention_op(q_, k_, v_).transpose(1, 2).to(q.dtype)
+            return quant_attention.quant_attention_op(q_, k_, v_).transpose(1, 2).to(q.dtype)
         if mask is None and self._fa4:
-            from ..kernels.fa4_attention import fa4_attention_op, fa4_shapes_ok
-
-            if fa4_shapes_ok(q, k, v):
+            if fa4_attention.fa4_shapes_ok(q, k, v):
                 self._count("exact_fa4", site)
-                return fa4_attention_op(q, k, v)
+                return fa4_attention.fa4_attention_op(q, k, v)
             if not torch.compiler.is_compiling():
                 log_once(f"K6_EXACT_ATTN_KERNEL=fa4: {q.dtype} head_dim {q.shape[-1]} is not taken; using SDPA")
         self._count("exact", site)
-        from torch.nn.attention import sdpa_kernel
-
         ctx = sdpa_kernel(self._backends, set_priority=True) if q.is_cuda else contextlib.nullcontext()
         with ctx:
             return sdpa(q, k, v, mask)
@@ -221,24 +210,17 @@ class AttentionDispatch:
         """What the exact and sparse arms run on `device`, for the start-up log and records."""
         exact = "sdpa"
         if self.exact_kernel == "fa4":
-            from ..kernels.fa4_attention import fa4_version
-
-            exact = f"flash-attn-4 {fa4_version()}" if self._fa4 else "sdpa (flash-attn-4 unavailable)"
+            exact = f"flash-attn-4 {fa4_attention.fa4_version()}" if self._fa4 else "sdpa (flash-attn-4 unavailable)"
         choices = {"exact": exact}
         if self.sparse_density > 0.0:
-            from ..kernels.sparse_attention import implementation_for
-
-            choices["sparse"] = (
-                f"density {self.sparse_density}, window {self.sparse_window}, {implementation_for(device)}"
-            )
+            implementation = sparse_attention.implementation_for(device)
+            choices["sparse"] = f"density {self.sparse_density}, window {self.sparse_window}, {implementation}"
         return choices
 
 
 def fa4_runs_on(device: torch.device) -> bool:
     """Whether flash-attn-4 runs on `device`; the reason it does not is logged once (exact calls then run SDPA)."""
-    from ..kernels.fa4_attention import fa4_unavailable_reason
-
-    reason = fa4_unavailable_reason(device)
+    reason = fa4_attention.fa4_unavailable_reason(device)
     if reason is not None:
         log_once(f"K6_EXACT_ATTN_KERNEL=fa4: {reason}; exact attention runs PyTorch SDPA")
     return reason is None

@@ -18,7 +18,7 @@ K6_GEMM_MIN_ROWS, CPU, fp32 activations, a GPU without FP8 or block-scaled MMA) 
 multiplied by F.linear: correct everywhere.
 
 K6_GEMM=mxfp8 / nvfp4 on bf16 weights quantize weight and activations per call (kernels/blockscaled.py, torchao's
-quantization, with outlier columns as for fp8; the GEMM call has not run on a Blackwell GPU here).
+quantization, with outlier columns as for fp8).
 `arch.resolve_auto` turns them into bf16, with a warning, on GPUs without block-scaled tensor cores; K6_GEMM=fp8 on
 GeForce sm_89/sm_12x runs the FP16-chunk FP8 GEMM (kernels/fp8_fp16acc.py; `resolve_auto` turns it into
 fp8-fp16acc) instead of `torch._scaled_mm`, whose FP32 accumulation runs at half rate there.
@@ -33,10 +33,13 @@ import torch.nn.functional as F
 from torch import Tensor
 from torch.utils._pytree import tree_map_only
 
+from ..kernels import blockscaled, fp8_fp16acc, fp8_linear, fp8_outliers, fp16acc_linear, nvfp4
+from ..kernels.formats import E4M3_MAX
 from ..switches import Options
 from .config import EXACT_LAYERS, QUANT_FORMATS, fast_gemm_layer
 
-E4M3_MAX = 448.0  # the fp8 GEMM's quantization range where FP32 accumulation runs
+# The FP16-chunk FP8 GEMM's operand range (fp8-fp16acc); E4M3_MAX is the range where FP32 accumulation runs.
+FP16_CHUNK_QMAX = fp8_fp16acc.FP16_CHUNK_QMAX[fp8_fp16acc.DEFAULT_CHUNK]
 
 __all__ = ["EXACT_LAYERS", "LinearDispatch", "QuantizedWeight", "bind_quantized"]
 
@@ -81,12 +84,8 @@ class QuantizedWeight(Tensor):
         if self.fmt == "fp8":
             return (self.qdata.float() * self.scale.reshape(-1, 1)).to(dtype)
         if self.fmt == "mxfp8":
-            from ..kernels.blockscaled import dequantize_mxfp8
-
-            return dequantize_mxfp8(self.qdata, self.scale, dtype)
-        from ..kernels.nvfp4 import dequantize_nvfp4
-
-        return dequantize_nvfp4(self.qdata, self.scale, self.scale_2, dtype)
+            return blockscaled.dequantize_mxfp8(self.qdata, self.scale, dtype)
+        return nvfp4.dequantize_nvfp4(self.qdata, self.scale, self.scale_2, dtype)
 
     def __repr__(self) -> str:  # the default repr would run ops on the wrapper
         return (
@@ -147,12 +146,8 @@ def _stored_gemm_runs(fmt: str, x: Tensor, kind: str) -> bool:
     if not x.is_cuda or x.dtype not in (torch.bfloat16, torch.float16):
         return False
     if fmt == "fp8":
-        from ..kernels.fp8_linear import fp8_native
-
-        return fp8_native(x.device)
-    from ..kernels.blockscaled import blockscaled_native
-
-    return blockscaled_native(x.device) and (fmt == "mxfp8" or kind == "nvfp4")
+        return fp8_linear.fp8_native(x.device)
+    return blockscaled.blockscaled_native(x.device) and (fmt == "mxfp8" or kind == "nvfp4")
 
 
 class LinearDispatch:
@@ -189,16 +184,12 @@ class LinearDispatch:
             return self._stored(x, weight, bias, rows, counting, shared)
         kind = self.kind
         if kind in ("mxfp8", "nvfp4") and x.is_cuda:
-            from ..kernels.blockscaled import blockscaled_native
-
-            kind = kind if blockscaled_native(x.device) else "bf16"  # resolve_auto has said so once
+            kind = kind if blockscaled.blockscaled_native(x.device) else "bf16"  # resolve_auto has said so once
         if kind == "bf16" or not (x.is_cuda and self.use_fast(rows, tuple(weight.shape), name)):
             if counting:
                 self.counts["bf16"] += 1
             return F.linear(x, weight, bias)
         if kind in ("fp8", "fp8-fp16acc"):
-            from ..kernels.fp8_linear import quantize_weight_fp8
-
             # Weights are quantized at use: streamed blocks arrive in reused slots, so a cache keyed by tensor would
             # go stale. The pass reads each weight once per call, small beside the block's compute (included in the
             # fp8 block time of measurements/sessions/2026-11-29_kernels/README.md). A checkpoint from
@@ -207,27 +198,27 @@ class LinearDispatch:
             # is corrected by extra GEMM columns (kernels/fp8_outliers.py). fp8-fp16acc (what K6_GEMM=fp8 resolves to on
             # GeForce, where FP32 accumulation runs at half rate) quantizes to the FP16-chunk GEMM's range and runs it.
             chunks = kind == "fp8-fp16acc"
-            qmax = _fp16_chunk_qmax() if chunks else E4M3_MAX
+            qmax = FP16_CHUNK_QMAX if chunks else E4M3_MAX
             cols, xq = fp8_input(x, self.outlier_channels, shared, qmax)
-            wq, w_scale = quantize_weight_fp8(weight, residual_cols=cols, qmax=qmax)
+            wq, w_scale = fp8_linear.quantize_weight_fp8(weight, residual_cols=cols, qmax=qmax)
             if counting:
                 self.counts[kind] += 1
             return _fp8_fp16acc(x, wq, w_scale, bias, xq) if chunks else _fp8(x, wq, w_scale, bias, xq)
         if counting:
             self.counts[kind] += 1
         if kind in ("mxfp8", "nvfp4"):
-            from ..kernels.blockscaled import quantize_weight, weight_with_outliers
-
             # Quantized at use, as the fp8 weights are; `k6fast quantize --format mxfp8|nvfp4` removes the pass. With
             # K6_FP8_OUTLIER_CHANNELS > 0, 2C extra columns put back both operands' rounding at this call's largest
             # input channels (kernels/blockscaled.py; tests/test_blockscaled.py holds the errors with and without).
             cols, xq = _blockscaled_input(x, kind, self.outlier_channels, shared)
-            wq = quantize_weight(weight, kind) if cols is None else weight_with_outliers(weight, kind, cols)
+            if cols is None:
+                wq = blockscaled.quantize_weight(weight, kind)
+            else:
+                wq = blockscaled.weight_with_outliers(weight, kind, cols)
             return _blockscaled(x, kind, wq, bias, xq)
-        from ..kernels.fp16acc_linear import fp16acc_linear
-
         flat = x.reshape(-1, x.shape[-1]).contiguous()
-        return fp16acc_linear(flat, weight, bias, out_dtype=x.dtype).reshape(*x.shape[:-1], weight.shape[0])
+        out = fp16acc_linear.fp16acc_linear(flat, weight, bias, out_dtype=x.dtype)
+        return out.reshape(*x.shape[:-1], weight.shape[0])
 
     def _stored(
         self, x: Tensor, weight: QuantizedWeight, bias: Tensor | None, rows: int, counting: bool, shared: dict | None
@@ -241,33 +232,24 @@ class LinearDispatch:
             # No unquantized weight to take residual columns from: plain block quantization of x.
             xq = _blockscaled_input(x, weight.fmt, 0, shared)[1]
             return _blockscaled(x, weight.fmt, (weight.qdata, weight.scale, weight.scale_2), bias, xq)
-        # A stored e4m3 weight (quantized to ±448) has no bf16 columns to correct: plain row quantization, and
+        # A stored e4m3 weight (quantized to ±E4M3_MAX) has no bf16 columns to correct: plain row quantization, and
         # torch._scaled_mm even on GeForce (the FP16-chunk GEMM needs operands in its smaller range).
         return _fp8(x, weight.qdata, weight.scale, bias, fp8_input(x, 0, shared)[1])
-
-
-def _fp16_chunk_qmax() -> float:
-    from ..kernels.fp8_fp16acc import DEFAULT_CHUNK, FP16_CHUNK_QMAX
-
-    return FP16_CHUNK_QMAX[DEFAULT_CHUNK]
 
 
 def _blockscaled_input(x: Tensor, fmt: str, outlier_channels: int, shared: dict | None) -> tuple[Tensor | None, tuple]:
     """(outlier columns or None, x [rows, K] block-quantized in `fmt`, with the outlier columns' 2C extra columns):
     computed once per `shared` dict."""
-    from ..kernels.blockscaled import activations_with_outliers, quantize_activations
-    from ..kernels.fp8_outliers import outlier_columns
-
     key = (fmt, outlier_channels)
     if shared is not None and key in shared:
         return shared[key]
     flat = x.reshape(-1, x.shape[-1]).contiguous()
-    cols = outlier_columns(flat, outlier_channels)
+    cols = fp8_outliers.outlier_columns(flat, outlier_channels)
     if cols is None:
-        prepared = None, quantize_activations(flat, fmt)
+        prepared = None, blockscaled.quantize_activations(flat, fmt)
     else:
         cols = cols[:outlier_channels]
-        prepared = cols, activations_with_outliers(flat, fmt, cols)
+        prepared = cols, blockscaled.activations_with_outliers(flat, fmt, cols)
     if shared is not None:
         shared[key] = prepared
     return prepared
@@ -276,9 +258,7 @@ def _blockscaled_input(x: Tensor, fmt: str, outlier_channels: int, shared: dict 
 def _blockscaled(x: Tensor, fmt: str, w: tuple, bias: Tensor | None, xq: tuple) -> Tensor:
     """x [..., K] through the block-scaled GEMM: xq its quantization (`_blockscaled_input`), w the weight's
     (qdata, scale, scale_2) with the same K (outlier columns included)."""
-    from ..kernels.blockscaled import blockscaled_linear
-
-    y = blockscaled_linear(fmt, xq, w, None if bias is None else bias.to(x.dtype), out_dtype=x.dtype)
+    y = blockscaled.blockscaled_linear(fmt, xq, w, None if bias is None else bias.to(x.dtype), out_dtype=x.dtype)
     return y.reshape(*x.shape[:-1], y.shape[-1])
 
 
@@ -286,15 +266,12 @@ def fp8_input(
     x: Tensor, outlier_channels: int, shared: dict | None, qmax: float = E4M3_MAX
 ) -> tuple[Tensor | None, tuple[Tensor, Tensor]]:
     """(outlier columns or None, x's rows quantized to e4m3 (±qmax) with them): computed once per `shared` dict."""
-    from ..kernels.fp8_linear import quantize_rows_fp8
-    from ..kernels.fp8_outliers import outlier_columns
-
     key = ("fp8", outlier_channels, qmax)
     if shared is not None and key in shared:
         return shared[key]
     flat = x.reshape(-1, x.shape[-1]).contiguous()
-    cols = outlier_columns(flat, outlier_channels)
-    prepared = cols, quantize_rows_fp8(flat, cols, qmax=qmax)
+    cols = fp8_outliers.outlier_columns(flat, outlier_channels)
+    prepared = cols, fp8_linear.quantize_rows_fp8(flat, cols, qmax=qmax)
     if shared is not None:
         shared[key] = prepared
     return prepared
@@ -303,12 +280,10 @@ def fp8_input(
 def _fp8(x: Tensor, wq: Tensor, w_scale: Tensor, bias: Tensor | None, xq: tuple[Tensor, Tensor]) -> Tensor:
     """x [..., K] through the row-wise fp8 GEMM with an e4m3 weight [N, K'] and its per-channel scale; xq: x
     quantized ([rows, K'] e4m3 and its row scales; K' > K with outlier columns)."""
-    from ..kernels.fp8_linear import fp8_linear
-
     # Hopper's fast accumulation (fewer promotions of the wgmma accumulator to fp32): faster at the W1 shapes, row
     # quantization included, for an error small beside e4m3's own rounding
     # (measurements/sessions/2026-11-29_h200-followup/README.md). The arm is lossy anyway.
-    out = fp8_linear(
+    out = fp8_linear.fp8_linear(
         xq, wq, w_scale, bias=None if bias is None else bias.to(x.dtype), out_dtype=x.dtype, fast_accum=True
     )
     return out.reshape(*x.shape[:-1], wq.shape[0])
@@ -316,7 +291,6 @@ def _fp8(x: Tensor, wq: Tensor, w_scale: Tensor, bias: Tensor | None, xq: tuple[
 
 def _fp8_fp16acc(x: Tensor, wq: Tensor, w_scale: Tensor, bias: Tensor | None, xq: tuple[Tensor, Tensor]) -> Tensor:
     """As `_fp8`, through the FP16-chunk FP8 GEMM (operands quantized to its range)."""
-    from ..kernels.fp8_fp16acc import fp8_fp16acc_linear
-
-    out = fp8_fp16acc_linear(xq, wq, w_scale, bias=None if bias is None else bias.to(x.dtype), out_dtype=x.dtype)
+    bias = None if bias is None else bias.to(x.dtype)
+    out = fp8_fp16acc.fp8_fp16acc_linear(xq, wq, w_scale, bias=bias, out_dtype=x.dtype)
     return out.reshape(*x.shape[:-1], wq.shape[0])
