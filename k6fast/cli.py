@@ -310,6 +310,7 @@ def build_parser() -> argparse.ArgumentParser:
     from .quality_gate.command import register as register_gate
     from .quantize_cli import register as register_quantize
     from .server.cli import register as register_serve
+    from .tune.cli import register as register_tune
 
     register_serve(sub)
     register_gate(sub)
@@ -317,6 +318,7 @@ def build_parser() -> argparse.ArgumentParser:
     register_acceptance(sub)
     register_doctor(sub)
     register_quantize(sub)
+    register_tune(sub)
     return parser
 
 
