@@ -15,9 +15,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from .df11_header import COMPRESSION_FORMATS, COMPRESSION_KEY, COMPRESSION_VERSION, DF11Error, read_layout
+from .df11_header import COMPRESSION_FORMATS, COMPRESSION_KEY, COMPRESSION_VERSION
 from .dit.config import QUANT_CONFIG_KEY, QUANT_FORMATS, QUANT_VERSION, DiTConfig, expected_shapes, quantized_layout
-from .safetensors_index import CheckpointError, TensorLocation, file_tensors, read_header
+from .safetensors_index import CheckpointError, DF11Location, TensorLocation, file_tensors, read_header
 
 COMPONENTS = (
     "transformer",
@@ -161,13 +161,10 @@ def compression_of(config: dict[str, Any], path: Path) -> str | None:
 
 
 def _stored_as(loc: TensorLocation, compression: str | None) -> tuple[tuple[int, ...], str]:
-    """(shape, dtype) a tensor decodes to: a DF11 blob's from its header (checked against its stored length)."""
-    if compression is None or loc.dtype != "U8":
-        return loc.shape, loc.dtype
-    try:
-        return read_layout(loc.file, loc.offset, loc.nbytes, loc.name).shape, "BF16"
-    except DF11Error as exc:
-        raise CheckpointError(str(exc)) from exc
+    """(shape, dtype) a tensor decodes to: a DF11 blob's from its header (read and checked by the index)."""
+    if compression is not None and isinstance(loc, DF11Location):
+        return loc.layout.shape, "BF16"
+    return loc.shape, loc.dtype
 
 
 def _check_transformer(

@@ -16,6 +16,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from .df11_header import COMPRESSION_FORMATS, COMPRESSION_KEY, DF11Error, Layout, read_layout
+
 # Bytes per element of each safetensors dtype string k6fast may meet (packed formats are stored as U8).
 ITEMSIZE = {"F64": 8, "I64": 8, "F32": 4, "I32": 4, "BF16": 2, "F16": 2, "F8_E4M3": 1, "U8": 1, "I8": 1, "BOOL": 1}
 FLOATING = frozenset({"F64", "F32", "BF16", "F16", "F8_E4M3"})
@@ -50,9 +52,35 @@ class TensorLocation:
         return self.nbytes // self.itemsize
 
 
+@dataclass(frozen=True)
+class DF11Location(TensorLocation):
+    """A BF16 tensor stored as a DF11 blob (`k6fast quantize --format df11`; every U8 tensor of a shard whose
+    metadata says so): `offset`, `nbytes`, `dtype` and `shape` are the blob's (what is read and copied), `elements`,
+    `itemsize` and `floating` the decoded tensor's (what the device holds once it is decoded), `layout` its header."""
+
+    layout: Layout
+
+    @property
+    def itemsize(self) -> int:
+        return ITEMSIZE["BF16"]
+
+    @property
+    def floating(self) -> bool:
+        return True
+
+    @property
+    def elements(self) -> int:
+        return self.layout.n
+
+
 def read_header(path: Path) -> tuple[dict[str, Any], int]:
     """(the JSON header without `__metadata__`, absolute offset of the data), after checking that the file holds every
     byte the header promises."""
+    header, base, _ = _read_header(path)
+    return header, base
+
+
+def _read_header(path: Path) -> tuple[dict[str, Any], int, dict[str, Any]]:
     path = Path(path)
     size = path.stat().st_size
     with path.open("rb") as f:
@@ -66,22 +94,31 @@ def read_header(path: Path) -> tuple[dict[str, Any], int]:
             header = json.loads(f.read(header_len))
         except (json.JSONDecodeError, UnicodeDecodeError) as exc:
             raise CheckpointError(f"{path}: corrupt safetensors header ({exc})") from exc
-    header.pop(METADATA, None)
+    metadata = header.pop(METADATA, None) or {}
     data_end = max((meta["data_offsets"][1] for meta in header.values()), default=0)
     expected = 8 + header_len + data_end
     if size < expected:
         raise CheckpointError(f"{path}: truncated safetensors file: {size} bytes, the header describes {expected}")
-    return header, 8 + header_len
+    return header, 8 + header_len, metadata if isinstance(metadata, dict) else {}
 
 
 def file_tensors(path: Path) -> list[TensorLocation]:
-    """The tensors of one file, in header order."""
-    header, base = read_header(path)
-    return [
-        TensorLocation(name, Path(path), base + meta["data_offsets"][0],
-                       meta["data_offsets"][1] - meta["data_offsets"][0], meta["dtype"], tuple(meta["shape"]))
-        for name, meta in header.items()
-    ]  # fmt: skip
+    """The tensors of one file, in header order; DF11 blobs as DF11Location, their headers checked against their
+    stored lengths (128 bytes read each)."""
+    header, base, metadata = _read_header(path)
+    compressed = metadata.get(COMPRESSION_KEY) in COMPRESSION_FORMATS
+    out: list[TensorLocation] = []
+    for name, meta in header.items():
+        start, end = meta["data_offsets"]
+        where = (name, Path(path), base + start, end - start, meta["dtype"], tuple(meta["shape"]))
+        if compressed and meta["dtype"] == "U8":
+            try:
+                out.append(DF11Location(*where, read_layout(Path(path), base + start, end - start, name)))
+            except DF11Error as exc:
+                raise CheckpointError(str(exc)) from exc
+        else:
+            out.append(TensorLocation(*where))
+    return out
 
 
 def index_safetensors(files: Iterable[Path]) -> dict[str, TensorLocation]:

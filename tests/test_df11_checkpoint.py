@@ -12,13 +12,15 @@ import shutil
 
 import pytest
 import torch
+from dit_testing import tiny_dit
 from safetensors import safe_open
 from safetensors.torch import save_file
 
 from k6fast import df11
 from k6fast.checkpoint import CheckpointError, open_checkpoint
 from k6fast.df11_checkpoint import compress_checkpoint
-from k6fast.safetensors_index import index_safetensors
+from k6fast.safetensors_index import DF11Location, index_safetensors
+from k6fast.stream.plan import index_footprint
 
 
 @pytest.fixture(scope="module")
@@ -111,3 +113,40 @@ def test_command_line_writes_it(tiny_bf16, tmp_path):
     assert ckpt.compression == "df11"
     # The command's threshold keeps the tiny model's small tensors raw: nothing to decode, bytes unchanged.
     assert all(loc.dtype != "U8" for loc in index_safetensors(ckpt.transformer_files).values())
+
+
+def _inputs(cfg, seed: int):
+    g = torch.Generator().manual_seed(seed)
+    return dict(
+        hidden_states=torch.randn(1, 3, 4, 6, cfg.visual_in_channels, generator=g).bfloat16(),
+        encoder_hidden_states=torch.randn(1, 5, cfg.in_text_dim, generator=g).bfloat16(),
+        pooled_projections=torch.randn(1, cfg.in_text_dim2, generator=g).bfloat16(),
+        timestep=torch.tensor([500.0]),
+        audio_hidden_states=torch.randn(1, 4, cfg.in_audio_dim, generator=g).bfloat16(),
+    )
+
+
+@pytest.mark.parametrize(("max_resident", "prefetch"), [(None, 1), (0, 1), (1, 2)])
+def test_dit_from_the_compressed_checkpoint_is_bit_identical(tiny_bf16, compressed, max_resident, prefetch):
+    """Resident (blobs decoded once at upload) and streamed (decoded as each block's views are made): the DiT's
+    outputs, hence the latents, equal the BF16 checkpoint's bit for bit."""
+    plain_ckpt, packed_ckpt = open_checkpoint(tiny_bf16), open_checkpoint(compressed[0])
+    kwargs = {} if max_resident is None else {"max_resident": max_resident, "prefetch": prefetch}
+    plain = tiny_dit(plain_ckpt, "cpu", torch.bfloat16)
+    packed = tiny_dit(packed_ckpt, "cpu", torch.bfloat16, **kwargs)
+    try:
+        assert (packed.streamer is None) == (max_resident is None)
+        for seed in range(2):  # the slots rotate
+            a, b = plain.dit(**_inputs(plain_ckpt.dit, seed)), packed.dit(**_inputs(plain_ckpt.dit, seed))
+            assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1])
+    finally:
+        plain.close()
+        packed.close()
+
+
+def test_the_plan_counts_blobs_as_the_bf16_they_decode_to(tiny_bf16, compressed):
+    plain = index_safetensors(open_checkpoint(tiny_bf16).transformer_files)
+    packed = index_safetensors(open_checkpoint(compressed[0]).transformer_files)
+    assert any(isinstance(loc, DF11Location) for loc in packed.values())
+    blocks = open_checkpoint(tiny_bf16).dit.num_visual_blocks
+    assert index_footprint(packed, blocks, 2) == index_footprint(plain, blocks, 2)

@@ -16,9 +16,10 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
+from ..df11 import decode_blob
 from ..dit.config import is_fp32_tensor, stays_as_stored
 from ..dit.linear import bind_quantized
-from ..safetensors_index import TensorLocation
+from ..safetensors_index import DF11Location, TensorLocation
 
 TORCH_DTYPES = {
     "BF16": torch.bfloat16,
@@ -45,9 +46,12 @@ def torch_dtype(loc: TensorLocation) -> torch.dtype:
 
 def as_tensor(raw: Tensor, loc: TensorLocation, compute: torch.dtype) -> Tensor:
     """raw: the tensor's stored bytes (uint8, on its device) → a typed tensor of its shape, in the dtype it computes
-    in (see `target_dtype`)."""
-    stored = torch_dtype(loc)
-    t = raw.view(stored).view(loc.shape)
+    in (see `target_dtype`). A DF11 blob is decoded (on the GPU: `kernels/df11_decode.py`) into a new bf16 tensor."""
+    if isinstance(loc, DF11Location):
+        stored, t = torch.bfloat16, decode_blob(raw, loc.layout)
+    else:
+        stored = torch_dtype(loc)
+        t = raw.view(stored).view(loc.shape)
     want = target_dtype(loc.name, stored, compute)
     return t if want == stored else t.to(want)
 
