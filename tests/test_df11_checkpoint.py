@@ -150,3 +150,22 @@ def test_the_plan_counts_blobs_as_the_bf16_they_decode_to(tiny_bf16, compressed)
     assert any(isinstance(loc, DF11Location) for loc in packed.values())
     blocks = open_checkpoint(tiny_bf16).dit.num_visual_blocks
     assert index_footprint(packed, blocks, 2) == index_footprint(plain, blocks, 2)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("max_resident", [None, 0])
+def test_dit_from_the_compressed_checkpoint_is_bit_identical_on_gpu(tiny_bf16, compressed, max_resident):
+    """The same on the GPU: blobs decoded by the Triton kernel, streamed blocks through the copy stream's slots."""
+    plain_ckpt, packed_ckpt = open_checkpoint(tiny_bf16), open_checkpoint(compressed[0])
+    kwargs = {} if max_resident is None else {"max_resident": max_resident}
+    plain = tiny_dit(plain_ckpt, "cuda", torch.bfloat16)
+    packed = tiny_dit(packed_ckpt, "cuda", torch.bfloat16, **kwargs)
+    try:
+        for seed in range(2):
+            inputs = {k: v.cuda() for k, v in _inputs(plain_ckpt.dit, seed).items()}
+            a, b = plain.dit(**inputs), packed.dit(**inputs)
+            assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1])
+    finally:
+        plain.close()
+        packed.close()
