@@ -12,7 +12,7 @@ from . import __version__
 from .checkpoint import Checkpoint, CheckpointError, open_checkpoint
 from .cli_args import device_problem, seed_problem, size_arg
 from .entry import quiet_warnings
-from .request import Request, RequestError, dit_tokens, resolve_request, validate_geometry
+from .request import Request, RequestError, dit_tokens, request_from_args, resolve_request, validate_geometry
 from .switches import Options, SwitchError, load_options
 
 
@@ -90,19 +90,7 @@ def _prepare_generate(args: argparse.Namespace) -> tuple[Options, Checkpoint, Re
     clock.lap("checks")
     ckpt = open_checkpoint(args.model)
     clock.lap("checkpoint")
-    width, height = args.size
-    request = Request(
-        prompt=args.prompt,
-        width=width,
-        height=height,
-        frames=args.frames,
-        steps=args.steps,
-        guidance=args.guidance,
-        seed=args.seed,
-        negative_prompt=args.negative_prompt,
-        image=image,
-        audio=not args.no_audio,
-    )
+    request = request_from_args(args, image)
     resolve_request(ckpt, options, request)
     problem = device_problem(args.device)
     if problem:

@@ -215,19 +215,7 @@ def _write_sidecar(
         "provenance": provenance(options),
         "model": model,
         "variant": variant,
-        "request": {
-            "prompt": request.prompt,
-            "negative_prompt": request.negative_prompt,
-            "width": request.width,
-            "height": request.height,
-            "frames": request.frames,
-            "fps": request.fps,
-            "steps": result.steps,
-            "guidance": result.guidance,
-            "seed": request.seed,
-            "audio": request.audio,
-            "image": request.image is not None,
-        },
+        "request": {**request.to_dict(), "steps": result.steps, "guidance": result.guidance},  # as resolved
         "telemetry": result.telemetry.as_dict(),
         **(extra or {}),
     }

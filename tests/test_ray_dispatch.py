@@ -7,6 +7,7 @@ test_ray_serve.py; here each decision is driven deterministically.
 
 from __future__ import annotations
 
+import dataclasses
 import io
 import threading
 from collections.abc import Callable, Iterator
@@ -18,6 +19,7 @@ import PIL.Image
 import pytest
 import server_testing
 
+from k6fast.request import Request
 from k6fast.server.config import ServerConfig
 from k6fast.server.jobs import JobFiles, JobSpec, JobStore
 from k6fast.server.metrics import Metrics
@@ -28,7 +30,8 @@ from k6fast.server.worker import InputUnreadable
 from k6fast.switches import Options
 
 pytestmark = pytest.mark.filterwarnings("ignore:Using extra keyword arguments on `Field`")  # Ray Serve's models
-SPEC = JobSpec(prompt="a bell", width=64, height=64, frames=5, steps=4, guidance=1.0, seed=3, seconds="0.167")
+SPEC = JobSpec(Request(prompt="a bell", width=64, height=64, frames=5, steps=4, guidance=1.0, seed=3), "0.167")
+WITH_IMAGE = dataclasses.replace(SPEC, image=True)
 REPLICA_A = ReplicaIdentity("aaaa", "SERVE_REPLICA::k6fast#Generator#aaaa", "node-1", 11)
 REPLICA_B = ReplicaIdentity("bbbb", "SERVE_REPLICA::k6fast#Generator#bbbb", "node-2", 22)
 DEADLINE_S = 30.0
@@ -85,13 +88,13 @@ def test_store_restart_counts_an_attempt_only_for_a_running_job(tmp_path: Path) 
 def test_replica_request_carries_the_stored_reference_image() -> None:
     buffer = io.BytesIO()
     PIL.Image.fromarray(np.full((8, 12, 3), (10, 200, 30), np.uint8)).save(buffer, format="PNG")
-    request = request_from_spec(JobSpec(**{**SPEC.__dict__, "image": True}), buffer.getvalue())
+    request = request_from_spec(WITH_IMAGE, buffer.getvalue())
     assert request.image.size == (12, 8) and request.image.getpixel((0, 0)) == (10, 200, 30)
     assert (request.prompt, request.steps, request.seed, request.frames) == ("a bell", 4, 3, 5)
     assert request_from_spec(SPEC, None).image is None
     for unreadable in (None, b"not a png"):
         with pytest.raises(InputUnreadable):
-            request_from_spec(JobSpec(**{**SPEC.__dict__, "image": True}), unreadable)
+            request_from_spec(WITH_IMAGE, unreadable)
 
 
 def test_an_input_unreadable_on_disk_fails_as_invalid_input(tmp_path: Path) -> None:
@@ -102,7 +105,7 @@ def test_an_input_unreadable_on_disk_fails_as_invalid_input(tmp_path: Path) -> N
     from k6fast.server.worker import Worker, classify_failure
 
     files = JobFiles(tmp_path)
-    job = SimpleNamespace(id="video_" + "0" * 32, spec=JobSpec(**{**SPEC.__dict__, "image": True}))
+    job = SimpleNamespace(id="video_" + "0" * 32, spec=WITH_IMAGE)
     for make_unreadable in (lambda path: None, lambda path: path.mkdir(parents=True)):
         make_unreadable(files.input_image(job.id))
         with pytest.raises(InputUnreadable) as caught:

@@ -30,6 +30,7 @@ from fastapi.testclient import TestClient  # noqa: E402
 from server_testing import GatedPipeline, internals_in, tiny_server_config, until  # noqa: E402
 
 from k6fast.pipeline import Pipeline  # noqa: E402
+from k6fast.request import Request  # noqa: E402
 from k6fast.server import storage, worker  # noqa: E402
 from k6fast.server.app import create_app  # noqa: E402
 from k6fast.server.cli import main  # noqa: E402
@@ -112,7 +113,7 @@ def _older_k6fast_dir(root: Path) -> tuple[Path, str]:
     data.mkdir()
     store = JobStore(data / "jobs.sqlite3")
     job_id = new_job_id()
-    store.create(job_id, JobSpec("a cat", 64, 64, 9, 2, 1.0, 7, "0.333"), "tiny", {}, 4)
+    store.create(job_id, JobSpec(Request("a cat", 64, 64, 9, 2, 1.0, 7), "0.333"), "tiny", {}, 4)
     store.close()
     (data / "server.lock").write_text("123")
     folder = data / "jobs" / job_id
@@ -459,7 +460,7 @@ def _damaged(path: Path) -> None:
     """A real store whose third page is overwritten: 'database disk image is malformed' territory."""
     store = JobStore(path)
     for i in range(100):
-        store.create(new_job_id(), JobSpec("x" * 200, 64, 64, 9, 2, 1.0, i, "0.333"), "tiny", {}, 1000)
+        store.create(new_job_id(), JobSpec(Request("x" * 200, 64, 64, 9, 2, 1.0, i), "0.333"), "tiny", {}, 1000)
     store.close()
     data = bytearray(path.read_bytes())
     data[2 * 4096 : 3 * 4096] = b"\xa5" * 4096

@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 
+from k6fast.request import Request
 from k6fast.server.errors import ApiError
 from k6fast.server.jobs import (
     RESTART_LIMIT_CODE,
@@ -38,10 +39,9 @@ class Clock:
         return self.now
 
 
-def _spec(prompt: str = "a cat", **changes) -> JobSpec:
-    values = dict(prompt=prompt, width=64, height=64, frames=9, steps=2, guidance=1.0, seed=7, seconds="0.333")
-    values.update(changes)
-    return JobSpec(**values)
+def _spec(prompt: str = "a cat", image: bool = False, **changes) -> JobSpec:
+    request = Request(prompt=prompt, width=64, height=64, frames=9, steps=2, guidance=1.0, seed=7, **changes)
+    return JobSpec(request, "0.333", image=image)
 
 
 @pytest.fixture

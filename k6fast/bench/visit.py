@@ -128,18 +128,7 @@ class K6Pipeline(_K6Runner):
         self.pipe = self._pipeline()
 
     def run(self) -> dict[str, Any]:
-        from ..request import Request
-
-        spec = self.spec
-        request = Request(
-            prompt=spec.prompt,
-            width=spec.width,
-            height=spec.height,
-            frames=spec.frames,
-            steps=spec.steps,
-            guidance=spec.guidance,
-            seed=spec.seed,
-        )
+        spec, request = self.spec, self.spec.request
         start = time.perf_counter()
         if spec.mux:  # the MP4 encoded beside the video decode
             from ..output import generate_to_mp4

@@ -65,7 +65,7 @@ _STOP_TIMEOUT_S = 30.0
 
 def video_object(job: Job) -> dict[str, Any]:
     """The job as OpenAI's `Video` object, plus k6fast's own parameters (clients ignore fields they do not know)."""
-    spec = job.spec
+    spec, request = job.spec, job.spec.request
     return {
         "id": job.id,
         "object": "video",
@@ -75,16 +75,16 @@ def video_object(job: Job) -> dict[str, Any]:
         "created_at": job.created_at,
         "completed_at": job.completed_at,
         "expires_at": job.expires_at,
-        "prompt": spec.prompt,
+        "prompt": request.prompt,
         "seconds": spec.seconds,
         "size": spec.size,
         "error": None if job.error_code is None else {"code": job.error_code, "message": job.error_message},
         "remixed_from_video_id": None,
-        "num_frames": spec.frames,
-        "num_inference_steps": spec.steps,
-        "guidance_scale": spec.guidance,
-        "seed": spec.seed,
-        "sample_audio": spec.audio,
+        "num_frames": request.frames,
+        "num_inference_steps": request.steps,
+        "guidance_scale": request.guidance,
+        "seed": request.seed,
+        "sample_audio": request.audio,
     }
 
 

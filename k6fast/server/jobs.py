@@ -32,11 +32,12 @@ import sqlite3
 import threading
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from ..atomic import atomic_path
+from ..request import Request
 from .datadir import JOB_ID_RE, PRIVATE_DIR, PRIVATE_FILE, is_job_file, is_job_temporary, make_private_dir
 from .datadir import DataDirBusy as DataDirBusy
 from .datadir import DataDirLock as DataDirLock
@@ -96,30 +97,27 @@ def make_private_file(path: Path) -> None:
 
 @dataclass(frozen=True)
 class JobSpec:
-    """What to generate, fully resolved (defaults filled in), so a re-run after a restart makes the same clip."""
+    """What to generate, resolved (the checkpoint's default steps and guidance filled in) so that a re-run after a
+    restart makes the same clip; `image` says whether an input reference is stored as jobs/<id>/input.png. Stored as
+    the request's JSON (`Request.to_dict`, which loads a record older than a field and refuses an unknown one) with
+    `seconds` beside it."""
 
-    prompt: str
-    width: int
-    height: int
-    frames: int
-    steps: int
-    guidance: float
-    seed: int
+    request: Request
     seconds: str  # as the client gave it (or derived from frames), reported back unchanged
-    audio: bool = True
-    negative_prompt: str | None = None
-    image: bool = False  # an input reference is stored as jobs/<id>/input.png
+    image: bool = False
 
     @property
     def size(self) -> str:
-        return f"{self.width}x{self.height}"
+        return f"{self.request.width}x{self.request.height}"
 
     def to_json(self) -> str:
-        return json.dumps(asdict(self), sort_keys=True)
+        return json.dumps({**self.request.to_dict(), "image": self.image, "seconds": self.seconds}, sort_keys=True)
 
     @classmethod
     def from_json(cls, text: str) -> JobSpec:
-        return cls(**json.loads(text))
+        raw = json.loads(text)
+        seconds, image = raw.pop("seconds"), bool(raw.pop("image", False))
+        return cls(Request.from_dict(raw), seconds, image)
 
 
 @dataclass(frozen=True)

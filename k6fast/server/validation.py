@@ -8,6 +8,7 @@ Duration: frames = seconds x 24 + 1, and a frame count must be 4k+1, so seconds 
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import re
 import secrets
@@ -16,6 +17,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..cli_args import SEED_MAX
+from ..request import Request, RequestError, request_from_create, validate_geometry
 from .config import FPS, ServerConfig, fits, fmt_size, frames_for_seconds, seconds_for_frames
 from .errors import ApiError, bad_param, shown
 from .images import ImageUpload, reference_image
@@ -54,19 +56,13 @@ _SIZE_RE = re.compile(r"\s*([0-9]{1,6})\s*[xX]\s*([0-9]{1,6})\s*")
 
 @dataclass(frozen=True)
 class Draft:
-    """A checked create request; steps and guidance are None when left to the checkpoint's defaults."""
+    """A checked create request: its `Request` (steps and guidance None when left to the checkpoint's defaults,
+    no image), the duration as the client gave it, and the input reference as sent (format and size checked from
+    the header: see images.py)."""
 
-    prompt: str
-    negative_prompt: str | None
-    width: int
-    height: int
-    frames: int
+    request: Request
     seconds: str
-    steps: int | None
-    guidance: float | None
-    seed: int
-    audio: bool
-    image: ImageUpload | None  # the bytes as sent, format and size checked from the header: see images.py
+    image: ImageUpload | None
 
 
 MAX_SECONDS_CHARS = 32
@@ -138,8 +134,6 @@ def _bool(fields: Mapping[str, Any], name: str, default: bool) -> bool:
 
 
 def _geometry_problem(width: int, height: int, frames: int) -> str | None:
-    from ..request import RequestError, validate_geometry
-
     try:
         validate_geometry(width, height, frames)
     except RequestError as exc:
@@ -225,23 +219,23 @@ def parse_create(fields: Mapping[str, Any], config: ServerConfig, served_names: 
             "model_not_found",
         )
     size = fields.get("size")
-    width, height = parse_size(fmt_size(config.default_size) if size is None or size == "" else size, config)
+    # In a fixed order: of several bad parameters, the error names the first one checked.
+    width_height = parse_size(fmt_size(config.default_size) if size is None or size == "" else size, config)
     frames, seconds = _frames(fields, config)
     seed = _int(fields, "seed", 0, SEED_MAX)
-    return Draft(
-        prompt=prompt,
-        negative_prompt=_text(fields, "negative_prompt") or None,
-        width=width,
-        height=height,
-        frames=frames,
-        seconds=seconds,
-        steps=_int(fields, "num_inference_steps", 1, config.max_steps),
-        guidance=_float(fields, "guidance_scale"),
+    negative_prompt = _text(fields, "negative_prompt") or None
+    checked = {
+        "prompt": prompt,
+        "size": width_height,
+        "num_frames": frames,
         # Drawn here, not at run time, so a job re-run after a restart makes the same clip.
-        seed=secrets.randbelow(2**31) if seed is None else seed,
-        audio=_bool(fields, "sample_audio", True),
-        image=reference_image(fields),
-    )
+        "seed": secrets.randbelow(2**31) if seed is None else seed,
+        "negative_prompt": negative_prompt,
+        "num_inference_steps": _int(fields, "num_inference_steps", 1, config.max_steps),
+        "guidance_scale": _float(fields, "guidance_scale"),
+        "sample_audio": _bool(fields, "sample_audio", True),
+    }
+    return Draft(request_from_create(checked), seconds, reference_image(fields))
 
 
 def parse_list_query(query: Mapping[str, str]) -> tuple[str | None, int, str]:
@@ -282,24 +276,10 @@ _RESOLVE_PARAMS = (
 def resolve_spec(draft: Draft, pipeline: Any, max_steps: int) -> JobSpec:
     """Check the draft against the loaded checkpoint (`Pipeline.resolve`: distilled checkpoints need guidance 1.0,
     image conditioning needs support, cached steps must fit) and fill in its default steps and guidance."""
-    from ..request import Request, RequestError
-
     # The pipeline checks only that an image is given (whether the checkpoint takes one): the header is enough.
     header = None if draft.image is None else draft.image.header_only()
-    request = Request(
-        prompt=draft.prompt,
-        width=draft.width,
-        height=draft.height,
-        frames=draft.frames,
-        steps=draft.steps,
-        guidance=draft.guidance,
-        seed=draft.seed,
-        negative_prompt=draft.negative_prompt,
-        image=header,
-        audio=draft.audio,
-    )
     try:
-        steps, guidance = pipeline.resolve(request)
+        steps, guidance = pipeline.resolve(dataclasses.replace(draft.request, image=header))
     except RequestError as exc:
         message = str(exc)
         param = next((p for word, p in _RESOLVE_PARAMS if word in message), None)
@@ -313,16 +293,5 @@ def resolve_spec(draft: Draft, pipeline: Any, max_steps: int) -> JobSpec:
             f"the checkpoint's default of {steps} steps exceeds this server's maximum of {max_steps}; "
             "pass num_inference_steps",
         )
-    return JobSpec(
-        prompt=draft.prompt,
-        width=draft.width,
-        height=draft.height,
-        frames=draft.frames,
-        steps=steps,
-        guidance=guidance,
-        seed=draft.seed,
-        seconds=draft.seconds,
-        audio=draft.audio,
-        negative_prompt=draft.negative_prompt,
-        image=draft.image is not None,
-    )
+    resolved = dataclasses.replace(draft.request, steps=steps, guidance=guidance)
+    return JobSpec(resolved, draft.seconds, image=draft.image is not None)

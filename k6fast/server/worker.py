@@ -16,6 +16,7 @@ worker, which retries, so no job is `in_progress` in the store without a worker 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import gc
 import logging
 import threading
@@ -218,8 +219,8 @@ class Worker:
             job.id,
             job.attempts,
             job.spec.size,
-            job.spec.frames,
-            job.spec.steps,
+            job.spec.request.frames,
+            job.spec.request.steps,
         )
         started = time.perf_counter()
         stage = ["prepare"]  # where the job is, for a failure's message (the pipeline reports only its steps)
@@ -329,25 +330,12 @@ class Worker:
 def request_from_spec(spec: JobSpec, image_bytes: bytes | None) -> Request:
     """The pipeline request of a stored job, its input reference decoded here, as the job starts, from the upload's
     bytes the ingress stored (PNG, JPEG or WebP); InputUnreadable when they are missing or cannot be decoded."""
-    from ..request import Request
-
-    image = None
-    if spec.image:
-        if image_bytes is None:
-            raise InputUnreadable()
-        try:
-            image = decode_stored(image_bytes)
-        except Exception as exc:
-            raise InputUnreadable() from exc
-    return Request(
-        prompt=spec.prompt,
-        width=spec.width,
-        height=spec.height,
-        frames=spec.frames,
-        steps=spec.steps,
-        guidance=spec.guidance,
-        seed=spec.seed,
-        negative_prompt=spec.negative_prompt,
-        image=image,
-        audio=spec.audio,
-    )
+    if not spec.image:
+        return spec.request
+    if image_bytes is None:
+        raise InputUnreadable()
+    try:
+        image = decode_stored(image_bytes)
+    except Exception as exc:
+        raise InputUnreadable() from exc
+    return dataclasses.replace(spec.request, image=image)
