@@ -35,6 +35,7 @@ from .request import (
     resolve_request,
 )
 from .sampler import StepEvent, sample
+from .step_cache import StepCacheError, plan_run
 from .stream.plan import ResidencyError
 from .stream.runtime import DiTRuntime, build_dit
 from .switches import Options
@@ -273,6 +274,10 @@ class Pipeline:
         fused blocks and between the video decode's ops; `Cancelled` says where it stopped. `frame_sink` (output.py's
         MP4 sink) is handed the audio, then the frames as the video decode finishes them."""
         steps, guidance = self.resolve(request)
+        try:
+            step_cache = plan_run(self.ckpt, self.options, steps, guidance, request.audio)
+        except StepCacheError as exc:  # `resolve` checked it, but a calibration file can go, or not be writable
+            raise RequestError(str(exc)) from None
         cfg, device, dtype = self.ckpt.dit, self.device, self.dtype
         telemetry = Telemetry(device=str(device))
         if device.type == "cuda":
@@ -345,6 +350,8 @@ class Pipeline:
                     visual_cond=cfg.visual_cond,
                     patch=cfg.patch_size,
                     cache_steps=self.options.piflow_cache_steps,
+                    magcache=step_cache.magcache,
+                    measure_ratios=step_cache.measure,
                     on_step=step_hook,
                     should_stop=should_stop,
                 )
@@ -352,6 +359,8 @@ class Pipeline:
             if self.dit is not None:
                 self.dit.should_stop = None
         telemetry.dit_calls = out.dit_calls
+        geometry = (request.width, request.height, request.frames)
+        telemetry.step_cache = step_cache.finish(out.ratios, out.cosine, geometry, guidance)
         denoised = {"video": out.video.cpu()}  # before the decoders run (a few MB)
         if out.audio is not None:
             denoised["audio"] = out.audio.cpu()

@@ -52,6 +52,7 @@ class Telemetry:
     step_seconds: list[float] = field(default_factory=list)
     dit_calls: int = 0
     cached_steps: int = 0
+    step_cache: dict = field(default_factory=dict)  # K6_STEP_CACHE: its calibration (file, digest), steps skipped
     peak_vram_bytes: int = 0  # the largest allocated peak of any phase
     peak_vram_reserved_bytes: int = 0  # ... and reserved (what the budget caps)
     phase_peaks: dict[str, dict[str, int]] = field(default_factory=dict)  # phase → {"allocated", "reserved"}
@@ -130,6 +131,7 @@ class Telemetry:
             "step_s": [round(s, 6) for s in self.step_seconds],
             "dit_calls": self.dit_calls,
             "cached_steps": self.cached_steps,
+            "step_cache": self.step_cache,
             "peak_vram_bytes": self.peak_vram_bytes,
             "peak_vram_reserved_bytes": self.peak_vram_reserved_bytes,
             "phase_peaks": self.phase_peaks,

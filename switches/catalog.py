@@ -17,6 +17,50 @@ PIFLOW_CACHE_STEPS = Switch(
     lossy=True,
     min=0,
 )
+STEP_CACHE = Switch(
+    name="K6_STEP_CACHE",
+    kind="enum",
+    default="off",
+    choices=("off", "magcache", "calibrate"),
+    doc="step cache for base (flow-matching Euler + CFG) checkpoints: magcache = skip the DiT call (both CFG passes, "
+    "video and audio) on steps where this checkpoint's calibrated magnitude ratios of successive predictions keep the "
+    "estimated error under K6_STEP_CACHE_THRESHOLD (k6fast/step_cache.py); calibrate = run every step and record "
+    "those ratios for this checkpoint and step count; off = every step runs",
+    lossy=True,
+)
+STEP_CACHE_THRESHOLD = Switch(
+    name="K6_STEP_CACHE_THRESHOLD",
+    kind="float",
+    default=0.12,
+    doc="with K6_STEP_CACHE=magcache: the accumulated error (sum of |1 - product of magnitude ratios| over the "
+    "skipped run) a skip must stay under; 0 = nothing is skipped (0.12 is MagCache's and Kandinsky 5's setting)",
+    min=0.0,
+    max=1.0,
+)
+STEP_CACHE_MAX_SKIP = Switch(
+    name="K6_STEP_CACHE_MAX_SKIP",
+    kind="int",
+    default=2,
+    doc="with K6_STEP_CACHE=magcache: the most consecutive steps skipped before the DiT runs again",
+    min=1,
+    max=10,
+)
+STEP_CACHE_RETENTION = Switch(
+    name="K6_STEP_CACHE_RETENTION",
+    kind="float",
+    default=0.2,
+    doc="with K6_STEP_CACHE=magcache: the share of first steps that always run (the last step always runs too)",
+    min=0.0,
+    max=1.0,
+)
+STEP_CACHE_DIR = Switch(
+    name="K6_STEP_CACHE_DIR",
+    kind="path",
+    default="",
+    doc="where K6_STEP_CACHE=calibrate writes and magcache reads the calibrations, one file per checkpoint and step "
+    "count (empty = k6fast-step-cache/ inside the checkpoint's folder)",
+    affects_output=False,
+)
 AUDIO_NORM = Switch(
     name="K6_AUDIO_NORM",
     kind="enum",
@@ -205,6 +249,11 @@ LPIPS_BACKBONE = Switch(
 
 SWITCHES: tuple[Switch, ...] = (
     PIFLOW_CACHE_STEPS,
+    STEP_CACHE,
+    STEP_CACHE_THRESHOLD,
+    STEP_CACHE_MAX_SKIP,
+    STEP_CACHE_RETENTION,
+    STEP_CACHE_DIR,
     ATTN,
     EXACT_ATTN_BLOCKS,
     EXACT_ATTN_STEPS,

@@ -151,7 +151,13 @@ def test_bad_switch_declarations_are_rejected(kwargs: dict, fragment: str) -> No
 
 
 # Switches that only tune another switch (K6_GEMM_MIN_ROWS does nothing while K6_GEMM=bf16).
-PARAMETER_SWITCHES = {"K6_GEMM_MIN_ROWS", "K6_SPARSE_ATTN_WINDOW"}
+PARAMETER_SWITCHES = {
+    "K6_GEMM_MIN_ROWS",
+    "K6_SPARSE_ATTN_WINDOW",
+    "K6_STEP_CACHE_THRESHOLD",
+    "K6_STEP_CACHE_MAX_SKIP",
+    "K6_STEP_CACHE_RETENTION",
+}
 
 
 def test_catalog_defaults_are_off_and_names_unique() -> None:
@@ -259,7 +265,10 @@ def test_arm_file_good(tmp_path: Path) -> None:
     ("text", "fragment"),
     [
         ("K6_AUDIO_NORM=clip\nK6_AUDIO_NROM=clip\n", ":2: unknown switch K6_AUDIO_NROM; did you mean K6_AUDIO_NORM?"),
-        ("K6_DEVICE=cuda\n", ":1: unknown switch K6_DEVICE; the nearest switch is K6_COMPILE (`k6fast switches` lists"),
+        (
+            "K6_DEVICE=cuda\n",
+            ":1: unknown switch K6_DEVICE; the nearest switch is K6_STEP_CACHE (`k6fast switches` lists",
+        ),
         ("# ok\nK6_AUDIO_NORM clip\n", ":2: expected KEY=VALUE"),
         ("export K6_AUDIO_NORM=clip\n", ":1: expected KEY=VALUE"),
         ("HOME=/root\n", ":1: expected a K6_* switch, found 'HOME'"),
