@@ -98,18 +98,18 @@ def test_replica_request_carries_the_stored_reference_image() -> None:
 
 
 def test_an_input_unreadable_on_disk_fails_as_invalid_input(tmp_path: Path) -> None:
-    """The in-process worker reads the stored reference itself: a file gone or unreadable since it was accepted
+    """Both dispatchers read the stored reference with `stored_input`: a file gone or unreadable since it was accepted
     (here a folder where the PNG was) is the job's invalid input, not a generation failure."""
     from types import SimpleNamespace
 
-    from k6fast.server.worker import Worker, classify_failure
+    from k6fast.server.dispatch import classify_failure, stored_input
 
     files = JobFiles(tmp_path)
     job = SimpleNamespace(id="video_" + "0" * 32, spec=WITH_IMAGE)
     for make_unreadable in (lambda path: None, lambda path: path.mkdir(parents=True)):
         make_unreadable(files.input_image(job.id))
         with pytest.raises(InputUnreadable) as caught:
-            Worker._request(SimpleNamespace(files=files), job)
+            stored_input(files, job)
         assert classify_failure(caught.value)[0] == "invalid_input"
 
     class FailingDisk:  # the file is there, but reading it fails (EIO, or gone between a check and the read)
@@ -120,7 +120,7 @@ def test_an_input_unreadable_on_disk_fails_as_invalid_input(tmp_path: Path) -> N
             raise OSError(5, "Input/output error")
 
     with pytest.raises(InputUnreadable):
-        Worker._request(SimpleNamespace(files=SimpleNamespace(input_image=lambda job_id: FailingDisk())), job)
+        stored_input(SimpleNamespace(input_image=lambda job_id: FailingDisk()), job)
 
 
 class ScriptedHandle:

@@ -31,7 +31,7 @@ from server_testing import GatedPipeline, internals_in, tiny_server_config, unti
 
 from k6fast.pipeline import Pipeline  # noqa: E402
 from k6fast.request import Request  # noqa: E402
-from k6fast.server import storage, worker  # noqa: E402
+from k6fast.server import dispatch, storage, worker  # noqa: E402
 from k6fast.server.app import create_app  # noqa: E402
 from k6fast.server.cli import main  # noqa: E402
 from k6fast.server.datadir import MARKER, DataDirRefused, own_data_dir  # noqa: E402
@@ -276,7 +276,7 @@ def server(tmp_path: Path, real_pipeline: Pipeline, monkeypatch) -> Iterator[Ser
 
     monkeypatch.setattr(os, "fsync", fsync)
     monkeypatch.setattr(storage, "RECHECK_S", RECHECK_S)
-    monkeypatch.setattr(worker, "RECHECK_S", RECHECK_S)
+    monkeypatch.setattr(dispatch, "RECHECK_S", RECHECK_S)
     gated = GatedPipeline(real_pipeline)
     app = create_app(tiny_server_config(data_dir, poll_after_ms=50), Options(api_key=KEY), load=lambda: gated)
     with TestClient(app) as client:

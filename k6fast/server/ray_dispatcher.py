@@ -1,5 +1,6 @@
 """The ingress side of `k6fast serve --ray`: claims jobs from the store and runs each on a generator replica through
-a Serve deployment handle, keeping the job contract of the one-GPU worker (worker.py):
+a Serve deployment handle, on the job loop the one-GPU worker runs too (dispatch.py: claiming, back-off, cancel and
+what each outcome records):
 
 - progress: each `Progress` a replica streams becomes the job's progress in the store, as the worker's steps do;
 - cancel: a DELETE cancels the call; the replica stops the job at its next check (a DiT block, a decode op,
@@ -22,20 +23,19 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import logging
-import threading
 import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from ..atomic import write_bytes_atomic
 from .config import ServerConfig
+from .dispatch import FAILURES, InputUnreadable, JobLoop, Run, classify_failure, stored_input
 from .jobs import RESTART_LIMIT_CODE, Job, JobFiles, JobStore
 from .metrics import Metrics
 from .ray_messages import Finished, JobPayload, Progress, ReplicaIdentity, Started
 from .ray_replica import CANCELLED_CODE
 from .ray_settings import RaySettings
-from .storage import INSUFFICIENT_STORAGE, RECHECK_S, QueueReader, is_disk_full
-from .worker import FAILURES, InputUnreadable, classify_failure, progress_after_step
+from .storage import is_disk_full
 
 if TYPE_CHECKING:
     from ray.serve.handle import DeploymentHandle
@@ -45,7 +45,6 @@ if TYPE_CHECKING:
     from ..switches import Options
 
 log = logging.getLogger("k6fast.server")
-_IDLE_POLL_S = 1.0
 
 
 @dataclass(frozen=True)
@@ -70,11 +69,8 @@ def describe_cluster(generator: DeploymentHandle, options: Options, settings: Ra
 
 
 @dataclass
-class _Run:
-    job_id: str
-    thread: threading.Thread | None = None
+class _Run(Run):
     response: Any = None  # the Serve call of the current attempt
-    cancelled: bool = False  # deleted by a client (not a shutdown)
     replica: ReplicaIdentity | None = None
 
 
@@ -103,9 +99,9 @@ def _cancelled_errors() -> tuple[type[BaseException], ...]:
     return (TaskCancelledError, concurrent.futures.CancelledError, asyncio.CancelledError)
 
 
-class RayDispatcher:
-    """Runs the queue on a generator deployment; implements dispatch.Dispatcher. `caller` is the (namespace, name)
-    of the ingress actor this runs in."""
+class RayDispatcher(JobLoop):
+    """Runs the queue on a generator deployment, one job per replica; implements dispatch.Dispatcher. `caller` is
+    the (namespace, name) of the ingress actor this runs in."""
 
     def __init__(
         self,
@@ -120,136 +116,56 @@ class RayDispatcher:
         settings: RaySettings,
         caller: tuple[str, str] | None = None,
     ):
-        self.store = store
-        self.files = files
+        super().__init__(store, files, config, metrics, capacity=settings.capacity, name="k6fast-ray-dispatcher")
         self.model = model
         self.options = options
-        self.config = config
-        self.metrics = metrics
-        self.storage = files.storage
         self.generator = generator
         self.settings = settings
         self.caller = caller
-        self._running: dict[str, _Run] = {}
-        # Deleted while being claimed (in progress in the store, not yet running here): stopped as soon as they start.
-        self._doomed: set[str] = set()
-        self._lock = threading.Lock()
-        self._wake = threading.Event()
-        self._stopping = threading.Event()
-        self._thread = threading.Thread(target=self._loop, name="k6fast-ray-dispatcher", daemon=True)
         self._lost_errors = _replica_lost_errors()
         self._cancelled_errors = _cancelled_errors()
-
-    def start(self) -> None:
-        self.storage.ensure_reserve()
-        self._thread.start()
-
-    def notify(self) -> None:
-        self._wake.set()
-
-    @property
-    def current_job_id(self) -> str | None:
-        with self._lock:
-            return next(iter(self._running), None)
 
     def running(self) -> dict[str, dict[str, Any] | None]:
         """Jobs in flight and the replica running each (None until it has started)."""
         with self._lock:
             return {job_id: run.replica.as_dict() if run.replica else None for job_id, run in self._running.items()}
 
-    def cancel(self, job_id: str) -> bool:
+    def new_run(self, job_id: str) -> _Run:
+        return _Run(job_id)
+
+    def interrupt(self, run: _Run) -> None:
         with self._lock:
-            run = self._running.get(job_id)
-            if run is None:
-                self._doomed.add(job_id)
-                return False
-            run.cancelled = True
             response = run.response
         if response is not None:
             response.cancel()
-        return True
 
-    def stop(self, timeout: float) -> bool:
-        deadline = time.monotonic() + timeout
-        self._stopping.set()
-        self._wake.set()
-        if self._thread.is_alive():  # first, so that no job is claimed after the ones cancelled below
-            self._thread.join(max(0.0, deadline - time.monotonic()))
-        with self._lock:
-            runs = list(self._running.values())
-            responses = [run.response for run in runs if run.response is not None]
-        for response in responses:
-            response.cancel()
-        threads = [self._thread] + [run.thread for run in runs if run.thread is not None]
-        for thread in threads:
-            if thread.is_alive():
-                thread.join(max(0.0, deadline - time.monotonic()))
-        return not any(thread.is_alive() for thread in threads)
-
-    def _loop(self) -> None:
-        queue = QueueReader(self.store.claim_next, self.storage)
-        while not self._stopping.is_set():
-            self._wake.clear()
-            with self._lock:
-                full = len(self._running) >= self.settings.capacity
-            if full:
-                self._wake.wait(_IDLE_POLL_S)
-                continue
-            job = queue.claim()
-            if job is None:
-                if queue.blocked:  # a full disk or a failing store: a new job changes nothing, so no early wake-up
-                    self._stopping.wait(RECHECK_S)
-                else:
-                    self._wake.wait(_IDLE_POLL_S)
-                continue
-            run = _Run(job.id)
-            run.thread = threading.Thread(target=self._run_job, args=(run, job), name=f"k6fast-{job.id}", daemon=True)
-            with self._lock:
-                run.cancelled = job.id in self._doomed
-                self._doomed.clear()  # one claim at a time: nothing else can be between claimed and running
-                self._running[job.id] = run
-            run.thread.start()
-
-    def _run_job(self, run: _Run, job: Job) -> None:
-        try:
-            self._execute(run, job)
-        except Exception:
-            log.exception("job %s: could not record its outcome", job.id)
-        finally:
-            with self._lock:
-                self._running.pop(job.id, None)
-            self._wake.set()
-
-    def _execute(self, run: _Run, job: Job) -> None:
+    def execute(self, run: _Run, job: Job) -> None:
         started = time.perf_counter()
         lost: list[dict[str, Any]] = []
-        image = None
-        if job.spec.image:
-            try:
-                image = self.files.input_image(job.id).read_bytes()
-            except OSError as exc:
-                log.error("job %s: the stored input reference is unreadable (%s)", job.id, exc)
-                self._fail(run, job, *classify_failure(InputUnreadable(), "prepare"))
-                return
+        try:
+            image = stored_input(self.files, job)
+        except InputUnreadable as exc:
+            self.fail(run, job, *classify_failure(exc, "prepare"), exc=exc)
+            return
         while True:
             outcome = self._attempt(run, job, image)
             if isinstance(outcome, Finished):
                 if outcome.error is None:
                     self._complete(run, job, outcome, lost, started)
                 elif outcome.error[0] == CANCELLED_CODE:
-                    self._cancelled(run, job)
+                    self.stopped(run, job, f" on replica {outcome.replica.replica}")
                 else:
-                    self._fail(run, job, *outcome.error)
+                    self.fail(run, job, *outcome.error)
                 return
-            if outcome is _CANCELLED or self._stopping.is_set() or run.cancelled:
-                self._cancelled(run, job)
+            if outcome is _CANCELLED or self.stopping.is_set() or run.cancelled:
+                self.stopped(run, job)
                 return
             lost.append({"replica": outcome.replica.as_dict() if outcome.replica else None, "error": outcome.message})
             if job.attempts >= self.config.max_attempts:
                 log.error(
                     "job %s: replica lost on attempt %d, the last allowed (%s)", job.id, job.attempts, outcome.message
                 )
-                self._fail(
+                self.fail(
                     run,
                     job,
                     RESTART_LIMIT_CODE,
@@ -259,7 +175,7 @@ class RayDispatcher:
                 return
             restarted = self.store.restart(job.id)
             if restarted is None:  # deleted while its replica died
-                self._cancelled(run, job)
+                self.stopped(run, job)
                 return
             log.warning("job %s: replica lost (%s); attempt %d", job.id, outcome.message, restarted.attempts)
             job = restarted
@@ -269,7 +185,7 @@ class RayDispatcher:
         response = self.generator.options(stream=True).run.remote(payload)
         with self._lock:
             run.response, run.replica = response, None
-            cancel_now = run.cancelled or self._stopping.is_set()
+            cancel_now = self.should_stop(run)
         if cancel_now:
             response.cancel()
         try:
@@ -278,9 +194,7 @@ class RayDispatcher:
                     with self._lock:
                         run.replica = message.replica
                 elif isinstance(message, Progress):
-                    for seconds in message.step_seconds:
-                        self.metrics.observe_step(seconds)
-                    self.store.set_progress(job.id, progress_after_step(message.step, message.total))
+                    self.progress(job, message.step, message.total, message.step_seconds)
                 elif isinstance(message, Finished):
                     return message
         except self._cancelled_errors:
@@ -310,54 +224,13 @@ class RayDispatcher:
             except OSError as exc:
                 if not is_disk_full(exc):
                     raise
-                self._fail(run, job, *classify_failure(exc, "write"))
+                self.fail(run, job, *classify_failure(exc, "write"))
                 return
             self.files.make_private(job.id)
-        seconds = time.perf_counter() - started
-        telemetry = dict(finished.telemetry)
-        telemetry["job_s"] = round(seconds, 6)
-        telemetry["ray"] = {
+        ray = {
             "replica": finished.replica.as_dict(),
             "attempts": job.attempts,
             "lost": lost,
             "files": "shared data dir" if finished.files is None else "object store",
         }
-        recorded = self.storage.write_with_room(
-            lambda: self.store.complete(job.id, telemetry, self.config.ttl_seconds),
-            gone=lambda: run.cancelled,
-            stopping=self._stopping,
-        )
-        if recorded:
-            self.files.input_image(job.id).unlink(missing_ok=True)
-            self.metrics.observe_job("completed", seconds, int(telemetry.get("peak_vram_bytes", 0)))
-            log.info("job %s: completed in %.1f s on replica %s", job.id, seconds, finished.replica.replica)
-        else:
-            self.files.remove(job.id)  # deleted after its last check
-            self.metrics.observe_job("cancelled")
-
-    def _fail(self, run: _Run, job: Job, code: str, message: str) -> None:
-        if code == INSUFFICIENT_STORAGE:
-            self.storage.full()
-        # Record first, files second (see worker.py), unless the disk is too full to record anything.
-        recorded = self.storage.write_with_room(
-            lambda: self.store.fail(job.id, code, message, self.config.ttl_seconds),
-            free=lambda: self.files.remove(job.id),
-            gone=lambda: run.cancelled,
-            stopping=self._stopping,
-        )
-        self.files.remove(job.id)
-        if recorded:
-            log.error("job %s: failed (%s) %s", job.id, code, message)
-            self.metrics.observe_job("failed")
-        else:
-            self.metrics.observe_job("cancelled")
-
-    def _cancelled(self, run: _Run, job: Job) -> None:
-        if run.cancelled:
-            self.files.remove(job.id)
-            self.metrics.observe_job("cancelled")
-            log.info("job %s: cancelled (deleted)", job.id)
-        else:
-            self.store.requeue(job.id)
-            self.metrics.observe_job("requeued")
-            log.info("job %s: interrupted by shutdown, back in the queue", job.id)
+        self.complete(run, job, finished.telemetry, started, where=f" on replica {finished.replica.replica}", ray=ray)

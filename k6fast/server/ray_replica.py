@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import gc
 import logging
 import os
 import tempfile
@@ -26,10 +25,11 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from .config import ServerConfig
+from .dispatch import STAGES, Stage, classify_failure
 from .jobs import JobFiles, write_image
 from .ray_messages import ClipFiles, Finished, JobPayload, ModelCard, Progress, ReplicaIdentity, Started
 from .ray_settings import RaySettings
-from .worker import STAGES, classify_failure, load_pipeline, request_from_spec
+from .worker import load_pipeline, release_memory, request_from_spec
 
 if TYPE_CHECKING:
     from ..pipeline import Pipeline, Result
@@ -160,20 +160,20 @@ class Generator:
         with self._busy:
             started = time.perf_counter()
             watch = CallerWatch(payload.caller)
-            stage = ["prepare"]  # where the job is, for a failure's message (as worker.py keeps it)
+            stage = Stage()
 
             def should_stop() -> bool:
                 return stop.is_set() or watch()
 
             def step(event: StepEvent) -> None:
-                stage[0] = "decode" if event.index + 1 == event.total else "denoise"
+                stage.after_step(event)
                 on_step(event)
 
             log.info("job %s: attempt %d on replica %s", payload.job_id, payload.attempt, self.identity.replica)
             try:
                 request = request_from_spec(payload.spec, payload.image_png)
                 result = self.pipeline.generate(request, on_step=step, should_stop=should_stop)
-                stage[0] = "write"
+                stage.name = "write"
                 files = self._write(payload.job_id, request, result, should_stop)
                 telemetry = result.telemetry.as_dict()
                 return Finished(self.identity, time.perf_counter() - started, telemetry=telemetry, files=files)
@@ -182,11 +182,11 @@ class Generator:
                 log.info("job %s: stopped during %s (%s): %s", payload.job_id, exc.phase, exc.where, why)
                 return Finished(self.identity, time.perf_counter() - started, error=(CANCELLED_CODE, why))
             except Exception as exc:
-                code, message = classify_failure(exc, stage[0])
-                log.error("job %s: failed (%s) %s", payload.job_id, code, STAGES[stage[0]], exc_info=exc)
+                code, message = classify_failure(exc, stage.name)
+                log.error("job %s: failed (%s) %s", payload.job_id, code, STAGES[stage.name], exc_info=exc)
                 return Finished(self.identity, time.perf_counter() - started, error=(code, message))
             finally:
-                self._free_memory()
+                release_memory(self.pipeline)
 
     def _write(
         self, job_id: str, request: Request, result: Result, should_stop: Callable[[], bool]
@@ -217,13 +217,3 @@ class Generator:
         write_result(result, video, self.options, request, self.config.model, variant, should_stop)
         first = PIL.Image.fromarray(frames_to_uint8(result.frames[:1])[0])
         write_image(first, thumbnail, "JPEG", quality=90)
-
-    def _free_memory(self) -> None:
-        # A failed job's tensors may sit in reference cycles (its exception's traceback): collected before the
-        # allocator's cache is emptied, as worker.py does.
-        gc.collect()
-        if getattr(getattr(self.pipeline, "device", None), "type", None) == "cuda":
-            import torch
-
-            with contextlib.suppress(RuntimeError):
-                torch.cuda.empty_cache()
