@@ -1,17 +1,26 @@
 """What a request is and whether it can run: the geometry rules, the `Request` itself and its check against a
 checkpoint and the switches. No PyTorch: the command line and the server check requests with it before any model
-code loads."""
+code loads.
+
+`Request` is the one request type from every entry point to the pipeline, and every conversion of it lives here: to
+and from JSON (the server's job store, the Ray messages, the clip's sidecar, the bench's visit spec), from
+`k6fast generate`'s arguments (`request_from_args`) and from the server's checked create body
+(`request_from_create`). tests/test_request_roundtrip.py sends a request with every field set through each of them,
+so a field added to `Request` and not to a conversion fails there."""
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from collections.abc import Mapping
+from dataclasses import dataclass, field, fields
+from typing import TYPE_CHECKING, Any
 
 from .step_cache import check_request as check_step_cache
 from .switches import Options, validate_cache_steps
 
 if TYPE_CHECKING:
+    import argparse
+
     import PIL.Image
 
     from .checkpoint import Checkpoint
@@ -64,6 +73,27 @@ class Request:
     audio: bool = True
     fps: float = FPS
 
+    def to_dict(self) -> dict[str, Any]:
+        """Every field as a JSON value; `image` as whether there is one (its pixels travel apart: an uploaded file
+        in the server's store, bytes in a Ray message)."""
+        raw = {f.name: getattr(self, f.name) for f in fields(self)}
+        raw["image"] = self.image is not None
+        return raw
+
+    @classmethod
+    def from_dict(cls, raw: Mapping[str, Any], image: PIL.Image.Image | None = None) -> Request:
+        """The inverse of `to_dict`, given the image when `raw` says there was one. A field missing from `raw`
+        takes its default (a record written before the field existed); an unknown key is refused, so a record
+        from a newer k6fast is not run as something else."""
+        names = [f.name for f in fields(cls)]
+        unknown = sorted(str(key)[:40] for key in raw if key not in names)
+        if unknown:
+            raise ValueError(f"unknown request field(s) {', '.join(unknown)}; expected some of {', '.join(names)}")
+        if bool(raw.get("image", False)) != (image is not None):
+            had = "had an image and none was given" if image is None else "had no image and one was given"
+            raise ValueError(f"the request {had}")
+        return cls(**{**raw, "image": image})
+
 
 def audio_length(latent_frames: int, fps: float, sample_rate: int, hop: int) -> int:
     """Audio latent steps covering the video: ceil(frames / fps * sample_rate / hop)."""
@@ -103,3 +133,40 @@ def resolve_request(ckpt: Checkpoint, options: Options, request: Request) -> tup
     except ValueError as exc:
         raise RequestError(str(exc)) from exc
     return steps, guidance
+
+
+def request_from_args(args: argparse.Namespace, image: PIL.Image.Image | None = None) -> Request:
+    """The request of `k6fast generate`'s arguments (cli.py), `image` being `--image` opened. The clip runs at the
+    model's frame rate: the command has no option for `fps`."""
+    width, height = args.size
+    return Request(
+        prompt=args.prompt,
+        width=width,
+        height=height,
+        frames=args.frames,
+        steps=args.steps,
+        guidance=args.guidance,
+        seed=args.seed,
+        negative_prompt=args.negative_prompt,
+        image=image,
+        audio=not args.no_audio,
+    )
+
+
+def request_from_create(values: Mapping[str, Any]) -> Request:
+    """The request of a server create body whose parameters server/validation.py has checked, keyed by their API
+    names (`size` as (width, height), `num_frames` derived from `seconds` where needed). The input reference is not
+    part of it: the job keeps the upload's bytes until it starts (server/images.py). The API runs at the model's
+    frame rate: it has no parameter for `fps`."""
+    width, height = values["size"]
+    return Request(
+        prompt=values["prompt"],
+        width=width,
+        height=height,
+        frames=values["num_frames"],
+        steps=values["num_inference_steps"],
+        guidance=values["guidance_scale"],
+        seed=values["seed"],
+        negative_prompt=values["negative_prompt"],
+        audio=values["sample_audio"],
+    )
