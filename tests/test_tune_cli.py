@@ -97,6 +97,19 @@ def test_every_tune_error_is_one_line_before_any_heavy_import(paths: dict[str, s
     assert list(here.iterdir()) == []  # refused before writing anything
 
 
+def test_the_limits_scale_with_the_gate_proportions(tmp_path) -> None:
+    from k6fast.quality_gate.thresholds import Thresholds
+    from k6fast.tune.config import TuneConfig
+
+    gate = Thresholds()
+    config = TuneConfig(model="m", prompts=tmp_path, lpips_max=0.06, audio_max=1.5, out=tmp_path)
+    limits = config.thresholds
+    assert limits.lpips_mean == 0.06 and limits.lpips_worst == pytest.approx(0.06 * gate.lpips_worst / gate.lpips_mean)
+    assert limits.log_mel_db == 1.5 and limits.mrstft == pytest.approx(gate.mrstft / 2)
+    assert limits.log_mel_worst_db == pytest.approx(gate.log_mel_worst_db / 2)
+    assert TuneConfig(model="m", prompts=tmp_path, lpips_max=0.1, out=tmp_path).thresholds.mrstft == gate.mrstft
+
+
 def tune(argv: list[str]) -> tuple[int, str]:
     parser = argparse.ArgumentParser(prog="k6fast")
     tune_cli.register(parser.add_subparsers(dest="command", required=True))
@@ -137,6 +150,7 @@ def test_tune_end_to_end_on_the_tiny_checkpoint(paths, tmp_path, monkeypatch) ->
     assert status == tune_cli.EXIT_PLUMBING, printed  # a winner, by a backbone that judges nothing
     record = json.loads((out / "tune.json").read_text())
     assert record["plumbing_only"] is True and record["steps"] == 6
+    assert record["command"].startswith(f"k6fast tune --model {paths['tiny']} ") and "--test" in record["command"]
     assert record["geometry"] == {"width": 64, "height": 64, "frames": 9}
     rows = {row["label"]: row for row in record["candidates"]}
     assert len(rows) == 2 * 3 - 1  # gemm (2 levels) x cache (off, step 4, steps 3 and 4), less the base

@@ -101,7 +101,23 @@ def _backbone(args: argparse.Namespace) -> str | None:
     return str(path) if path else None
 
 
-def config_from_args(args: argparse.Namespace, argv: list[str] | None = None):
+def _command(args: argparse.Namespace) -> str:
+    """The `k6fast tune` line that repeats this run, every option spelled out (the record's `command`)."""
+    argv = ["k6fast", "tune"]
+    for name, value in vars(args).items():
+        if name in ("func", "command") or value is None or value is False:
+            continue
+        flag = "--" + name.replace("_", "-")
+        if value is True:
+            argv.append(flag)
+        elif isinstance(value, tuple):
+            argv += [flag, ",".join(map(str, value))]
+        else:
+            argv += [flag, str(value)]
+    return shlex.join(argv)
+
+
+def config_from_args(args: argparse.Namespace):
     from .config import TuneConfig, parse_geometry
 
     return TuneConfig(
@@ -122,7 +138,7 @@ def config_from_args(args: argparse.Namespace, argv: list[str] | None = None):
         device=args.device,
         dtype=args.dtype,
         name=args.name,
-        command=shlex.join(["k6fast", *(sys.argv[1:] if argv is None else argv)]),
+        command=_command(args),
     )
 
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 import math
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 from ..checkpoint import Checkpoint, open_checkpoint
@@ -44,8 +44,7 @@ class TuneConfig:
     device: str | None = None
     dtype: str | None = None
     name: str = "tuned"
-    command: str = ""
-    notes: tuple[str, ...] = field(default_factory=tuple)
+    command: str = ""  # the `k6fast tune` line that repeats this run, for the record
 
     @property
     def thresholds(self) -> Thresholds:
