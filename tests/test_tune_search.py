@@ -220,3 +220,12 @@ def test_the_speed_model_combines_the_probes_by_structure() -> None:
     assert (
         names["quant-self"]["K6_EXACT_ATTN_BLOCKS"] == "0" and names["sparse-0.25"]["K6_EXACT_ATTN_LAST_STEPS"] == "1"
     )
+
+
+def test_the_search_speed_and_space_modules_import_no_torch() -> None:
+    import subprocess
+    import sys
+
+    code = "import sys, k6fast.tune.search, k6fast.tune.speed, k6fast.tune.space; print('torch' in sys.modules)"
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0 and done.stdout.strip() == "False", done.stderr[-2000:]
