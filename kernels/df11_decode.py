@@ -113,21 +113,41 @@ def _df11_decode_kernel(
     bits = tl.load(lane_bits_ptr + g * LANES + lane).to(tl.int64)
     pos = tl.load(group_base_ptr + g) + tl.cumsum(bits, 0) - bits
     first = g * (LANES * CHUNK) + lane
-    for j in tl.range(0, CHUNK):
-        # The time-critical chain: a 64-bit window from the lane's bit position, one table lookup, advance.
+    for j in tl.range(0, CHUNK // 2):
+        # The time-critical chain: a 64-bit window from the lane's word (at least 33 bits ahead of pos, so two codes
+        # of <= 12 bits), two table lookups, advance.
         word = pos >> 5
         hi = tl.load(words_ptr + word).to(tl.uint32, bitcast=True).to(tl.uint64)
         lo = tl.load(words_ptr + word + 1).to(tl.uint32, bitcast=True).to(tl.uint64)
         window = (hi << 32) | lo
-        shift = (64 - CODE_BITS - (pos & 31)).to(tl.uint64)
-        code = ((window >> shift) & ((1 << CODE_BITS) - 1)).to(tl.int32)
-        entry = tl.load(lut_ptr + code).to(tl.int32)
-        pos += (entry >> 8).to(tl.int64)
-        e = first + j * LANES
-        mask = e < n
-        s = tl.load(sm_ptr + e, mask=mask, other=0).to(tl.int32)
-        value = ((s & 0x80) << 8) | ((entry & 0xFF) << 7) | (s & 0x7F)
-        tl.store(out_ptr + e, value.to(tl.int16), mask=mask)
+        used = pos & 31
+        entry = tl.load(lut_ptr + _code(window, used, CODE_BITS)).to(tl.int32)
+        used += (entry >> 8).to(tl.int64)
+        entry2 = tl.load(lut_ptr + _code(window, used, CODE_BITS)).to(tl.int32)
+        pos += (entry >> 8).to(tl.int64) + (entry2 >> 8).to(tl.int64)
+        _put(sm_ptr, out_ptr, first + (2 * j) * LANES, n, entry)
+        _put(sm_ptr, out_ptr, first + (2 * j + 1) * LANES, n, entry2)
+    if CHUNK % 2 == 1:
+        word = pos >> 5
+        hi = tl.load(words_ptr + word).to(tl.uint32, bitcast=True).to(tl.uint64)
+        lo = tl.load(words_ptr + word + 1).to(tl.uint32, bitcast=True).to(tl.uint64)
+        entry = tl.load(lut_ptr + _code((hi << 32) | lo, pos & 31, CODE_BITS)).to(tl.int32)
+        _put(sm_ptr, out_ptr, first + (CHUNK - 1) * LANES, n, entry)
+
+
+@triton.jit
+def _code(window, used, CODE_BITS: tl.constexpr):
+    """The CODE_BITS bits of a 64-bit window after its first `used` bits (used <= 64 - CODE_BITS)."""
+    return ((window >> (64 - CODE_BITS - used).to(tl.uint64)) & ((1 << CODE_BITS) - 1)).to(tl.int32)
+
+
+@triton.jit
+def _put(sm_ptr, out_ptr, e, n, entry):
+    """Element e (masked past n): its sign | mantissa byte around the decoded exponent (entry's low byte)."""
+    mask = e < n
+    s = tl.load(sm_ptr + e, mask=mask, other=0).to(tl.int32)
+    value = ((s & 0x80) << 8) | ((entry & 0xFF) << 7) | (s & 0x7F)
+    tl.store(out_ptr + e, value.to(tl.int16), mask=mask)
 
 
 # ---------------------------------------------------------------------------------------------------------------

@@ -81,11 +81,12 @@ def test_wrong_operands_say_what_was_expected():
 
 test_triton_kernel_under_interpreter = interpreter_suite(__file__)
 
-TINY = {
-    "one element": lambda: _gaussian((1,)),
-    "partial last group and lane": lambda: _gaussian((3, 45), seed=1),
-    "one exponent": lambda: _one_exponent(200),
-    "every bit pattern": lambda: _every_bit_pattern(),
+TINY = {  # case → (tensor, codes a lane decodes)
+    "one element": (lambda: _gaussian((1,)), 4),
+    "partial last group and lane": (lambda: _gaussian((3, 45), seed=1), 4),
+    "odd codes a lane": (lambda: _gaussian((333,), seed=2), 5),
+    "one exponent": (lambda: _one_exponent(200), 4),
+    "every bit pattern": (lambda: _every_bit_pattern(), 64),
 }
 
 
@@ -93,8 +94,8 @@ TINY = {
 @needs_interpreter
 @pytest.mark.parametrize("case", TINY)
 def test_kernel_interpreted(case):
-    t = TINY[case]()
-    chunk = 64 if t.numel() > 10_000 else 4
+    make, chunk = TINY[case]
+    t = make()
     blob = df11.encode(t, chunk=chunk, lanes=32)
     layout = df11.parse_header(blob, blob.size)
     out = torch.full_like(t, float("nan"))
