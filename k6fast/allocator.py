@@ -4,18 +4,20 @@ The DiT phase at W1 on a 32 GiB budget holds most of the budget in weights and r
 feed-forward's hidden state, the attention inputs) every block. With fixed-size segments those allocations
 fragment the reserved memory until a large one no longer fits (the full-size acceptance run met such an OOM with GiBs
 reserved but unallocated: measurements/sessions/2026-12-01_acceptance-full). Expandable segments map physical pages
-into one growing virtual range instead, so freed room is reusable for any size. `device_budget` caps the allocator
-at the VRAM budget.
+into one growing virtual range instead, so freed room is reusable for any size. `device_budget` says what the
+VRAM budget is.
 
-PyTorch reads `PYTORCH_CUDA_ALLOC_CONF` when CUDA first initialises, so the command line sets it before anything
-touches CUDA; a library user who builds a `Pipeline` after CUDA started gets the same setting through the
-allocator's runtime switch. A user's own `expandable_segments` choice is left alone.
+PyTorch reads `PYTORCH_CUDA_ALLOC_CONF` when CUDA first initialises, so the entry points ask for expandable segments
+there (`with_expandable`) before anything touches CUDA. A user's own `expandable_segments` choice is left alone.
+
+Nothing here changes the process: setting the allocator and capping it at the budget are the entry points' (k6fast/
+entry.py), so that a library user's two pipelines in one process do not re-cap each other.
 """
 
 from __future__ import annotations
 
+import functools
 import logging
-import os
 from typing import TYPE_CHECKING
 
 from .memory import OUTSIDE_ALLOCATOR_BYTES, GiB
@@ -29,43 +31,26 @@ ENV = "PYTORCH_CUDA_ALLOC_CONF"
 SETTING = "expandable_segments:True"
 
 
-def _user_chose(environ: dict[str, str] | os._Environ) -> bool:
-    return "expandable_segments" in environ.get(ENV, "")
+def user_chose(conf: str | None) -> bool:
+    """Whether the allocator options `conf` (PYTORCH_CUDA_ALLOC_CONF's value) say yes or no to expandable segments."""
+    return "expandable_segments" in (conf or "")
 
 
-def configure_environment(environ: dict[str, str] | os._Environ | None = None) -> bool:
-    """Before CUDA starts (the CLI's first step): ask for expandable segments in the environment, keeping any other
-    allocator options the user set. Returns True when it changed the environment."""
-    environ = os.environ if environ is None else environ
-    if _user_chose(environ):
-        return False
-    current = environ.get(ENV, "").strip().strip(",")
-    environ[ENV] = f"{current},{SETTING}" if current else SETTING
-    return True
+def with_expandable(conf: str | None) -> str | None:
+    """`PYTORCH_CUDA_ALLOC_CONF` with expandable segments asked for, keeping any other allocator options the user
+    set (conf: its current value, None when unset); None when the user already chose either way."""
+    if user_chose(conf):
+        return None
+    current = (conf or "").strip().strip(",")
+    return f"{current},{SETTING}" if current else SETTING
 
 
-def configure_runtime() -> None:
-    """From inside a process where CUDA may already run (a `Pipeline` built by library code): switch the allocator
-    to expandable segments for the segments it creates from now on, unless the user chose otherwise."""
+def resolve_device(device: torch.device | str | None) -> torch.device:
+    """`cuda` → `cuda:N` (the current device): CUDA memory and stream APIs need an explicit index. None: CUDA where
+    there is a GPU, else the CPU."""
     import torch
 
-    if _user_chose(os.environ) or not torch.cuda.is_available():
-        return
-    setter = getattr(torch.cuda.memory, "_set_allocator_settings", None)
-    if setter is None:  # a PyTorch without the runtime switch: the environment variable is the only way
-        logger.warning("this PyTorch cannot switch on expandable segments at run time; set %s=%s", ENV, SETTING)
-        return
-    try:
-        setter(SETTING)
-    except RuntimeError as exc:  # keep running with fixed segments: slower to fit, not wrong
-        logger.warning("could not switch the CUDA allocator to expandable segments (%s); set %s=%s", exc, ENV, SETTING)
-
-
-def resolve_device(device: torch.device | str) -> torch.device:
-    """`cuda` → `cuda:N` (the current device): CUDA memory and stream APIs need an explicit index."""
-    import torch
-
-    device = torch.device(device)
+    device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     if device.type == "cuda" and device.index is None:
         return torch.device("cuda", torch.cuda.current_device())
     return device
@@ -75,22 +60,26 @@ def device_budget(device: torch.device, budget_gb: float) -> int:
     """The VRAM budget in bytes: the switch's value, or, at 0, what the card has free now (the CUDA context, a
     display and other programs already hold the rest) less what CUDA will add outside the allocator. A budget larger
     than that is lowered to it, with a warning: on a 32 GB card a 32 GiB budget would run out of device memory
-    outside PyTorch's accounting. The budget is enforced through the caching allocator, so an H200 behaves like a
-    32 GB card."""
+    outside PyTorch's accounting. Arithmetic on what the card reports: `cap_allocator` enforces it."""
     import torch
 
     device = resolve_device(device)
     if device.type != "cuda":
         return int(budget_gb * GiB) if budget_gb > 0 else 1 << 62
-    free, total = torch.cuda.mem_get_info(device)
+    free = torch.cuda.mem_get_info(device)[0]
     available = free + torch.cuda.memory_reserved(device) - OUTSIDE_ALLOCATOR_BYTES
     budget = int(budget_gb * GiB) if budget_gb > 0 else available
     if budget > available:
-        logger.warning(
-            "K6_VRAM_BUDGET_GB=%g is more than this GPU has free for k6fast (%.2f GiB after the CUDA context and other "
-            "programs, less %.1f GiB CUDA adds later); planning for %.2f GiB",
-            budget_gb, available / GiB, OUTSIDE_ALLOCATOR_BYTES / GiB, available / GiB,
-        )  # fmt: skip
+        _warn_lowered(
+            f"K6_VRAM_BUDGET_GB={budget_gb:g} is more than this GPU has free for k6fast ({available / GiB:.2f} GiB "
+            f"after the CUDA context and other programs, less {OUTSIDE_ALLOCATOR_BYTES / GiB:.1f} GiB CUDA adds "
+            f"later); planning for {available / GiB:.2f} GiB"
+        )
         budget = available
-    torch.cuda.set_per_process_memory_fraction(budget / total, device)
     return budget
+
+
+@functools.cache
+def _warn_lowered(message: str) -> None:
+    # Once per message: the entry point's cap and the pipeline's plan ask for the same budget.
+    logger.warning(message)

@@ -11,7 +11,7 @@ from pathlib import Path
 from . import __version__
 from .checkpoint import Checkpoint, CheckpointError, open_checkpoint
 from .cli_args import device_problem, seed_problem, size_arg
-from .entry import quiet_warnings
+from .entry import configure_allocator_environment, prepare_pipeline_process, quiet_warnings
 from .request import Request, RequestError, dit_tokens, request_from_args, resolve_request, validate_geometry
 from .switches import Options, SwitchError, load_options
 
@@ -131,6 +131,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
     clock.lap("imports")
     width, height = args.size
+    prepare_pipeline_process(options, args.device)  # this process's allocator cap and compile caches
     clock.lap("cuda_context")  # since the imports: the CUDA context and the allocator's cap at the budget
     pipe = Pipeline(ckpt, options, device=args.device, dtype=_dtype(args.dtype), plan_geometry=(width, height,
                     args.frames), prompt_cache_dir=prompt_cache_dir(args, options))  # fmt: skip
@@ -311,7 +312,6 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from .allocator import configure_environment
     from .server.cli import ServeError
     from .stream.plan import ResidencyError
     from .telemetry import StartupClock
@@ -321,7 +321,7 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     args.startup = clock
     clock.lap("interpreter")  # Python's start, k6fast.cli's imports, the arguments parsed
-    configure_environment()  # before anything touches CUDA (k6fast/allocator.py says why)
+    configure_allocator_environment()  # before anything touches CUDA (k6fast/allocator.py says why)
     try:
         code = args.func(args)
     except (CliError, CheckpointError, RequestError, SwitchError, ResidencyError, ServeError, FileExistsError) as exc:

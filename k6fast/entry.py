@@ -1,6 +1,8 @@
-"""What the entry points (`k6fast ...` and `python -m k6fast.server`) set for their whole process: which warnings
-reach the terminal, and in what form. Nothing else calls `quiet_warnings`, so importing k6fast as a library changes
-no filter, no logger and no warning format.
+"""What the entry points (`k6fast ...`, `python -m k6fast.server`, the server's start-up and a bench visit) set for
+their whole process: which warnings reach the terminal, and in what form; the CUDA allocator's settings and its cap at
+the VRAM budget; where the kernel compilers keep their caches. Only the entry points call these (a test holds it), so
+importing k6fast as a library, or building two pipelines in one process, changes no filter, no logger, no
+environment variable and no allocator setting.
 
 Deprecation warnings are about the libraries' own code (k6fast issues none), which a user of the command line cannot
 act on; an unknown `K6_*` variable is one line naming the switch that was probably meant.
@@ -13,10 +15,13 @@ import logging
 import os
 import sys
 import warnings
+from pathlib import Path
 from typing import NoReturn
 
+from .allocator import ENV, SETTING, device_budget, resolve_device, user_chose, with_expandable
 from .switches import UnknownSwitchWarning
 
+log = logging.getLogger(__name__)
 DEPRECATIONS = (DeprecationWarning, PendingDeprecationWarning, FutureWarning)
 # Loggers whose warnings concern the libraries' internals at import, nothing k6fast runs: torchao registers enums with
 # torch's pytree, which torch calls deprecated; diffusers' torchao quantizer (k6fast quantizes with its own code) says
@@ -40,6 +45,64 @@ def quiet_warnings() -> None:
     for name in QUIET_LOGGERS:
         logging.getLogger(name).setLevel(logging.ERROR)
     warnings.formatwarning = _format_warning
+
+
+def configure_allocator_environment() -> None:
+    """Before anything touches CUDA: ask the caching allocator for expandable segments (k6fast/allocator.py says
+    why), keeping the user's other allocator options and their own expandable-segments choice."""
+    conf = with_expandable(os.environ.get(ENV))
+    if conf is not None:
+        os.environ[ENV] = conf
+
+
+def configure_compile_caches(path: str | None) -> None:
+    """Keep every kernel compiler's cache on disk, so a second start compiles nothing. With `path`
+    (K6_INDUCTOR_CACHE_DIR): Inductor's there, Triton's for k6fast's own kernels in `path/triton` and flash-attn-4's
+    CuTe DSL kernels in `path/fa4`; without it, each compiler's default place. A variable the user set is kept.
+    flash-attn-4's disk cache is off unless asked for, so it is asked for here (its kernels otherwise compile again
+    in every process, seconds per shape at W1). The compilers read these variables when they first compile,
+    flash-attn-4 when it is imported (a `SwitchedBackend` with K6_EXACT_ATTN_KERNEL=fa4 imports it): call this first."""
+    os.environ.setdefault("FLASH_ATTENTION_CUTE_DSL_CACHE_ENABLED", "1")
+    if not path:
+        return
+    os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(path))
+    os.environ.setdefault("TRITON_CACHE_DIR", str(Path(path) / "triton"))
+    os.environ.setdefault("FLASH_ATTENTION_CUTE_DSL_CACHE_DIR", str(Path(path) / "fa4"))
+
+
+def cap_device_memory(device, budget_gb: float) -> None:
+    """Cap the CUDA caching allocator on `device` (None: the default device) at the VRAM budget `budget_gb` means
+    (`allocator.device_budget`: 0 = what the card has free), so that a larger card behaves like one of the budget's
+    size (an H200 like a 32 GB card). Nothing on the CPU."""
+    device = resolve_device(device)
+    if device.type == "cuda":
+        import torch
+
+        total = torch.cuda.mem_get_info(device)[1]
+        torch.cuda.set_per_process_memory_fraction(device_budget(device, budget_gb) / total, device)
+
+
+def expandable_segments_now() -> None:
+    """Where CUDA may already run (a server's or a bench's start-up after CUDA started): switch the allocator to
+    expandable segments for the segments it creates from now on, unless the user chose otherwise."""
+    import torch
+
+    if user_chose(os.environ.get(ENV)) or not torch.cuda.is_available():
+        return
+    try:
+        torch.cuda.memory._set_allocator_settings(SETTING)
+    except (AttributeError, RuntimeError) as exc:  # fixed segments: slower to fit, not wrong
+        log.warning("could not switch the CUDA allocator to expandable segments (%s); set %s=%s", exc, ENV, SETTING)
+
+
+def prepare_pipeline_process(options, device) -> None:
+    """Before an entry point builds its `Pipeline` (or a `SwitchedBackend`) with `options` on `device`: the compile
+    caches the options name, expandable segments from now on, and the allocator capped at the options' VRAM budget
+    (the budget the pipeline plans for)."""
+    configure_compile_caches(options.inductor_cache_dir)
+    if resolve_device(device).type == "cuda":
+        expandable_segments_now()
+    cap_device_memory(device, options.vram_budget_gb)
 
 
 def end_process(code: int) -> NoReturn:

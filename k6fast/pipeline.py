@@ -17,7 +17,7 @@ import numpy as np
 import torch
 from diffusers.utils.torch_utils import randn_tensor
 
-from .allocator import configure_runtime, device_budget, resolve_device
+from .allocator import device_budget, resolve_device
 from .cancel import StopCheck, check_stop
 from .checkpoint import Checkpoint, open_checkpoint
 from .dit.backend import SwitchedBackend
@@ -77,13 +77,12 @@ class Pipeline:
     ):
         """plan_geometry: the request the DiT's resident blocks are planned for (a larger one streams more of them
         for its own run; one the budget cannot fit is refused by `resolve`). prompt_cache_dir: where encoded prompts
-        are kept across processes (None: in memory only)."""
+        are kept across processes (None: in memory only). Nothing here changes the process: an entry point caps the
+        allocator at the budget and sets the compile caches first (`k6fast.entry.prepare_pipeline_process`)."""
         self.ckpt = model if isinstance(model, Checkpoint) else open_checkpoint(model)
         self.options = options
-        self.device = resolve_device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+        self.device = resolve_device(device)
         self.dtype = dtype or (torch.bfloat16 if self.device.type == "cuda" else torch.float32)
-        if self.device.type == "cuda":
-            configure_runtime()
         self.load_seconds = 0.0
         telemetry = Telemetry(device=str(self.device))
         self.budget_bytes = device_budget(self.device, options.vram_budget_gb)

@@ -1,5 +1,6 @@
-"""The compile caches a second start reuses: k6fast asks for flash-attn-4's disk cache, and sets every cache's
-variables before anything imports flash-attn-4 (it reads them once, at import; set later they do nothing)."""
+"""The compile caches a second start reuses: the entry points ask for flash-attn-4's disk cache, and set every
+cache's variables before anything imports flash-attn-4 (it reads them once, at import; set later they do nothing).
+A Pipeline built by library code changes no environment variable."""
 
 from __future__ import annotations
 
@@ -7,7 +8,8 @@ import os
 
 import pytest
 
-from k6fast.dit.backend import configure_compile_caches
+from k6fast.cli import main
+from k6fast.entry import configure_compile_caches
 from k6fast.kernels import fa4_attention
 from k6fast.pipeline import Pipeline
 from k6fast.switches import Options
@@ -60,10 +62,10 @@ def test_the_users_own_settings_are_kept(clean_env, tmp_path):
     assert os.environ["FLASH_ATTENTION_CUTE_DSL_CACHE_DIR"] == str(tmp_path / "fa4")
 
 
-def test_the_pipeline_sets_them_before_the_backend_imports_flash_attn_4(clean_env, tmp_path, tiny_distill):
+def test_generate_sets_them_before_the_backend_imports_flash_attn_4(clean_env, tmp_path, tiny_distill):
     """Building the attention backend with K6_EXACT_ATTN_KERNEL=fa4 asks whether flash-attn-4 runs, which imports it
-    on a GPU: the cache variables must be in place by then (they were set after it once, and every process compiled
-    its kernels again)."""
+    on a GPU: `k6fast generate` must have set the cache variables by then (they were set after it once, and every
+    process compiled its kernels again)."""
     seen: list[dict[str, str | None]] = []
     real = fa4_attention.fa4_unavailable_reason
 
@@ -72,10 +74,20 @@ def test_the_pipeline_sets_them_before_the_backend_imports_flash_attn_4(clean_en
         return real(device)
 
     clean_env.setattr(fa4_attention, "fa4_unavailable_reason", recording)
+    clean_env.delenv("PYTORCH_CUDA_ALLOC_CONF", raising=False)  # the command line sets it too; restored after
     cache = tmp_path / "cache"
-    options = Options().replace(exact_attn_kernel="fa4", inductor_cache_dir=str(cache))
-    Pipeline(tiny_distill, options, device="cpu").close()
+    clean_env.setenv("K6_EXACT_ATTN_KERNEL", "fa4")
+    clean_env.setenv("K6_INDUCTOR_CACHE_DIR", str(cache))
+    argv = ["generate", "--prompt", "a cat", "--size", "32x32", "--frames", "5", "--steps", "1", "--no-audio"]
+    assert main([*argv, "--model", str(tiny_distill), "--out", str(tmp_path / "clip.mp4")]) == 0
     assert seen, "the backend never asked whether flash-attn-4 runs"
     assert seen[0]["FLASH_ATTENTION_CUTE_DSL_CACHE_ENABLED"] == "1"
     assert seen[0]["FLASH_ATTENTION_CUTE_DSL_CACHE_DIR"] == str(cache / "fa4")
     assert seen[0]["TRITON_CACHE_DIR"] == str(cache / "triton")
+
+
+def test_a_library_pipeline_changes_no_environment_variable(clean_env, tmp_path, tiny_distill):
+    before = dict(os.environ)
+    options = Options().replace(exact_attn_kernel="fa4", inductor_cache_dir=str(tmp_path / "cache"))
+    Pipeline(tiny_distill, options, device="cpu").close()
+    assert dict(os.environ) == before

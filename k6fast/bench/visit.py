@@ -31,6 +31,7 @@ from typing import Any  # noqa: E402
 
 import torch  # noqa: E402
 
+from ..entry import cap_device_memory, configure_allocator_environment, prepare_pipeline_process  # noqa: E402
 from ..telemetry import anon_rss_bytes  # noqa: E402
 from .records import SCHEMA, write_json  # noqa: E402
 from .runner import Runner, VisitSpec, peak_vram, sync, time_call  # noqa: E402
@@ -107,6 +108,7 @@ class _K6Runner:
         from ..pipeline import Pipeline
 
         g = self.spec.geometry
+        prepare_pipeline_process(self.options, self.device)  # the visit's process, as `k6fast generate` sets its own
         return Pipeline(self.spec.model, self.options, device=self.device, dtype=self.dtype,
                         plan_geometry=(g.width, g.height, g.frames))  # fmt: skip
 
@@ -176,6 +178,7 @@ class K6BlockRunner(_K6Runner):
         from ..safetensors_index import index_safetensors
         from ..stream.reader import FileReader, upload
 
+        prepare_pipeline_process(self.options, self.device)  # before the backend imports flash-attn-4
         ckpt = open_checkpoint(self.spec.model)
         prefix = "visual_transformer_blocks.0."
         index = index_safetensors(ckpt.transformer_files)
@@ -208,7 +211,10 @@ def make_runner(spec: VisitSpec) -> Runner:
     from .peers import is_peer, peer_runner
 
     if is_peer(spec.arm):
-        return peer_runner(spec)
+        runner = peer_runner(spec)
+        if runner.budget_gb:  # the same allocator cap the k6fast arms run under
+            cap_device_memory(runner.device, runner.budget_gb)
+        return runner
     from ..switches import load_options
 
     options = load_options(environ=spec.switches, arm=spec.arm)
@@ -267,9 +273,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--spec", required=True, help="visit spec JSON written by `k6fast bench`")
     parser.add_argument("--out", required=True, help="where to write this visit's JSON record")
     args = parser.parse_args(argv)
-    from ..allocator import configure_environment
-
-    configure_environment()  # as `k6fast generate` does, before CUDA starts
+    configure_allocator_environment()  # as `k6fast generate` does, before CUDA starts
     spec = VisitSpec.from_dict(json.loads(Path(args.spec).read_text()))
     try:
         record = run_visit(spec)

@@ -14,10 +14,14 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from ..kernels import adaln, gelu, qk_norm_rope
 from ..kernels.adaln import gated_residual_ref, layernorm_modulate_ref
 from ..kernels.exact_attention import sdpa
 from ..kernels.gelu import gelu_ref
 from ..kernels.qk_norm_rope import rms_norm_rope_ref
+from .arch import resolve_auto
+from .attention import AttentionDispatch
+from .linear import LinearDispatch
 
 if TYPE_CHECKING:
     from ..kernels.tile_mask import TokenOrder
@@ -113,12 +117,6 @@ class SwitchedBackend(ExactBackend):
     fastest SDPA backend for the architecture)."""
 
     def __init__(self, options, device: torch.device):
-        from .arch import resolve_auto
-        from .attention import AttentionDispatch
-        from .linear import LinearDispatch
-
-        # First: building the attention dispatch imports flash-attn-4, which reads its cache settings then.
-        configure_compile_caches(options.inductor_cache_dir)
         resolved = resolve_auto(options, device)
         if resolved is not options:
             logger.info("on %s: K6_GEMM=%s, K6_ATTN=%s (auto resolved)", device, resolved.gemm, resolved.attn)
@@ -144,40 +142,30 @@ class SwitchedBackend(ExactBackend):
 
     def modulate(self, x: Tensor, scale: Tensor, shift: Tensor) -> Tensor:
         if self.fused_for(x):
-            from ..kernels.adaln import layernorm_modulate
-
-            return layernorm_modulate(x, scale, shift, eps=LN_EPS)
+            return adaln.layernorm_modulate(x, scale, shift, eps=LN_EPS)
         return super().modulate(x, scale, shift)
 
     def gated_add(self, x: Tensor, out: Tensor, gate: Tensor) -> Tensor:
         if self.fused_for(x):
-            from ..kernels.adaln import gated_residual
-
-            return gated_residual(x, out.contiguous(), gate)
+            return adaln.gated_residual(x, out.contiguous(), gate)
         return super().gated_add(x, out, gate)
 
     def gated_add_modulate(
         self, x: Tensor, out: Tensor, gate: Tensor, scale: Tensor, shift: Tensor
     ) -> tuple[Tensor, Tensor]:
         if self.fused_for(x):
-            from ..kernels.adaln import gated_residual_modulate
-
-            return gated_residual_modulate(x, out.contiguous(), gate, scale, shift, eps=LN_EPS)
+            return adaln.gated_residual_modulate(x, out.contiguous(), gate, scale, shift, eps=LN_EPS)
         return super().gated_add_modulate(x, out, gate, scale, shift)
 
     def gelu(self, x: Tensor) -> Tensor:
         if self.fused_for(x):
-            from ..kernels.gelu import gelu
-
-            return gelu(x)
+            return gelu.gelu(x)
         return super().gelu(x)
 
     def norm_rope(self, x: Tensor, weight: Tensor, rope: tuple[Tensor, Tensor] | None) -> Tensor:
         if self.fused_for(x) and x.is_contiguous():
-            from ..kernels.qk_norm_rope import rms_norm_rope
-
             cos, sin = (None, None) if rope is None else (t.contiguous() for t in rope)
-            return rms_norm_rope(x, weight, cos, sin)
+            return qk_norm_rope.rms_norm_rope(x, weight, cos, sin)
         return super().norm_rope(x, weight, rope)
 
     def begin_step(self, step: int, num_steps: int | None = None) -> None:
@@ -188,21 +176,3 @@ class SwitchedBackend(ExactBackend):
 
     def video_token_order(self, grid: tuple[int, int, int], positions) -> TokenOrder | None:
         return self.attn.video_token_order(grid, positions)
-
-
-def configure_compile_caches(path) -> None:
-    """Keep every kernel compiler's cache on disk, so a second start compiles nothing. With `path`
-    (K6_INDUCTOR_CACHE_DIR): Inductor's there, Triton's for k6fast's own kernels in `path/triton` and flash-attn-4's
-    CuTe DSL kernels in `path/fa4`, each unless the user set its variable; without it, each compiler's default place.
-    flash-attn-4's disk cache is off unless asked for, so it is asked for here (its kernels otherwise compile again
-    in every process, seconds per shape at W1). They read these variables when they first compile, flash-attn-4 when
-    it is imported: `SwitchedBackend` calls this before its attention dispatch imports it."""
-    import os
-    from pathlib import Path
-
-    os.environ.setdefault("FLASH_ATTENTION_CUTE_DSL_CACHE_ENABLED", "1")
-    if not path:
-        return
-    os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(path)
-    os.environ.setdefault("TRITON_CACHE_DIR", str(Path(path) / "triton"))
-    os.environ.setdefault("FLASH_ATTENTION_CUTE_DSL_CACHE_DIR", str(Path(path) / "fa4"))

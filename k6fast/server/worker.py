@@ -50,6 +50,7 @@ def load_pipeline(config: ServerConfig, options: Options) -> Pipeline:
     (kernel selection, allocator growth, lazy imports)."""
     import torch
 
+    from ..entry import prepare_pipeline_process
     from ..pipeline import Pipeline
     from ..request import Request
 
@@ -57,6 +58,7 @@ def load_pipeline(config: ServerConfig, options: Options) -> Pipeline:
     # Resident blocks are planned for the default request; a larger one streams more of them for its own run, and
     # one that cannot fit the budget at all is refused before it is queued (`Pipeline.resolve`).
     plan_geometry = (*config.default_size, frames_for_seconds(config.default_seconds))
+    prepare_pipeline_process(options, config.device)  # the server's process: in-process, or a Ray replica's
     pipeline = Pipeline(config.model, options, device=config.device, dtype=dtype, plan_geometry=plan_geometry)
     # Two steps touch every phase; a cached-step switch needs the schedule long enough to contain its steps.
     steps = max(2, *(s + 1 for s in options.piflow_cache_steps)) if options.piflow_cache_steps else 2
