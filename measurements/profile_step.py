@@ -73,6 +73,7 @@ K6_KERNELS = {
     "_fp8_fp16acc_kernel": GEMM,  # the GeForce fp8 GEMM (FP16 chunks)
     "_nvfp4_linear_kernel": GEMM,
     "_sparse_attention_kernel": ATTENTION,  # the block-sparse video self-attention (Triton, where fa4's does not run)
+    "_df11_decode_kernel": GEMM,  # a DF11 checkpoint's weights decoded on the device, for the GEMMs that read them
 }
 # Substrings of lower-cased names. Attention is tested before GEMM: cuDNN's and FlashAttention-3's kernels carry
 # GEMM-ish words (wgmma, cutlass). "quant_per_block" is SageAttention's Q/K quantization.
