@@ -33,8 +33,12 @@ from .df11_header import (  # noqa: F401 (the format's API, re-exported)
 from .kernels import df11_decode
 from .kernels.df11_decode import decode, decode_ref
 
-CHUNK = 256  # codes one lane decodes: fewer lanes' bit lengths to store against more lanes running at once
-LANES = 128  # lanes of a group (one Triton program): 128 x 256 = 32768 elements
+CHUNK = 256  # the most codes one lane decodes: fewer lanes' bit lengths to store against more lanes running at once
+MIN_CHUNK = 32
+LANES = 128  # lanes of a group (one Triton program)
+# Groups (programs) a tensor's decode should launch where its size allows: each lane's decode is a serial chain, so
+# a tensor of a few hundred programs leaves most of a GPU's SMs idle (an H200 holds 16 such programs on each of 132).
+TARGET_GROUPS = 1024
 MIN_ELEMENTS = 1 << 20  # smaller bf16 tensors stay raw in a checkpoint (`compressible`)
 if (df11_decode.CODE_BITS, df11_decode.PAD_WORDS) != (CODE_BITS, PAD_WORDS):
     raise ImportError("kernels/df11_decode.py and k6fast/df11_header.py disagree on the DF11 format's constants")
@@ -99,14 +103,25 @@ def compressible(t: Tensor) -> bool:
     return t.dtype == torch.bfloat16 and t.numel() >= MIN_ELEMENTS and t.ndim <= MAX_DIMS
 
 
-def encode(t: Tensor, *, chunk: int = CHUNK, lanes: int = LANES, check: bool = True, device=None) -> np.ndarray:
-    """A bf16 tensor [...] (1 element or more) → its DF11 blob (uint8 [nbytes], host memory). The bit packing runs
-    in PyTorch on `device` (default: t's; a GPU does it in milliseconds). With `check`, the blob is decoded there with
-    `decode_ref` and compared with `t` bit for bit, else AssertionError."""
+def chunk_for(n: int) -> int:
+    """Codes a lane decodes in a tensor of n elements: CHUNK, halved (down to MIN_CHUNK) until the tensor has
+    TARGET_GROUPS groups of LANES lanes."""
+    chunk = CHUNK
+    while chunk > MIN_CHUNK and -(-n // (LANES * chunk)) < TARGET_GROUPS:
+        chunk //= 2
+    return chunk
+
+
+def encode(t: Tensor, *, chunk: int | None = None, lanes: int = LANES, check: bool = True, device=None) -> np.ndarray:
+    """A bf16 tensor [...] (1 element or more) → its DF11 blob (uint8 [nbytes], host memory); chunk None:
+    `chunk_for(t.numel())`. The bit packing runs in PyTorch on `device` (default: t's; a GPU does it in
+    milliseconds). With `check`, the blob is decoded there with `decode_ref` and compared with `t` bit for bit, else
+    AssertionError."""
     if t.dtype != torch.bfloat16 or t.numel() < 1 or t.ndim > MAX_DIMS:
         raise ValueError(f"df11: expected a non-empty bfloat16 tensor of <= {MAX_DIMS} dims, found {t.dtype} "
                          f"{tuple(t.shape)}")  # fmt: skip
     device = torch.device(device) if device is not None else t.device
+    chunk = chunk_for(t.numel()) if chunk is None else chunk
     host = t.detach().contiguous().cpu()
     crc = zlib.crc32(host.reshape(-1).view(torch.int16).numpy())
     x = host.to(device)

@@ -80,8 +80,9 @@ def check_compress(src: str | Path, dst: str | Path) -> tuple[Checkpoint, Path]:
 def _blob_bound(loc: TensorLocation) -> int:
     """The most bytes a DF11 blob of this tensor can take (every code CODE_BITS long)."""
     df11 = _df11()
-    most = Layout(loc.shape, df11.CHUNK, df11.LANES, 0, 0).max_bits
-    return Layout(loc.shape, df11.CHUNK, df11.LANES, most, 0).nbytes
+    chunk = df11.chunk_for(loc.elements)
+    most = Layout(loc.shape, chunk, df11.LANES, 0, 0).max_bits
+    return Layout(loc.shape, chunk, df11.LANES, most, 0).nbytes
 
 
 def _df11():

@@ -160,7 +160,8 @@ def main(argv: list[str] | None = None) -> int:
         h = df11.exponent_entropy_bits(t)
         bound_bits += t.numel() * (8 + h)
         per_tensor.append({"name": name, "shape": list(t.shape), "ratio": blobs[name].size / (2 * t.numel()),
-                           "entropy_bits": h, "code_bits": layouts[name].total_bits / t.numel()})  # fmt: skip
+                           "entropy_bits": h, "code_bits": layouts[name].total_bits / t.numel(),
+                           "chunk": layouts[name].chunk})  # fmt: skip
 
     # Correctness first: every tensor decoded on the GPU equals the original bit for bit.
     dev_blobs = {k: torch.from_numpy(b).to(dev) for k, b in blobs.items()}
@@ -201,7 +202,8 @@ def main(argv: list[str] | None = None) -> int:
         "block_bytes": all_bytes,
         "block_ratio": (packed + all_bytes - raw_bytes) / all_bytes,
         "min_elements": df11.MIN_ELEMENTS,
-        "chunk": df11.CHUNK,
+        "max_chunk": df11.CHUNK,
+        "target_groups": df11.TARGET_GROUPS,
         "lanes": df11.LANES,
         "encode_cpu_gbps": raw_bytes / cpu_s / 1e9,
         "encode_check_cpu_gbps": raw_bytes / cpu_check_s / 1e9,
@@ -230,10 +232,10 @@ def main(argv: list[str] | None = None) -> int:
 def print_table(record: dict) -> None:
     env, r = record["environment"], record["results"]
     print(f"{env['gpu']} ({env['capability']}), torch {env['torch']}, triton {env['triton']}; {r['source']}")
-    print(f"{'tensor':<52}{'shape':>14}{'ratio':>8}{'H bits':>8}{'code bits':>10}")
+    print(f"{'tensor':<52}{'shape':>14}{'ratio':>8}{'H bits':>8}{'code bits':>10}{'chunk':>7}")
     for t in r["per_tensor"]:
         print(f"{t['name']:<52}{'x'.join(map(str, t['shape'])):>14}{t['ratio']:>8.3f}{t['entropy_bits']:>8.2f}"
-              f"{t['code_bits']:>10.2f}")  # fmt: skip
+              f"{t['code_bits']:>10.2f}{t['chunk']:>7}")  # fmt: skip
     gib = r["bf16_bytes"] / 2**30
     print(
         f"compressed tensors {gib:.3f} GiB BF16 -> ratio {r['ratio']:.4f} (entropy bound "

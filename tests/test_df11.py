@@ -44,7 +44,8 @@ def test_one_exponent_gets_a_one_bit_code():
     g = torch.Generator().manual_seed(1)
     t = _bits(127 << 7 | torch.randint(0, 128, (5000,), generator=g) | torch.randint(0, 2, (5000,), generator=g) << 15)
     blob = _roundtrip(t)
-    assert df11.parse_header(blob, blob.size).total_bits == df11.LANES * df11.CHUNK  # one bit a code, padding too
+    layout = df11.parse_header(blob, blob.size)
+    assert layout.total_bits == layout.groups * layout.lanes * layout.chunk  # one bit a code, padding too
 
 
 def test_skewed_exponents_stay_within_twelve_bits_and_round_trip():
@@ -62,7 +63,7 @@ def test_skewed_exponents_stay_within_twelve_bits_and_round_trip():
 def test_ratio_close_to_the_entropy_bound_on_gaussian_weights():
     g = torch.Generator().manual_seed(3)
     t = (torch.randn(1024, 1024, generator=g) / (3 * 1024) ** 0.5).to(torch.bfloat16)
-    blob = df11.encode(t)
+    blob = df11.encode(t, chunk=df11.CHUNK)  # the longest lanes: the fewest lane bit counts stored
     code_bits = df11.parse_header(blob, blob.size).total_bits / t.numel()
     entropy = df11.exponent_entropy_bits(t)
     assert 2.3 < entropy < 2.8
@@ -75,6 +76,12 @@ def test_encoder_refuses_what_it_cannot_store():
         df11.encode(torch.zeros(4))
     with pytest.raises(ValueError, match="expected a non-empty bfloat16 tensor"):
         df11.encode(torch.zeros(0, dtype=torch.bfloat16))
+
+
+def test_small_tensors_get_shorter_lanes_for_more_of_them():
+    assert df11.chunk_for(df11.TARGET_GROUPS * df11.LANES * df11.CHUNK) == df11.CHUNK
+    assert df11.chunk_for((df11.TARGET_GROUPS - 1) * df11.LANES * df11.CHUNK) == df11.CHUNK // 2
+    assert df11.chunk_for(1) == df11.MIN_CHUNK
 
 
 def test_compressible_is_large_bf16_only():
