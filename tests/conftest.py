@@ -1,7 +1,9 @@
-"""Shared fixtures: tiny random-weight checkpoints built once per test session (no downloads)."""
+"""Shared fixtures: tiny random-weight checkpoints built once per test session (no downloads), and how many
+processes run the suite."""
 
 from __future__ import annotations
 
+import fcntl
 import os
 from pathlib import Path
 
@@ -18,6 +20,27 @@ if not Path("/dev/nvidia0").exists():
     os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 
+def pytest_xdist_auto_num_workers(config: pytest.Config) -> int | None:
+    """`-n auto` (pyproject's addopts): one worker per CPU core (pytest-xdist's own count, which
+    PYTEST_XDIST_AUTO_NUM_WORKERS overrides), except where a second process would change what a test measures or
+    only add one. A machine with a GPU runs its tests in one process: the `gpu` tests read the card's free memory
+    and time kernels, so they share the card with nothing. A pytest that a test starts (the Triton interpreter
+    suites' child runs) runs in one process too: its parent already keeps every core busy."""
+    if Path("/dev/nvidia0").exists() or "PYTEST_CURRENT_TEST" in os.environ:
+        return 0
+    return None
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """The files of end-to-end runs first, the Ray cluster's before the others: `--dist loadfile` (pyproject's addopts,
+    with `--no-loadscope-reorder`) hands files to the workers in this order, so the longest ones start at once and
+    the many short files fill in beside them, rather than one long file starting last while the other worker idles.
+    The sort is stable: each file keeps its own order."""
+    ray = {item.path for item in items if item.get_closest_marker("ray")}
+    slow = {item.path for item in items if item.get_closest_marker("slow")}
+    items.sort(key=lambda item: (item.path not in ray, item.path not in slow))
+
+
 @pytest.fixture(autouse=True, scope="session")
 def _private_cache_home(tmp_path_factory) -> None:
     """`k6fast generate` keeps encoded prompts under the user's cache folder by default: the tests' runs keep theirs
@@ -26,11 +49,21 @@ def _private_cache_home(tmp_path_factory) -> None:
 
 
 @pytest.fixture(scope="session")
-def tiny_checkpoints(tmp_path_factory) -> dict[str, Path]:
-    from k6fast.testing.tiny import make_tiny
+def tiny_checkpoints(tmp_path_factory, request) -> dict[str, Path]:
+    """Both tiny checkpoints, built once per run. The workers of a parallel run share one pair: the first worker to
+    need them builds them in the run's base folder while the others wait on the lock, then read the same files. No
+    test writes into them."""
+    from k6fast.testing.tiny import VARIANTS, make_tiny
 
-    root = tmp_path_factory.mktemp("tiny")
-    return {variant: make_tiny(root / variant, variant=variant, seed=0) for variant in ("distill", "base")}
+    if not hasattr(request.config, "workerinput"):  # one process: a folder of this session's own
+        root = tmp_path_factory.mktemp("tiny")
+        return {variant: make_tiny(root / variant, variant=variant, seed=0) for variant in VARIANTS}
+    root = tmp_path_factory.getbasetemp().parent / "tiny"  # each worker's base folder is a child of the run's
+    root.mkdir(exist_ok=True)
+    with open(root / "build.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        # make_tiny renames a finished checkpoint into place: a folder that exists is complete.
+        return {v: root / v if (root / v).is_dir() else make_tiny(root / v, variant=v, seed=0) for v in VARIANTS}
 
 
 @pytest.fixture(scope="session")
