@@ -22,6 +22,11 @@
 #   block              one Pro block: SDPA against flash-attn-4 for exact attention, under fused+compile
 #   profile:ARM        measurements/profile_step.py: one full-depth request of ARM by phase, one DiT step by kernel
 #   compile-diag       the `fast` block compiled, recompiles and graph breaks logged
+#   peer-checkpoint    $W/syn-peer: the DiT of $W/syn linked with one-layer text encoders (from a one-block
+#                      make-synthetic), for the peer, which holds the DiT and its text encoders in host memory
+#   text-phase         measurements/bench_text_phase.py --breakdown on $W/syn (real-size encoders with TEXT=full)
+#   drop-text          remove $TEXT_DIR (the RAM-backed real-size text encoders) once no later step reads them
+#   df11               measurements/bench_df11.py: the lossless compressed format's ratio, encode and decode GB/s
 #
 # Wheels the GPU machine lacks (python 3.12): diffusers, av, importlib_metadata, torchao (the block-scaled GEMM tests);
 # flash-attn-4 with nvidia-cutlass-dsl (+ -libs-base, -libs-core, -libs-cu13), apache-tvm-ffi, torch-c-dlpack-ext,
@@ -101,7 +106,32 @@ attention() {  # sparse first: its per-density record is what the sparse arm res
 acceptance() {  # the slugs to run, comma-separated
   checkpoint
   [ -f "$repo/LEASE_COMMIT" ] && mkdir -p $REC && cp "$repo/LEASE_COMMIT" $REC/commit.txt
-  k6 acceptance --model $W/syn --geometry "$GEOMETRY" --out $REC --work $W/work --timeout 420 --only "$1"
+  local peer=()
+  [ -f $W/syn-peer/model_index.json ] && peer=(--peer-model $W/syn-peer)
+  k6 acceptance --model $W/syn --geometry "$GEOMETRY" --out $REC --work $W/work --timeout 420 "${peer[@]}" --only "$1"
+}
+
+peer_checkpoint() {  # the peer's copy: the same DiT, VAE and vocoder (links), one-layer text encoders
+  checkpoint
+  (cd /tmp && timeout 300 python3 -m k6fast.cli make-synthetic $W/one-layer-text --preset "$PRESET" --blocks 1) \
+    > $W/peer_checkpoint.log 2>&1 || { echo "one-layer text encoders: exit $?"; tail -3 $W/peer_checkpoint.log; return 1; }
+  rm -rf $W/syn-peer && mkdir -p $W/syn-peer
+  for entry in $W/syn/*; do
+    name=$(basename "$entry")
+    case "$name" in
+    text_encoder | text_encoder_2 | tokenizer | tokenizer_2) ln -s $W/one-layer-text/$name $W/syn-peer/$name ;;
+    synthetic.json) ;;
+    *) ln -s "$entry" $W/syn-peer/$name ;;
+    esac
+  done
+  python3 - $W <<'PY'
+import json, sys
+w = sys.argv[1]
+marker = json.load(open(f"{w}/syn/synthetic.json"))
+marker["text_encoders"] = json.load(open(f"{w}/one-layer-text/synthetic.json")).get("text_encoders", "one-layer")
+json.dump(marker, open(f"{w}/syn-peer/synthetic.json", "w"))
+PY
+  ls -la $W/syn-peer | tail -n +2
 }
 
 serve_bench() {  # ARM BUDGET
@@ -252,6 +282,16 @@ run)
         K6_PIFLOW_CACHE_STEPS= timeout 240 python3 -m k6fast.cli generate --model $W/syn --arm $W/fast-compiled.env \
         --prompt "a diagnostic" --size 256x256 --frames 9 --steps 3 --out $W/diag.mp4) > $W/diag_compile.log 2>&1
       echo "diagnostic exit $?"; grep -c "Recompiling" $W/diag_compile.log ;;
+    peer-checkpoint) peer_checkpoint ;;
+    text-phase)
+      checkpoint
+      (cd "$repo" && timeout 300 python3 measurements/bench_text_phase.py --model $W/syn --out $W/text_phase.json \
+        --prompts 3 --dit-resident-gb 17 --breakdown > $W/text_phase.log 2>&1); echo "text phase exit $?"
+      tail -4 $W/text_phase.log ;;
+    drop-text) rm -rf "$TEXT_DIR"; echo "removed $TEXT_DIR" ;;
+    df11)
+      (cd "$repo" && timeout 240 python3 measurements/bench_df11.py ${DF11_ARGS:-} --out $W/df11.json \
+        > $W/df11.log 2>&1); echo "df11 exit $?"; tail -20 $W/df11.log ;;
     *) echo "unknown step $s" ;;
     esac
   done
@@ -263,12 +303,13 @@ status)
   out=${2:?output folder}
   tail -25 $W/run.log
   for f in $REC/runs.jsonl $REC/README.md $REC/acceptance.json $W/exact_attention.json $W/sparse_attention.json \
-    $W/block_arms.json $W/ray_serve.json $W/profile_*.json; do
+    $W/block_arms.json $W/ray_serve.json $W/profile_*.json $W/text_phase.json $W/df11.json; do
     [ -f "$f" ] && cp "$f" "$out/"
   done
   for f in $REC/serve/*.json; do [ -f "$f" ] && cp "$f" "$out/serve_$(basename "$f")"; done
   (cd $W && tar czf "$out/logs.tgz" $(ls run.log pytest_gpu*.log synthetic.log diag_compile.log *_attention.log \
     block_arms.log profile_*.log ray_*.log ray_*.json serve_*.log work/serve-*/server.log record/commit.txt \
+    text_phase.log df11.log peer_checkpoint.log \
     work/runs/*/stderr.log work/runs/*/*.json 2>/dev/null))
   ls $W/done 2>/dev/null && echo "session finished"
   ;;

@@ -1,0 +1,31 @@
+#!/usr/bin/env bash
+# One H200 lease for the user's envelope (#33) and the session's GPU checks: the GPU test suite, the text phase at
+# real size (per-layer breakdown), `k6fast acceptance` with the real-size text encoders, `k6fast serve` at its
+# defaults, `final` beside the 60 GB host ballast, the df11 benchmark, and the diffusers peer (on the same DiT with
+# one-layer text encoders: it holds the DiT and its text encoders in host memory). Built on acceptance_lease.sh.
+#
+# From the source tree of the commit under test (a `git archive` unpacked on the GPU machine, so edits in the
+# working tree do not leak into the lease), with the wheels of acceptance_lease.sh's header in $WHEELS:
+#   WHEELS=/path/.whl bash measurements/lease_envelope.sh start    # install, check, run the steps in the background
+#   bash measurements/acceptance_lease.sh status OUT               # progress and records so far
+# flash-attn-4 arrives in two later calls (`acceptance_lease.sh join ...`), which touch $W/fa4.ready.
+set -uo pipefail
+W=${LEASE_DIR:-/tmp/lease}
+WHEELS=${WHEELS:?the folder of wheels (a/, a/srv/)}
+STEPS=${STEPS:-gpu-tests peer-checkpoint text-phase acceptance:final-32-cold,fast-32-cold serve:final:31 \
+acceptance:final-32-warm-host60 df11 drop-text acceptance:diffusers-offload-32-cold}
+case "${1:?expected start}" in
+start)
+  mkdir -p $W
+  bash measurements/acceptance_lease.sh install "$WHEELS/a" --self > $W/install.log 2>&1
+  bash measurements/acceptance_lease.sh install "$WHEELS/a/srv" >> $W/install.log 2>&1
+  tail -3 $W/install.log
+  TEXT=full bash measurements/acceptance_lease.sh check
+  # shellcheck disable=SC2086
+  TEXT=full SERVE_TIMEOUT=${SERVE_TIMEOUT:-420} bash measurements/acceptance_lease.sh start $STEPS
+  ;;
+*)
+  echo "expected start" >&2
+  exit 2
+  ;;
+esac
