@@ -31,7 +31,9 @@
 # Wheels the GPU machine lacks (python 3.12): diffusers, av, importlib_metadata, torchao (the block-scaled GEMM tests);
 # flash-attn-4 with nvidia-cutlass-dsl (+ -libs-base, -libs-core, -libs-cu13), apache-tvm-ffi, torch-c-dlpack-ext,
 # quack-kernels; for the serve step fastapi, uvicorn, python-multipart and openai (httpx, anyio, distro, jiter; without
-# openai it runs over plain HTTP and says so); for the Ray step ray[serve] with its dependencies. A wheel larger than one call's carry
+# openai it runs over plain HTTP and says so); for the Ray step ray[serve] with its dependencies.
+# (fastapi 0.165 imports opentelemetry and openai 3.57 imports httpx2: carry those, or releases without them, else
+# the server tests skip; see measurements/sessions/2026-12-02_gpu-suite-h200.) A wheel larger than one call's carry
 # (cutlass's cu13 libraries, ray) is split (`split -b 45m W.whl NAME.part`), its parts carried in consecutive calls
 # into $W, and `join` puts it together. The steps wait for `$W/fa4.ready` and `$W/ray.ready` (5 minutes at most).
 #
