@@ -176,6 +176,10 @@ def compress_checkpoint(
 
     ckpt, dst = check_compress(src, dst)
     min_elements = _df11().MIN_ELEMENTS if min_elements is None else min_elements
+    import torch
+
+    if torch.device(device).type == "cpu" and torch.cuda.is_available():
+        log("df11: packing and checking on the CPU; --device cuda does the same several times faster")
     root = ckpt.root
     transformer = root / "transformer"
     weights = set(weight_files(transformer, WEIGHT_STEM))
