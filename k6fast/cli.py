@@ -146,7 +146,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
         file=sys.stderr,
     )
     # The residency this request runs under (its own geometry's plan: `Pipeline.generate` fits the DiT to it).
-    plan = pipe.runtime.plan_for(dit_tokens(width, height, args.frames)) if pipe.runtime else pipe.runtime_plan
+    tokens = dit_tokens(width, height, args.frames, pipe.audio_rate)
+    plan = pipe.runtime.plan_for(tokens) if pipe.runtime else pipe.runtime_plan
     extra = {"load_s": pipe.load_seconds, "residency": plan.as_dict() if plan else None}
     if pipe.device.type == "cuda":
         import torch

@@ -21,6 +21,7 @@ from pathlib import Path
 from .fit import largest_frames
 from .request import W1, dit_tokens
 from .stream.plan import GiB, ResidencyError, activation_estimate, activation_profile, index_footprint, plan_residency
+from .vae_geometry import AudioRate, audio_rate
 
 GB = 1e9
 # The Pro DiT in BF16 (60 fused blocks, text blocks, embeddings): the size a user would download.
@@ -29,7 +30,7 @@ PRO_DIT_BF16_BYTES = int(56.14 * GiB)
 # decoders (the full-size acceptance run's peak host RSS, measurements/sessions/2026-12-01_acceptance-full, with a
 # margin on top).
 PROCESS_HOST_BYTES = 8 * GiB
-W1_TOKENS = dit_tokens(*W1)  # what the runtime plans a W1 request's activations for
+W1_TOKENS = dit_tokens(*W1)  # what the runtime plans a W1 request's activations for (MMAudio's rate)
 
 
 @dataclass
@@ -122,6 +123,7 @@ def dit_plan(model: Path, budget_bytes: int, gpu: Gpu | None = None) -> dict:
     from .text_plan import text_footprint, text_weights
 
     ckpt = open_checkpoint(model)
+    rate = audio_rate(ckpt.root)  # the checkpoint's, as the runtime plans with
     cfg = ckpt.dit
     index = index_safetensors(ckpt.transformer_files)
     fixed, block = index_footprint(index, cfg.num_visual_blocks, 2)
@@ -134,10 +136,10 @@ def dit_plan(model: Path, budget_bytes: int, gpu: Gpu | None = None) -> dict:
                               text_bytes=text.device_bytes)  # fmt: skip
 
     stored_fp8 = any(loc.dtype == "F8_E4M3" for loc in index.values())
-    capacity = {arm: _arm_capacity(arm, planner, stored_fp8, gpu) for arm in _arm_names()}
+    capacity = {arm: _arm_capacity(arm, planner, stored_fp8, gpu, rate) for arm in _arm_names()}
     stored = sum(f.stat().st_size for f in ckpt.transformer_files)
     try:
-        plan = planner(W1_TOKENS)
+        plan = planner(dit_tokens(*W1, rate))
     except ResidencyError as exc:
         return {"variant": ckpt.variant, "dit_file_bytes": stored, "describe": f"at W1: {exc}", "capacity": capacity,
                 "text": text.as_dict(), "text_describe": text.describe()}  # fmt: skip
@@ -151,7 +153,7 @@ def _arm_names() -> list[str]:
     return list_arms()
 
 
-def _arm_capacity(arm: str, planner, stored_fp8: bool, gpu: Gpu | None) -> dict[str, int | None]:
+def _arm_capacity(arm: str, planner, stored_fp8: bool, gpu: Gpu | None, rate: AudioRate) -> dict[str, int | None]:
     """{"WxH": the most frames of a clip at that size whose DiT phase fits, None when none does} for `arm` on `gpu`."""
     from .dit.arch import Target, resolve_for
     from .switches import load_options
@@ -166,7 +168,7 @@ def _arm_capacity(arm: str, planner, stored_fp8: bool, gpu: Gpu | None) -> dict[
 
     def fits(w: int, h: int, f: int) -> bool:
         try:
-            planner(dit_tokens(w, h, f), profile)
+            planner(dit_tokens(w, h, f, rate), profile)
         except ResidencyError:
             return False
         return True

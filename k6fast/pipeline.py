@@ -23,14 +23,13 @@ from .checkpoint import Checkpoint, open_checkpoint
 from .dit.backend import SwitchedBackend
 from .fit import oversize_message
 from .frame_sink import FrameSink
+from .memory import GiB
 from .prompt_cache import PromptCache
 from .request import (
     SPATIAL_MULTIPLE,
-    TEMPORAL_STRIDE,
     W1,
     Request,
     RequestError,
-    audio_length,
     dit_tokens,
     resolve_request,
 )
@@ -43,6 +42,7 @@ from .telemetry import Telemetry
 from .text import DEFAULT_NEGATIVE_PROMPT
 from .text_phase import TextPhase
 from .vae import decode_audio, decode_video, encode_image, load_audio_decoder, load_video_vae
+from .vae_geometry import AudioRate, audio_length, audio_rate, latent_frames, latent_size
 from .video_decode import VideoDecodePlan, decode_video_fast, plan_video_decode
 
 logger = logging.getLogger(__name__)
@@ -86,6 +86,7 @@ class Pipeline:
         self.load_seconds = 0.0
         telemetry = Telemetry(device=str(self.device))
         self.budget_bytes = device_budget(self.device, options.vram_budget_gb)
+        self.audio_rate = audio_rate(self.ckpt.root)  # what requests are planned and their audio latents drawn for
         # The text phase never evicts the DiT: its layers stream through the room the denoising activations take
         # later, which the residency plan keeps free for the larger of the two.
         self.load_parts: dict[str, float] = {}  # seconds per part of the load: `k6fast generate`'s start-up profile
@@ -95,7 +96,7 @@ class Pipeline:
         self._dit_args = dict(
             text_bytes=self.text.device_bytes(),
             budget_bytes=self.budget_bytes,
-            tokens=dit_tokens(*plan_geometry),
+            tokens=dit_tokens(*plan_geometry, self.audio_rate),
             prefetch=options.prefetch_blocks,
             max_resident=None if options.max_resident_blocks < 0 else options.max_resident_blocks,
             backend=SwitchedBackend(options, self.device),
@@ -109,6 +110,9 @@ class Pipeline:
             started = time.perf_counter()
             self.vae = load_video_vae(self.ckpt.root, self.device, self.dtype)
             self.audio_vae, self.vocoder = load_audio_decoder(self.ckpt.root, self.device, self.dtype)
+            loaded = AudioRate(int(self.audio_vae.config.sample_rate), int(self.audio_vae.latent_hop_length))
+            if loaded != self.audio_rate:  # the plan read the config; the loaded VAE must run at the same rate
+                raise ValueError(f"the audio VAE runs at {loaded}; its config reads as {self.audio_rate}")
             self._decoder_bytes = sum(  # what stays on the device whatever else leaves it
                 t.numel() * t.element_size()
                 for module in (self.vae, self.audio_vae, self.vocoder)
@@ -133,7 +137,7 @@ class Pipeline:
                 # The base geometry does not fit this budget: plan for the smallest request instead, so that what
                 # does fit can run; `resolve` refuses the rest, naming what fits.
                 logger.warning("%s; planning residency for the smallest request instead", exc)
-                self._dit_args["tokens"] = dit_tokens(SPATIAL_MULTIPLE, SPATIAL_MULTIPLE, 1)
+                self._dit_args["tokens"] = dit_tokens(SPATIAL_MULTIPLE, SPATIAL_MULTIPLE, 1, self.audio_rate)
                 self.runtime = build_dit(files, cfg, self.device, self.dtype, **self._dit_args)
             self.dit = self.runtime.dit
             self.runtime_plan = self.runtime.plan  # kept when the DiT leaves the device (the plan does not change)
@@ -146,7 +150,7 @@ class Pipeline:
 
     def _dit_fits(self, width: int, height: int, frames: int) -> bool:
         try:
-            self._dit_planner(dit_tokens(width, height, frames))
+            self._dit_planner(dit_tokens(width, height, frames, self.audio_rate))
         except ResidencyError:
             return False
         return True
@@ -154,7 +158,7 @@ class Pipeline:
     def _exact_decode_fits(self, width: int, height: int, frames: int) -> bool:
         if self.options.video_decode != "exact":
             return True
-        shape = ((frames - 1) // TEMPORAL_STRIDE + 1, height // 8, width // 8)
+        shape = (latent_frames(frames), *latent_size(height, width))
         try:
             return plan_video_decode(self.vae, shape, budget_bytes=self.budget_bytes - self._decoder_bytes).exact
         except ValueError:
@@ -164,7 +168,7 @@ class Pipeline:
         """Refuse, before any work, a request that cannot fit this pipeline's budget, naming what fits instead."""
         if not self.fits(request.width, request.height, request.frames):
             w, h, f = request.width, request.height, request.frames
-            budget = f"the VRAM budget of {self.budget_bytes / 2**30:.1f} GiB (K6_VRAM_BUDGET_GB)"
+            budget = f"the VRAM budget of {self.budget_bytes / GiB:.1f} GiB (K6_VRAM_BUDGET_GB)"
             message = oversize_message(self.fits, w, h, f, budget)
             if self._dit_fits(w, h, f) and not self._exact_decode_fits(w, h, f):
                 message += (
@@ -223,7 +227,7 @@ class Pipeline:
             self.drop_dit()
             plan = self.plan_decode(shape)
         if plan is None or (mode == "exact" and not plan.exact):
-            free = self.free_budget() / 2**30
+            free = self.free_budget() / GiB
             raise RequestError(
                 f"the {'exact ' if mode == 'exact' else ''}video decode of {shape[0]}x{shape[1]}x{shape[2]} latents "
                 f"does not fit the {free:.1f} GiB the VRAM budget leaves with the DiT off the "
@@ -251,7 +255,7 @@ class Pipeline:
 
     @property
     def sample_rate(self) -> int:
-        return int(self.audio_vae.config.sample_rate)
+        return self.audio_rate.sample_rate
 
     def resolve(self, request: Request) -> tuple[int, float]:
         """Validate the request against the checkpoint and this pipeline's budget; returns (steps, guidance)."""
@@ -299,7 +303,7 @@ class Pipeline:
                 self._load_dit()
         # This request's own residency: a larger geometry than the base streams more blocks (and a later smaller
         # one brings them back); the time it takes is the request's "dit_fit" phase.
-        tokens = dit_tokens(request.width, request.height, request.frames)
+        tokens = dit_tokens(request.width, request.height, request.frames, self.audio_rate)
         if self.runtime.plan_for(tokens) != self.runtime.plan:
             resident = self.runtime.plan.resident_blocks
             with telemetry.phase("dit_fit"):
@@ -312,9 +316,9 @@ class Pipeline:
             with telemetry.phase("image_encode"):
                 first_frame = encode_image(self.vae, request.image, request.height, request.width, generator, dtype)
 
-        latent_frames = (request.frames - 1) // TEMPORAL_STRIDE + 1
-        shape = (1, latent_frames, request.height // 8, request.width // 8, cfg.in_visual_dim)
-        audio_len = audio_length(latent_frames, request.fps, self.sample_rate, self.audio_vae.latent_hop_length)
+        t = latent_frames(request.frames)
+        shape = (1, t, *latent_size(request.height, request.width), cfg.in_visual_dim)
+        audio_len = audio_length(t, request.fps, self.audio_rate)
         if initial_noise is not None:
             latents = initial_noise[0].to(device=device, dtype=dtype)
             audio_latents = initial_noise[1].to(device=device, dtype=dtype) if request.audio else None

@@ -4,15 +4,16 @@ PCIe. Lossy.
 
 What DST holds: every file of SRC outside the transformer's weights and config, hard-linked (copied where SRC and DST
 are on different filesystems; hard links share the source's inode, so nothing in DST is modified after linking), and
-a transformer whose shards (one per source shard, same names) store, for every quantized layer:
+a transformer whose shards (one per source shard, same names) store, for every quantized layer (M = E4M3_MAX, e4m3's
+largest value, `kernels/formats.py`):
   fp8    <layer>.weight        F8_E4M3 [N, K]      e4m3 of w / weight_scale, per output channel (`quantize_weight_fp8`)
-         <layer>.weight_scale  F32 [N]             absmax(w[n]) / 448
+         <layer>.weight_scale  F32 [N]             absmax(w[n]) / M
   mxfp8  <layer>.weight        F8_E4M3 [N, K]      e4m3 of w / 2^(scale - 127), per 32 elements along K
-         <layer>.weight_scale  U8 [N, K/32]        e8m0 biased exponents, 127 + ceil(log2(block amax / 448))
+         <layer>.weight_scale  U8 [N, K/32]        e8m0 biased exponents, 127 + ceil(log2(block amax / M))
                                                    (torchao's MX quantization, `kernels/blockscaled.py`)
   nvfp4  <layer>.weight        U8 [N, K/2]         two E2M1 codes a byte, element 2i in the low nibble
          <layer>.weight_scale  F8_E4M3 [N, K/16]   per 16 elements along K (`kernels/nvfp4.py` has the recipe)
-         <layer>.weight_scale_2 F32 []             amax(|w|) / (448 · 6)
+         <layer>.weight_scale_2 F32 []             amax(|w|) / (M · 6)
 and `transformer/config.json` gains `"k6fast_quantization": {"format": ..., "version": 1}`. diffusers ignores that
 key with a warning (it cannot load the quantized tensors anyway); k6fast's `open_checkpoint` validates shapes and
 dtypes against it and the runtime streams the stored bytes as they are.
@@ -41,7 +42,8 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
-from .dit.config import QUANT_CONFIG_KEY, QUANT_VERSION, quantized_layer, quantized_tensors
+from .dit.config import BLOCK_PREFIX, QUANT_CONFIG_KEY, QUANT_VERSION, quantized_layer, quantized_tensors
+from .memory import GiB
 from .safetensors_index import ITEMSIZE, TensorLocation, file_tensors
 
 WEIGHT_STEM = "diffusion_pytorch_model"
@@ -79,7 +81,7 @@ class QuantizeReport:
 
 
 def _gib(n: int) -> str:
-    return f"{n / 2**30:.3f} GiB" if n >= 2**24 else f"{n / 2**20:.3f} MiB"
+    return f"{n / GiB:.3f} GiB" if n >= 2**24 else f"{n / 2**20:.3f} MiB"
 
 
 def _sources(path: Path) -> list[TensorLocation]:
@@ -157,7 +159,7 @@ def _write_shard(src: Path, dst: Path, fmt: str, device: torch.device, report: Q
         _pwrite_all(dst_fd, memoryview(struct.pack("<Q", len(raw)) + raw), 0)
         os.ftruncate(dst_fd, base + at)
         for s in sources:
-            in_block = s.name.startswith("visual_transformer_blocks.")
+            in_block = s.name.startswith(BLOCK_PREFIX)
             report.total_before += s.nbytes
             report.block_before += s.nbytes if in_block else 0
             if s.name in quantize:

@@ -10,13 +10,13 @@ so a field added to `Request` and not to a conversion fails there."""
 
 from __future__ import annotations
 
-import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
 from typing import TYPE_CHECKING, Any
 
 from .step_cache import check_request as check_step_cache
 from .switches import Options, validate_cache_steps
+from .vae_geometry import MMAUDIO, SPATIAL_STRIDE, TEMPORAL_STRIDE, AudioRate, audio_length, latent_frames
 
 if TYPE_CHECKING:
     import argparse
@@ -27,10 +27,7 @@ if TYPE_CHECKING:
 
 W1 = (864, 480, 121)  # width, height, frames: the headline workload
 FPS = 24.0
-SPATIAL_MULTIPLE = 16  # VAE 8 x patch 2
-TEMPORAL_STRIDE = 4
-AUDIO_SAMPLE_RATE = 44_100  # Hz, the vocoder's
-AUDIO_HOP = 1024  # waveform samples per audio latent step
+SPATIAL_MULTIPLE = 2 * SPATIAL_STRIDE  # the video VAE's stride x the DiT's spatial patch
 
 
 class RequestError(ValueError):
@@ -95,17 +92,13 @@ class Request:
         return cls(**{**raw, "image": image})
 
 
-def audio_length(latent_frames: int, fps: float, sample_rate: int, hop: int) -> int:
-    """Audio latent steps covering the video: ceil(frames / fps * sample_rate / hop)."""
-    return math.ceil(((latent_frames - 1) * TEMPORAL_STRIDE + 1) / fps * sample_rate / hop)
-
-
-def dit_tokens(width: int, height: int, frames: int) -> tuple[int, int]:
+def dit_tokens(width: int, height: int, frames: int, audio: AudioRate = MMAUDIO) -> tuple[int, int]:
     """(video, audio) DiT tokens of a geometry, counting the image tail frame: what the residency planner reserves
-    activations for (the runtime and `k6fast doctor` alike)."""
-    latent_frames = (frames - 1) // TEMPORAL_STRIDE + 1
-    video = (latent_frames + 1) * (height // SPATIAL_MULTIPLE) * (width // SPATIAL_MULTIPLE)
-    return video, audio_length(latent_frames, FPS, AUDIO_SAMPLE_RATE, AUDIO_HOP)
+    activations for (the runtime and `k6fast doctor` alike). audio: the checkpoint's audio rate
+    (`vae_geometry.audio_rate`, what the pipeline draws its audio latents for)."""
+    t = latent_frames(frames)
+    video = (t + 1) * (height // SPATIAL_MULTIPLE) * (width // SPATIAL_MULTIPLE)
+    return video, audio_length(t, FPS, audio)
 
 
 def resolve_request(ckpt: Checkpoint, options: Options, request: Request) -> tuple[int, float]:

@@ -22,6 +22,7 @@ from k6fast.dit.blocks import FusedBlockInputs, fused_block
 from k6fast.dit.rope import rope_1d, rope_3d
 from k6fast.stream.plan import GiB
 from k6fast.stream.runtime import build_dit
+from k6fast.vae_geometry import latent_frames
 
 
 def main() -> None:
@@ -46,7 +47,7 @@ def main() -> None:
 
     # One fused block: both implementations on the same block-0 weights and the same hidden states.
     torch.manual_seed(0)
-    t = (frames - 1) // 4 + 1
+    t = latent_frames(frames)
     n_vid = t * (height // 16) * (width // 16)
     n_aud = kwargs["audio_hidden_states"].shape[1]
     vis = torch.randn(1, n_vid, cfg.model_dim, device=device, dtype=torch.bfloat16)

@@ -24,10 +24,12 @@ import torch
 from k6fast.allocator import device_budget
 from k6fast.checkpoint import open_checkpoint
 from k6fast.dit.config import DiTConfig, expected_shapes
-from k6fast.request import FPS, audio_length
+from k6fast.entry import cap_device_memory
+from k6fast.request import FPS
 from k6fast.stream.plan import GiB, activation_estimate, plan_residency, weight_footprint
 from k6fast.stream.runtime import build_dit
 from k6fast.telemetry import anon_rss_bytes
+from k6fast.vae_geometry import MMAUDIO, audio_length, latent_frames, latent_size
 
 
 class AnonSampler:
@@ -62,15 +64,15 @@ def full_depth_resident_fraction(cfg: DiTConfig, full_blocks: int, budget: int, 
 
 def inputs(cfg: DiTConfig, width: int, height: int, frames: int, text_tokens: int, device) -> dict:
     g = torch.Generator(device).manual_seed(0)
-    t = (frames - 1) // 4 + 1
+    t = latent_frames(frames)
     dt = torch.bfloat16
     return dict(
-        hidden_states=torch.randn(1, t, height // 8, width // 8, cfg.visual_in_channels, generator=g, device=device,
+        hidden_states=torch.randn(1, t, *latent_size(height, width), cfg.visual_in_channels, generator=g, device=device,
                                   dtype=dt),
         encoder_hidden_states=torch.randn(1, text_tokens, cfg.in_text_dim, generator=g, device=device, dtype=dt),
         pooled_projections=torch.randn(1, cfg.in_text_dim2, generator=g, device=device, dtype=dt),
         timestep=torch.tensor([900.0], device=device),
-        audio_hidden_states=torch.randn(1, audio_length(t, FPS, 44_100, 1024), cfg.in_audio_dim, generator=g,
+        audio_hidden_states=torch.randn(1, audio_length(t, FPS, MMAUDIO), cfg.in_audio_dim, generator=g,
                                         device=device, dtype=dt),
     )  # fmt: skip
 
@@ -106,8 +108,8 @@ def main() -> None:
     device = torch.device("cuda", torch.cuda.current_device())
     ckpt = open_checkpoint(args.model)
     cfg = ckpt.dit
-    t = (frames - 1) // 4 + 1
-    tokens = (t * (height // 16) * (width // 16), audio_length(t, FPS, 44_100, 1024))
+    t = latent_frames(frames)
+    tokens = (t * (height // 16) * (width // 16), audio_length(t, FPS, MMAUDIO))
     budget = int(args.budget_gb * GiB)
     fraction = full_depth_resident_fraction(cfg, args.full_blocks, budget, tokens)
     max_resident = round(fraction * cfg.num_visual_blocks)
@@ -122,7 +124,9 @@ def main() -> None:
         resident = mode == "resident"
         if resident:  # lift the previous visit's cap before asking what the card has free
             torch.cuda.set_per_process_memory_fraction(1.0, device)
-        budget_bytes = device_budget(device, 0 if resident else args.budget_gb)
+        budget_gb = 0 if resident else args.budget_gb
+        cap_device_memory(device, budget_gb)  # what `k6fast generate` caps its allocator at
+        budget_bytes = device_budget(device, budget_gb)
         runtime = build_dit(ckpt.transformer_files, ckpt.dit, device, torch.bfloat16, budget_bytes=budget_bytes,
                             tokens=tokens, max_resident=None if resident else max_resident)  # fmt: skip
         time_forwards(runtime, kwargs, 1)  # warm-up, discarded

@@ -33,10 +33,10 @@ from pathlib import Path
 
 import torch
 
+from k6fast.memory import GiB
 from k6fast.vae import decode_video
 from k6fast.video_decode import decode_video_fast, plan_video_decode
 
-GiB = 1 << 30
 GEOMETRIES = {"small": (7, 40, 64), "W1": (31, 60, 108)}
 SMOKE_GEOMETRIES = {"small": (3, 6, 8), "W1": (5, 12, 16)}
 FUSIONS = ("auto", "off", "stored", "recomputed")  # decode_video_fast's upsample_fusion

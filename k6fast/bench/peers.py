@@ -139,8 +139,7 @@ class PeerBlock(_Peer):
         audio_len = audio_tokens(self.ckpt.root, geometry)
         inp = block_inputs(cfg, geometry, audio_len, self.device, self.dtype, self.spec.seed)
         with torch.no_grad():
-            pt, ph, pw = cfg.patch_size
-            grid = (geometry.latent_frames // pt, geometry.height // 8 // ph, geometry.width // 8 // pw)
+            grid = geometry.token_grid(cfg.patch_size)
             positions = tuple(torch.arange(n, device=self.device) for n in grid)
             # diffusers' rope layout differs from k6fast's; its own modules build it.
             visual_rope = model.visual_rope_embeddings(positions, model.scale_factor).flatten(0, 2)

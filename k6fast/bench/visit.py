@@ -174,13 +174,14 @@ class K6BlockRunner(_K6Runner):
     def load(self) -> None:
         from ..checkpoint import open_checkpoint
         from ..dit.backend import SwitchedBackend
+        from ..dit.config import block_prefix
         from ..dit.weights import PrefixView
         from ..safetensors_index import index_safetensors
         from ..stream.reader import FileReader, upload
 
         prepare_pipeline_process(self.options, self.device)  # before the backend imports flash-attn-4
         ckpt = open_checkpoint(self.spec.model)
-        prefix = "visual_transformer_blocks.0."
+        prefix = block_prefix(0)
         index = index_safetensors(ckpt.transformer_files)
         reader = FileReader({loc.file for loc in index.values()})
         try:

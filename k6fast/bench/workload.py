@@ -2,13 +2,12 @@
 
 Both sides of a DiT or block comparison (k6fast and the diffusers peer) get the same tensors: drawn from a CPU
 generator with the session's seed, then moved to the device. Shapes are those of a real request at the geometry:
-video latents `[1, T, H/8, W/8, C]` (T = (frames-1)/4 + 1), audio latents of the length the pipeline would use, and
-text states of a typical prompt length (64 Qwen tokens after the template crop).
+video latents `[1, T, H', W', C]` of the geometry's latent shape (k6fast/vae_geometry.py), audio latents of the length
+the pipeline would use, and text states of a typical prompt length (64 Qwen tokens after the template crop).
 """
 
 from __future__ import annotations
 
-import json
 import math
 import re
 from dataclasses import dataclass
@@ -19,10 +18,12 @@ if TYPE_CHECKING:  # PyTorch loads where tensors are drawn: `k6fast bench` check
     import torch
     from torch import Tensor
 
-GEOMETRIES = {"w1": (864, 480, 121), "smoke": (64, 64, 9)}
+from ..request import FPS, W1
+from ..vae_geometry import audio_length, audio_rate, latent_frames, latent_size
+
+GEOMETRIES = {"w1": W1, "smoke": (64, 64, 9)}
 TEXT_TOKENS = 64  # a typical prompt after the chat-template crop
 TIMESTEP = 500.0  # mid-schedule on the [0, 1000] scale; the DiT's cost does not depend on it
-FPS = 24.0
 _GEOMETRY_RE = re.compile(r"(\d+)x(\d+)x(\d+)")
 
 
@@ -34,11 +35,16 @@ class Geometry:
 
     @property
     def latent_frames(self) -> int:
-        return (self.frames - 1) // 4 + 1
+        return latent_frames(self.frames)
+
+    def token_grid(self, patch: tuple[int, int, int]) -> tuple[int, int, int]:
+        """(T, H, W) of the DiT's video tokens: the latent shape in `patch`-sized steps."""
+        pt, ph, pw = patch
+        h, w = latent_size(self.height, self.width)
+        return self.latent_frames // pt, h // ph, w // pw
 
     def video_tokens(self, patch: tuple[int, int, int]) -> int:
-        pt, ph, pw = patch
-        return (self.latent_frames // pt) * (self.height // 8 // ph) * (self.width // 8 // pw)
+        return math.prod(self.token_grid(patch))
 
     def label(self) -> str:
         return f"{self.width}x{self.height}x{self.frames}"
@@ -64,12 +70,7 @@ def parse_geometry(text: str) -> Geometry:
 
 def audio_tokens(root: Path, geometry: Geometry) -> int:
     """Audio latent steps the pipeline would denoise for this geometry, from the checkpoint's audio VAE config."""
-    config_path = Path(root) / "audio_vae" / "config.json"
-    config = json.loads(config_path.read_text()) if config_path.is_file() else {}
-    # MMAudioVAE's defaults, and its encoder halves the mel frame rate (latent hop = 2 x mel hop).
-    sample_rate = int(config.get("sample_rate", 44_100))
-    hop = 2 * int(config.get("hop_length", 512))
-    return math.ceil(((geometry.latent_frames - 1) * 4 + 1) / FPS * sample_rate / hop)
+    return audio_length(geometry.latent_frames, FPS, audio_rate(root))
 
 
 def dit_inputs(
@@ -80,7 +81,7 @@ def dit_inputs(
     import torch
 
     g = torch.Generator("cpu").manual_seed(seed)
-    h, w = geometry.height // 8, geometry.width // 8
+    h, w = latent_size(geometry.height, geometry.width)
     inputs = {
         "hidden_states": torch.randn(1, geometry.latent_frames, h, w, cfg.visual_in_channels, generator=g),
         "encoder_hidden_states": torch.randn(1, TEXT_TOKENS, cfg.in_text_dim, generator=g),
@@ -112,8 +113,7 @@ def block_inputs(
     from ..dit.rope import rope_1d, rope_3d
 
     g = torch.Generator("cpu").manual_seed(seed)
-    pt, ph, pw = cfg.patch_size
-    grid = (geometry.latent_frames // pt, geometry.height // 8 // ph, geometry.width // 8 // pw)
+    grid = geometry.token_grid(cfg.patch_size)
     n = math.prod(grid)
 
     def randn(*shape: int, fp32: bool = False) -> Tensor:

@@ -17,6 +17,13 @@ ATTENTION_SITES = (
     "video_audio",  # video queries, audio keys
     "audio_video",  # audio queries, video keys
 )
+# The fused blocks' tensor names: BLOCK_PREFIX, the block's index, a dot, then the block's own names.
+BLOCK_PREFIX = "visual_transformer_blocks."
+
+
+def block_prefix(block: int) -> str:
+    """The prefix of fused block `block`'s tensor names in the checkpoint."""
+    return f"{BLOCK_PREFIX}{block}."
 
 
 @dataclass(frozen=True)
@@ -153,7 +160,7 @@ def _text_embeddings(shapes: dict, name: str, n_in: int, dim: int) -> None:
 
 
 def fused_block_shapes(cfg: DiTConfig) -> dict[str, tuple[int, ...]]:
-    """Tensor names (relative to `visual_transformer_blocks.<i>.`) and shapes of one fused video/audio block."""
+    """Tensor names (relative to `block_prefix(i)`) and shapes of one fused video/audio block."""
     shapes: dict[str, tuple[int, ...]] = {}
     for prefix, dim, time_dim, ff_dim, head_dim in (
         ("video_dec_block", cfg.model_dim, cfg.time_dim, cfg.ff_dim, cfg.head_dim),
@@ -207,7 +214,7 @@ def expected_shapes(cfg: DiTConfig) -> dict[str, tuple[int, ...]]:
             shapes.update({f"{prefix}_text_transformer_blocks.{i}.{k}": v for k, v in block.items()})
     block = fused_block_shapes(cfg)
     for i in range(cfg.num_visual_blocks):
-        shapes.update({f"visual_transformer_blocks.{i}.{k}": v for k, v in block.items()})
+        shapes.update({f"{block_prefix(i)}{k}": v for k, v in block.items()})
     return shapes
 
 
@@ -245,7 +252,7 @@ def quantized_layer(name: str, weight_shape: tuple[int, ...], fmt: str) -> bool:
     GEMM takes (MXFP8 and NVFP4 also need K a multiple of 32). `name` is the full checkpoint name."""
     if fmt not in QUANT_FORMATS:
         raise ValueError(f"quantization format: expected one of {QUANT_FORMATS}, found {fmt!r}")
-    if not (name.startswith("visual_transformer_blocks.") and name.endswith(".weight")):
+    if not (name.startswith(BLOCK_PREFIX) and name.endswith(".weight")):
         return False
     if not fast_gemm_layer(name, weight_shape):
         return False

@@ -17,7 +17,7 @@ from torch import Tensor
 from ..cancel import StopCheck, check_stop
 from .backend import Backend, ExactBackend
 from .blocks import FusedBlockInputs, fused_block, text_block
-from .config import DiTConfig
+from .config import DiTConfig, block_prefix
 from .ops import linear, modulation, text_embedding, time_embedding
 from .rope import rope_1d, rope_3d
 from .weights import PrefixView
@@ -49,7 +49,7 @@ class ResidentBlocks:
         return None
 
     def get(self, block: int) -> Mapping[str, Tensor]:
-        return PrefixView(self.weights, f"visual_transformer_blocks.{block}.")
+        return PrefixView(self.weights, block_prefix(block))
 
     def release(self, block: int) -> None:
         return None

@@ -8,11 +8,9 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
-from ..dit.config import held_itemsize
+from ..dit.config import BLOCK_PREFIX, held_itemsize
 from ..memory import PLANNER_RESERVE_BYTES, GiB
 from ..safetensors_index import TensorLocation
-
-BLOCK_PREFIX = "visual_transformer_blocks."
 
 # Peak activation bytes of one fused block per (video token x model_dim) for k6fast's exact BF16 block: the fp32
 # AdaLN temporaries (x.float(), the normalised copy, the affine result: 12 bytes) and the feed-forward's 4x-wide

@@ -13,11 +13,10 @@ from torch import Tensor
 
 from ..allocator import resolve_device
 from ..dit.backend import Backend
-from ..dit.config import DiTConfig
+from ..dit.config import DiTConfig, block_prefix
 from ..dit.model import K6DiT
 from ..safetensors_index import TensorLocation, index_safetensors
 from .plan import (
-    BLOCK_PREFIX,
     ResidencyPlan,
     activation_estimate,
     activation_profile,
@@ -93,7 +92,7 @@ def _by_block(weights: Mapping[str, Tensor], below: int) -> dict[int, dict[str, 
     for name, tensor in weights.items():
         b = block_of(name)
         if b is not None and b < below:
-            out.setdefault(b, {})[name[len(f"{BLOCK_PREFIX}{b}.") :]] = tensor
+            out.setdefault(b, {})[name[len(block_prefix(b)) :]] = tensor
     return out
 
 

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from ..dit.config import block_prefix
 from ..dit.linear import bind_quantized
 from ..safetensors_index import TensorLocation
 from .reader import FileReader, as_tensor
@@ -79,7 +80,7 @@ class BlockStreamer:
         if slots < 1:
             raise ValueError(f"streaming needs at least one device slot, found {slots}")
         self.streamed = list(range(first_streamed, num_blocks))
-        self.layouts = {i: BlockLayout.of(index, f"visual_transformer_blocks.{i}.") for i in self.streamed}
+        self.layouts = {i: BlockLayout.of(index, block_prefix(i)) for i in self.streamed}
         self.slot_bytes = max(layout.nbytes for layout in self.layouts.values())
         self.device, self.compute, self.reader = device, compute, reader
         self.cuda = device.type == "cuda"
