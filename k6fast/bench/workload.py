@@ -14,12 +14,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from ..request import FPS, W1
+from ..vae_geometry import audio_length, audio_rate, latent_frames, latent_size
+
 if TYPE_CHECKING:  # PyTorch loads where tensors are drawn: `k6fast bench` checks its arguments without it
     import torch
     from torch import Tensor
-
-from ..request import FPS, W1
-from ..vae_geometry import audio_length, audio_rate, latent_frames, latent_size
 
 GEOMETRIES = {"w1": W1, "smoke": (64, 64, 9)}
 TEXT_TOKENS = 64  # a typical prompt after the chat-template crop
