@@ -15,43 +15,75 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from ..df11 import decode_blob
 from ..dit.config import block_prefix
 from ..dit.linear import bind_quantized
-from ..safetensors_index import TensorLocation
+from ..safetensors_index import DF11Location, TensorLocation
 from .reader import FileReader, as_tensor
 
 ALIGN = 256  # device slot offsets: every tensor view starts on a 256-byte boundary
 
 
+def _aligned(n: int) -> int:
+    return (n + ALIGN - 1) // ALIGN * ALIGN
+
+
 @dataclass(frozen=True)
 class BlockLayout:
-    """Where each tensor of one block sits in a flat slot buffer (stored dtype, aligned offsets)."""
+    """Where each tensor of one block sits in a flat buffer of its stored bytes (staging; aligned offsets), and, for a
+    block with DF11 blobs, where each sits in its slot, which holds the blobs decoded (`held`)."""
 
-    pieces: tuple[tuple[str, TensorLocation, int], ...]  # (relative name, location, offset in slot)
-    nbytes: int
+    pieces: tuple[tuple[str, TensorLocation, int], ...]  # (relative name, location, offset in the stored bytes)
+    nbytes: int  # the stored bytes
+    held: tuple[int, ...] | None = None  # each piece's offset in the slot; None: the slot holds the stored bytes
+    held_nbytes: int = 0
 
     @classmethod
     def of(cls, index: Mapping[str, TensorLocation], prefix: str) -> BlockLayout:
-        pieces, at = [], 0
+        pieces, at, held, held_at = [], 0, [], 0
         for name in sorted(n for n in index if n.startswith(prefix)):
-            pieces.append((name[len(prefix) :], index[name], at))
-            at += (index[name].nbytes + ALIGN - 1) // ALIGN * ALIGN
+            loc = index[name]
+            pieces.append((name[len(prefix) :], loc, at))
+            held.append(held_at)
+            at += _aligned(loc.nbytes)
+            held_at += _aligned(loc.elements * loc.itemsize)  # a blob's decoded bytes, else its stored ones
         if not pieces:
             raise ValueError(f"no tensors under {prefix!r} in the checkpoint")
-        return cls(tuple(pieces), at)
+        if not any(isinstance(loc, DF11Location) for _, loc, _ in pieces):
+            return cls(tuple(pieces), at)
+        return cls(tuple(pieces), at, tuple(held), held_at)
+
+    @property
+    def slot_nbytes(self) -> int:
+        return self.nbytes if self.held is None else self.held_nbytes
+
+    def fill(self, slot: Tensor, stored: Tensor) -> None:
+        """A block with DF11 blobs: decode them from `stored` (its stored bytes, on the slot's device) into `slot`, and
+        copy the other tensors there; on the current stream."""
+        for (_, loc, at), to in zip(self.pieces, self.held, strict=True):
+            dst = slot[to : to + loc.elements * loc.itemsize]
+            if isinstance(loc, DF11Location):
+                decode_blob(stored[at : at + loc.nbytes], loc.layout, dst.view(torch.bfloat16).view(loc.layout.shape))
+            else:
+                dst.copy_(stored[at : at + loc.nbytes], non_blocking=True)
 
     def views(self, slot: Tensor, compute: torch.dtype) -> dict[str, Tensor]:
         """Typed tensors over a filled slot; tensors that compute in another dtype are converted (on device), and
         quantized weights become QuantizedWeights over the slot's bytes."""
         out = {}
-        for name, loc, at in self.pieces:
-            out[name] = as_tensor(slot[at : at + loc.nbytes], loc, compute)
+        for i, (name, loc, at) in enumerate(self.pieces):
+            if self.held is None:
+                out[name] = as_tensor(slot[at : at + loc.nbytes], loc, compute)
+            else:
+                at = self.held[i]
+                out[name] = as_tensor(slot[at : at + loc.elements * loc.itemsize], loc, compute, decoded=True)
         return bind_quantized(out, compute)
 
 
 @dataclass
 class BlockTiming:
-    """Per streamed block per forward (seconds): copy on the copy stream, compute on the compute stream, and how
+    """Per streamed block per forward (seconds): copy (and DF11 decode) on the copy stream, compute on the compute
+    stream, and how
     long compute waited for the copy (exposed)."""
 
     block: int
@@ -81,15 +113,20 @@ class BlockStreamer:
             raise ValueError(f"streaming needs at least one device slot, found {slots}")
         self.streamed = list(range(first_streamed, num_blocks))
         self.layouts = {i: BlockLayout.of(index, block_prefix(i)) for i in self.streamed}
-        self.slot_bytes = max(layout.nbytes for layout in self.layouts.values())
+        self.slot_bytes = max(layout.slot_nbytes for layout in self.layouts.values())
+        stored_bytes = max(layout.nbytes for layout in self.layouts.values())
         self.device, self.compute, self.reader = device, compute, reader
         self.cuda = device.type == "cuda"
         n_slots = min(slots, len(self.streamed))
         self._slots = [torch.empty(self.slot_bytes, dtype=torch.uint8, device=device) for _ in range(n_slots)]
         # Two staging buffers: the reader fills one while the copy engine drains the other.
         self._staging = [
-            torch.empty(self.slot_bytes, dtype=torch.uint8, pin_memory=self.cuda) for _ in range(2 if self.cuda else 1)
+            torch.empty(stored_bytes, dtype=torch.uint8, pin_memory=self.cuda) for _ in range(2 if self.cuda else 1)
         ]
+        # DF11 blocks: the stored bytes land here and are decoded into the slot on the copy stream (the next block's
+        # copy lands after this block's decode, in stream order), overlapping the previous block's compute.
+        compressed = self.cuda and any(layout.held is not None for layout in self.layouts.values())
+        self._landing = torch.empty(stored_bytes, dtype=torch.uint8, device=device) if compressed else None
         if self.cuda:
             self._copy_stream = torch.cuda.Stream(device)
             self._slot_free = [torch.cuda.Event() for _ in self._slots]  # compute finished with the slot
@@ -144,13 +181,20 @@ class BlockStreamer:
             self._staging_free[stage_i].synchronize()  # the previous H2D out of this staging buffer is done
         self.reader.read_into(staging, [(loc, at) for _, loc, at in layout.pieces])
         if not self.cuda:
-            self._slots[slot_i][: layout.nbytes].copy_(staging[: layout.nbytes])
+            if layout.held is None:
+                self._slots[slot_i][: layout.nbytes].copy_(staging[: layout.nbytes])
+            else:
+                layout.fill(self._slots[slot_i], staging)
             return
         with torch.cuda.stream(self._copy_stream):
             self._copy_stream.wait_event(self._slot_free[slot_i])
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             start.record(self._copy_stream)
-            self._slots[slot_i][: layout.nbytes].copy_(staging[: layout.nbytes], non_blocking=True)
+            if layout.held is None:
+                self._slots[slot_i][: layout.nbytes].copy_(staging[: layout.nbytes], non_blocking=True)
+            else:
+                self._landing[: layout.nbytes].copy_(staging[: layout.nbytes], non_blocking=True)
+                layout.fill(self._slots[slot_i], self._landing)
             end.record(self._copy_stream)
             self._staging_free[stage_i].record(self._copy_stream)
             self._ready[slot_i].record(self._copy_stream)
