@@ -8,7 +8,7 @@ from torch import Tensor
 
 
 class PrefixView(Mapping[str, Tensor]):
-    """The tensors under `prefix` (e.g. `visual_transformer_blocks.3.`), addressed by their names relative to it."""
+    """The tensors under `prefix` (e.g. `config.block_prefix(3)`), addressed by their names relative to it."""
 
     def __init__(self, tensors: Mapping[str, Tensor], prefix: str):
         self._tensors = tensors
