@@ -169,3 +169,14 @@ def test_dit_from_the_compressed_checkpoint_is_bit_identical_on_gpu(tiny_bf16, c
     finally:
         plain.close()
         packed.close()
+
+
+def test_the_plan_counts_the_landing_buffer_of_a_compressed_checkpoint(tiny_bf16, compressed):
+    from k6fast.stream.plan import landing_bytes
+
+    blocks = open_checkpoint(tiny_bf16).dit.num_visual_blocks
+    assert landing_bytes(index_safetensors(open_checkpoint(tiny_bf16).transformer_files), blocks) == 0
+    packed = index_safetensors(open_checkpoint(compressed[0]).transformer_files)
+    block0 = sum((loc.nbytes + 255) // 256 * 256 for name, loc in packed.items() if name.startswith(
+        "visual_transformer_blocks.0."))  # fmt: skip
+    assert landing_bytes(packed, blocks) >= block0 > 0

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 from ..dit.config import BLOCK_PREFIX, held_itemsize
 from ..memory import PLANNER_RESERVE_BYTES, GiB
-from ..safetensors_index import TensorLocation
+from ..safetensors_index import DF11Location, TensorLocation
 
 # Peak activation bytes of one fused block per (video token x model_dim) for k6fast's exact BF16 block: the fp32
 # AdaLN temporaries (x.float(), the normalised copy, the affine result: 12 bytes) and the feed-forward's 4x-wide
@@ -113,6 +113,19 @@ def index_footprint(index: Mapping[str, TensorLocation], num_blocks: int, comput
     """`weight_footprint` of a checkpoint's transformer, from its safetensors index."""
     entries = ((name, loc.elements, loc.itemsize, loc.floating) for name, loc in index.items())
     return weight_footprint(entries, num_blocks, compute_itemsize)
+
+
+def landing_bytes(index: Mapping[str, TensorLocation], num_blocks: int) -> int:
+    """The device buffer a checkpoint with DF11 blobs streams through (`BlockStreamer`: a block's stored bytes land
+    there and are decoded into its slot): its largest block as stored, with the slot's 256-byte alignment; 0 without
+    blobs. Counted with the fixed weights, whether or not a block ends up streamed."""
+    if not any(isinstance(loc, DF11Location) for loc in index.values()):
+        return 0
+    blocks = [0] * num_blocks
+    for name, loc in index.items():
+        if (b := block_of(name)) is not None:
+            blocks[b] += (loc.nbytes + 255) // 256 * 256
+    return max(blocks)
 
 
 def activation_estimate(

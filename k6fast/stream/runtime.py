@@ -22,6 +22,7 @@ from .plan import (
     activation_profile,
     block_of,
     index_footprint,
+    landing_bytes,
     plan_residency,
 )
 from .reader import FileReader, upload
@@ -124,6 +125,7 @@ def build_dit(
     device = resolve_device(device)
     index = index_safetensors(files)
     fixed_bytes, block_bytes = index_footprint(index, cfg.num_visual_blocks, dtype.itemsize)
+    fixed_bytes += landing_bytes(index, cfg.num_visual_blocks)
     profile = _activation_profile(backend, index)
 
     def planner(at: tuple[int, int]) -> ResidencyPlan:
