@@ -2,6 +2,8 @@
 checkpoint's `k6fast generate` run both ways a process can end.
 
     python measurements/bench_startup.py --model /tmp/k6-tiny --runs 3 --out startup.json
+    # on a GPU machine, a synthetic checkpoint, one request size, the generate runs only:
+    python measurements/bench_startup.py --model /tmp/syn --size 864x480 --frames 121 --no-imports --out gpu.json
 
 - imports: `python -X importtime -c "import M"` per module set a command loads before its work (the parse and the
   checks of every command, the generate path, the bench and acceptance parents, quantize's checks), `--runs` times
@@ -36,7 +38,7 @@ IMPORTS = {
     "acceptance parent": "import k6fast.cli, k6fast.bench.acceptance, k6fast.bench.workload, k6fast.bench.peers",
     "quantize's checks": "import k6fast.cli, k6fast.quantize_check",
 }
-GEN = ["generate", "--prompt", "A fox runs through snow", "--size", "32x32", "--frames", "9", "--steps", "2"]
+PROMPT = "A fox runs through snow"
 # `main(argv)`, then the process's age and processor time, then its end: {end}.
 ENDING = (
     "import resource, sys; from k6fast.cli import main; from k6fast.entry import end_process\n"
@@ -77,11 +79,13 @@ def import_profile(statement: str) -> dict:
     }
 
 
-def generate_once(model: str, out_dir: Path, ends: str) -> dict:
+def generate_once(model: str, out_dir: Path, ends: str, request: list[str]) -> dict:
+    """request: generate's arguments besides --model and --out."""
     out = out_dir / f"{ends}.mp4"
     for path in (out, out.with_name(out.name + ".json")):
         path.unlink(missing_ok=True)
-    command = [sys.executable, "-c", ENDING.format(end=ENDS[ends]), *GEN, "--model", model, "--out", str(out)]
+    command = [sys.executable, "-c", ENDING.format(end=ENDS[ends]), "generate", *request, "--model", model]
+    command += ["--out", str(out)]
     cpu, start = _children_cpu_s(), time.perf_counter()
     done = subprocess.run(command, capture_output=True, text=True)
     wall, cpu = time.perf_counter() - start, _children_cpu_s() - cpu
@@ -97,8 +101,12 @@ def generate_once(model: str, out_dir: Path, ends: str) -> dict:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--model", required=True, help="a tiny checkpoint (k6fast make-tiny DIR)")
+    parser.add_argument("--model", required=True, help="a checkpoint (k6fast make-tiny DIR on the CPU)")
     parser.add_argument("--runs", type=int, default=3)
+    parser.add_argument("--size", default="32x32", help="the request's WIDTHxHEIGHT (default 32x32)")
+    parser.add_argument("--frames", default="9", help="the request's frames (default 9)")
+    parser.add_argument("--steps", default="2", help="the request's steps (default 2)")
+    parser.add_argument("--no-imports", action="store_true", help="the generate runs only")
     parser.add_argument("--out", required=True)
     args = parser.parse_args()
     versions = {name: metadata.version(name) for name in ("torch", "diffusers", "transformers", "k6fast")}
@@ -107,7 +115,9 @@ def main() -> None:
     record = {"machine": {"cpus": os.cpu_count(), "platform": platform.platform(), "load_before": os.getloadavg()},
               "python": platform.python_version(), "versions": versions, "commit": commit,
               "command": " ".join(["python", *sys.argv]), "imports": {}, "generate": []}  # fmt: skip
-    for label, statement in IMPORTS.items():
+    request = ["--prompt", PROMPT, "--size", args.size, "--frames", args.frames, "--steps", args.steps]
+    record["request"] = request
+    for label, statement in {} if args.no_imports else IMPORTS.items():
         runs = [import_profile(statement) for _ in range(args.runs)]
         record["imports"][label] = {"statement": statement, "import_s": [r["import_s"] for r in runs], **runs[-1]}
         print(f"{label}: {[r['import_s'] for r in runs]} s, processor {[r['process_cpu_s'] for r in runs]} s, "
@@ -115,7 +125,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="k6fast-startup-") as tmp:
         for _ in range(args.runs):
             for ends in ENDS:
-                run = generate_once(args.model, Path(tmp), ends)
+                run = generate_once(args.model, Path(tmp), ends, request)
                 record["generate"].append(run)
                 print(f"generate, ends by {ends}: wall {run['wall_s']} s, after main {run['after_s']} s; processor "
                       f"{run['cpu_s']} s, after main {run['cpu_after_s']} s", flush=True)  # fmt: skip
