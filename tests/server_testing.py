@@ -131,3 +131,22 @@ class PeakRss:
     @property
     def growth(self) -> int:
         return self.peak - self.start
+
+
+def budget_fitting(root, width: int, height: int, frames: int) -> float:
+    """A VRAM budget (GiB) for the tiny checkpoint at `root` on the CPU that holds requests up to this geometry (the
+    DiT's fixed weights, two streamed blocks, this geometry's activations or the text phase, the reserve) and
+    refuses much larger ones."""
+    from k6fast.checkpoint import open_checkpoint
+    from k6fast.memory import GiB
+    from k6fast.request import dit_tokens
+    from k6fast.safetensors_index import index_safetensors
+    from k6fast.stream.plan import RESERVE_BYTES, activation_estimate, index_footprint
+    from k6fast.text_plan import text_footprint, text_weights
+
+    ckpt = open_checkpoint(root)
+    cfg = ckpt.dit
+    fixed, block = index_footprint(index_safetensors(ckpt.transformer_files), cfg.num_visual_blocks, 4)
+    act = activation_estimate(*dit_tokens(width, height, frames), cfg.model_dim, cfg.model_dim_a, ff_dim=cfg.ff_dim)
+    text = text_footprint(text_weights(root), "F32").device_bytes  # fp32: the CPU's compute dtype
+    return (fixed + max(act, text) + RESERVE_BYTES + 2 * block) / GiB + 1e-6

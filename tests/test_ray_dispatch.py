@@ -305,3 +305,60 @@ def test_cluster_model_checks_requests_as_the_pipeline_does(tiny_distill: Path) 
         ClusterModel(model.ckpt, Options(piflow_cache_steps=(8,)), "x").resolve(
             Request(prompt="a bell", width=64, height=64, frames=5, steps=4)
         )
+
+
+class _Answer:
+    def __init__(self, value: Any):
+        self.value = value
+
+    def result(self, timeout_s: float | None = None) -> Any:
+        assert timeout_s is not None  # the ingress never waits on a replica without a deadline
+        return self.value
+
+
+class _Handle:
+    """A deployment handle's shape (`handle.method.remote(...).result()`) over a replica object in this process."""
+
+    def __init__(self, replica: Any):
+        self.replica, self.calls = replica, []
+
+    def __getattr__(self, name: str) -> Any:
+        method = getattr(self.replica, name)
+
+        class _Method:
+            @staticmethod
+            def remote(*args: Any) -> _Answer:
+                self.calls.append((name, args))
+                return _Answer(method(*args))
+
+        return _Method()
+
+
+def test_the_ingress_refuses_a_request_the_replicas_budget_cannot_fit(tiny_distill: Path) -> None:
+    from k6fast.checkpoint import open_checkpoint
+    from k6fast.pipeline import Pipeline, RequestError
+    from k6fast.server.ray_dispatcher import ClusterModel
+    from k6fast.server.ray_replica import Generator, fit_error
+    from k6fast.switches import load_options
+
+    options = load_options({"K6_VRAM_BUDGET_GB": repr(server_testing.budget_fitting(tiny_distill, 512, 512, 65))})
+    pipeline = Pipeline(tiny_distill, options, device="cpu")
+    try:
+        message = fit_error(pipeline, 768, 768, 97)
+        assert message is not None and message.startswith("768x768 with 97 frames does not fit the VRAM budget")
+        assert "at most" in message and fit_error(pipeline, 64, 64, 17) is None
+
+        class Replica:  # a Generator's fit check without a Serve replica's context around it
+            fit_error = Generator.fit_error
+
+            def __init__(self):
+                self.pipeline = pipeline
+
+        handle = _Handle(Replica())
+        model = ClusterModel(open_checkpoint(tiny_distill), options, "ray: 1 replica(s) on cpu", handle)
+        with pytest.raises(RequestError, match="768x768 with 97 frames does not fit"):
+            model.resolve(Request(prompt="a bell", width=768, height=768, frames=97, steps=2))
+        assert model.resolve(Request(prompt="a bell", width=64, height=64, frames=17, steps=2)) == (2, 1.0)
+        assert [name for name, _ in handle.calls] == ["fit_error", "fit_error"]
+    finally:
+        pipeline.close()

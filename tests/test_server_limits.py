@@ -11,16 +11,12 @@ import pytest
 
 pytest.importorskip("fastapi")
 from fastapi.testclient import TestClient  # noqa: E402
-from server_testing import check_error_body, tiny_server_config, until  # noqa: E402
+from server_testing import budget_fitting, check_error_body, tiny_server_config, until  # noqa: E402
 
-from k6fast.checkpoint import open_checkpoint  # noqa: E402
 from k6fast.pipeline import Pipeline  # noqa: E402
-from k6fast.request import dit_tokens  # noqa: E402
-from k6fast.safetensors_index import index_safetensors  # noqa: E402
 from k6fast.server.app import create_app  # noqa: E402
 from k6fast.server.cli import config_from_args, register  # noqa: E402
 from k6fast.server.config import CPU_LIMITS, GPU_LIMITS, device_limits  # noqa: E402
-from k6fast.stream.plan import RESERVE_BYTES, GiB, activation_estimate, index_footprint  # noqa: E402
 from k6fast.switches import Options, load_options  # noqa: E402
 
 
@@ -42,11 +38,7 @@ def test_limits_fit_the_device_and_given_options_win(tiny_distill: Path, tmp_pat
 
 
 def test_a_request_the_budget_cannot_fit_gets_a_400_naming_what_fits(tiny_distill: Path, tmp_path: Path) -> None:
-    ckpt = open_checkpoint(tiny_distill)
-    cfg = ckpt.dit
-    fixed, block = index_footprint(index_safetensors(ckpt.transformer_files), cfg.num_visual_blocks, 4)
-    act = activation_estimate(*dit_tokens(512, 512, 65), cfg.model_dim, cfg.model_dim_a, ff_dim=cfg.ff_dim)
-    budget_gb = (fixed + max(act, _text_bytes(tiny_distill)) + RESERVE_BYTES + 2 * block) / GiB + 1e-6
+    budget_gb = budget_fitting(tiny_distill, 512, 512, 65)
     pipeline = Pipeline(tiny_distill, load_options({"K6_VRAM_BUDGET_GB": repr(budget_gb)}), device="cpu")
     config = tiny_server_config(tmp_path / "data", max_size=(768, 768), max_frames=97)
     app = create_app(config, Options(), load=lambda: pipeline)
@@ -66,10 +58,3 @@ def test_a_request_the_budget_cannot_fit_gets_a_400_naming_what_fits(tiny_distil
             assert accepted.status_code == 200, accepted.text
     finally:
         pipeline.close()
-
-
-def _text_bytes(root) -> int:
-    """The text phase's peak in fp32 (the CPU's compute dtype): the plan keeps room for it or the activations."""
-    from k6fast.text_plan import text_footprint, text_weights
-
-    return text_footprint(text_weights(root), "F32").device_bytes
