@@ -180,3 +180,18 @@ def test_the_plan_counts_the_landing_buffer_of_a_compressed_checkpoint(tiny_bf16
     block0 = sum((loc.nbytes + 255) // 256 * 256 for name, loc in packed.items() if name.startswith(
         "visual_transformer_blocks.0."))  # fmt: skip
     assert landing_bytes(packed, blocks) >= block0 > 0
+
+
+def test_pipeline_latents_from_the_compressed_checkpoint_are_bit_identical(tiny_bf16, compressed):
+    from pipeline_testing import PROMPT
+
+    from k6fast.pipeline import Pipeline, Request
+    from k6fast.switches import Options
+
+    request = Request(prompt=PROMPT, width=32, height=32, frames=5, steps=2, seed=3)
+    plain = Pipeline(tiny_bf16, Options(), device="cpu").generate(request)
+    packed = Pipeline(compressed[0], Options(), device="cpu").generate(request)
+    assert set(plain.latents) == set(packed.latents) and plain.latents
+    for name, want in plain.latents.items():
+        assert torch.equal(packed.latents[name], want), name
+    assert plain.frames.std() > 1e-3  # not a flat clip
