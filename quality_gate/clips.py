@@ -189,8 +189,11 @@ def run_jobs(
     jobs: list[Job],
     cache: ClipCache,
     log: Callable[[str], None],
+    prepare: Callable[[Options, torch.device], None] | None = None,
 ) -> dict[Path, str]:
     """Generate every job that is not cached, one pipeline per arm hash, loaded only if that arm has work.
+    prepare(options, device): what the command's process does before each pipeline is built (the entry point's
+    `prepare_pipeline_process`: the arm's VRAM cap and compile caches); None for a library caller.
 
     Returns {path: "generated in N s" | "cached"} for the report. Jobs for equal arm hashes share a pipeline.
     """
@@ -211,6 +214,8 @@ def run_jobs(
     for group in todo.values():
         options = group[0].arm.options
         log(f"loading {cache.model} for arm {group[0].arm.label} [{options.arm_hash()}]")
+        if prepare is not None:
+            prepare(options, cache.device)
         pipe = Pipeline(cache.model, options, device=cache.device, dtype=cache.dtype)
         try:
             for job in group:

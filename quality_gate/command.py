@@ -146,9 +146,10 @@ def handler(args: argparse.Namespace) -> int:
     try:
         config = config_from_args(args)
         validate_config(config)  # before the imports below take their seconds
+        from ..entry import prepare_pipeline_process
         from .gate import run_gate
 
-        run = run_gate(config)
+        run = run_gate(config, prepare=prepare_pipeline_process)
     except (GateError, SwitchError, RequestError, CheckpointError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2

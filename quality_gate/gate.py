@@ -56,8 +56,9 @@ def _note_ignored_environment(log: Callable[[str], None]) -> None:
         log(f"note: {shown} set in the environment; ignored, each arm comes from its file alone")
 
 
-def run_gate(config: GateConfig, log: Callable[[str], None] = _stderr) -> GateRun:
-    """Generate what is missing, score every arm against the reference, write the report and figures."""
+def run_gate(config: GateConfig, log: Callable[[str], None] = _stderr, prepare: Callable | None = None) -> GateRun:
+    """Generate what is missing, score every arm against the reference, write the report and figures. prepare: see
+    `clips.run_jobs` (a command passes its entry point's `prepare_pipeline_process`)."""
     validate_config(config)
     _note_ignored_environment(log)
     prompts = load_prompts(config.prompts)
@@ -85,7 +86,7 @@ def run_gate(config: GateConfig, log: Callable[[str], None] = _stderr) -> GateRu
             Job(reference, p, s, cache.path(p, s, reference, floor=True), fresh=True, note="floor") for p, s in pairs
         ]
     jobs += [Job(arm, p, s, cache.path(p, s, arm), fresh=config.regenerate) for arm in arms for p, s in pairs]
-    status = run_jobs(jobs, cache, log)
+    status = run_jobs(jobs, cache, log, prepare)
 
     banner = scorer.label if scorer.random else None
     floor_clips: list[ClipScore] = []

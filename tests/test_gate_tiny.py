@@ -21,6 +21,7 @@ import numpy as np
 import PIL.Image
 import pytest
 
+from k6fast import entry
 from k6fast.quality_gate import clips
 from k6fast.quality_gate.clips import ClipCache, Geometry, Prompt, load_arm
 from k6fast.quality_gate.command import EXIT_PLUMBING, register
@@ -64,12 +65,23 @@ def setup(tiny_distill: Path, tmp_path_factory: pytest.TempPathFactory, pinned_s
     common = ["--model", str(tiny_distill), "--prompts", str(root / "prompts.json"), "--out", str(root / "out")]
     common += GEOMETRY
     log = io.StringIO()
+    prepared: list[tuple[str, str]] = []
     with pytest.MonkeyPatch.context() as env, contextlib.redirect_stderr(log):
         # The gate builds each arm from its file alone; this variable must not reach any arm.
         env.setenv("K6_PIFLOW_CACHE_STEPS", "1")
+        # What the command does to its process before each pipeline, recorded instead of done to the test process.
+        env.setattr(entry, "prepare_pipeline_process", lambda o, d: prepared.append((o.arm_hash(), str(d))))
         rc = gate([*common, "--floor", "--exact", str(root / "all-off.env"), "--arm", str(root / "step-cache.env")])
     report = json.loads((root / "out" / "report.json").read_text())
-    return {"root": root, "out": root / "out", "rc": rc, "report": report, "common": common, "log": log.getvalue()}
+    return {"root": root, "out": root / "out", "rc": rc, "report": report, "common": common, "log": log.getvalue(),
+            "prepared": prepared}  # fmt: skip
+
+
+def test_the_command_prepares_its_process_for_each_arms_pipeline(setup: dict) -> None:
+    report = setup["report"]
+    hashes = {report["reference"]["arm_hash"], *(a["arm_hash"] for a in report["arms"])}
+    assert len(hashes) == 2  # all-off is the reference's hash: one pipeline serves both
+    assert sorted(setup["prepared"]) == sorted((h, "cpu") for h in hashes)
 
 
 def test_gate_runs_every_arm_and_gives_no_verdict_with_the_random_backbone(setup: dict) -> None:

@@ -21,6 +21,8 @@ ENTRY_MODULES = frozenset(
         "k6fast/server/cli.py",  # `python -m k6fast.server`
         "k6fast/server/worker.py",  # the server's start-up (`load_pipeline`), in-process and in each Ray replica
         "k6fast/bench/visit.py",  # one bench visit, its own process
+        "quality_gate/command.py",  # `k6fast gate`: its pipelines, one per arm
+        "k6fast/tune/cli.py",  # `k6fast tune`: the gate's pipelines (its timings run in bench visits)
     }
 )
 EFFECT_MODULES = ENTRY_MODULES | {"switches/"}  # switches/ owns the environment (every K6_* variable)

@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 from test_cli_startup import _run
 
+from k6fast import entry
 from k6fast.quality_gate import clips
 from k6fast.switches import load_options, read_arm
 from k6fast.tune import cli as tune_cli
@@ -123,7 +124,7 @@ def tune(argv: list[str]) -> tuple[int, str]:
 def test_nothing_passing_exits_1_and_names_the_record(paths, tmp_path, monkeypatch) -> None:
     calls = []
 
-    def no_winner(config):
+    def no_winner(config, prepare=None):
         calls.append(config)
         from k6fast.tune.space import build_space
 
@@ -142,6 +143,9 @@ def test_tune_end_to_end_on_the_tiny_checkpoint(paths, tmp_path, monkeypatch) ->
     # Others may edit k6fast's source while this runs; the clip cache keys on its digest, so pin it: the reuse of the
     # reference clips across gate runs is what is tested.
     monkeypatch.setattr(clips, "source_digest", lambda: "pinned-for-test")
+    # What the command does to its process before each gate pipeline, recorded instead of done to the test process.
+    prepared = []
+    monkeypatch.setattr(entry, "prepare_pipeline_process", lambda o, d: prepared.append(str(d)))
     out = tmp_path / "tune"
     status, printed = tune(["--model", paths["tiny"], "--prompts", paths["prompts"], "--lpips-max", "10",
                             "--audio-max", "100", "--budget", "2", "--knobs", "gemm,cache", "--geometry", "64x64x9",
@@ -155,6 +159,7 @@ def test_tune_end_to_end_on_the_tiny_checkpoint(paths, tmp_path, monkeypatch) ->
     rows = {row["label"]: row for row in record["candidates"]}
     assert len(rows) == 2 * 3 - 1  # gemm (2 levels) x cache (off, step 4, steps 3 and 4), less the base
     assert 1 <= record["gate_runs"] <= 2
+    assert prepared and set(prepared) == {"cpu"}  # the gate's pipelines were prepared by the command
     for row in rows.values():
         assert row["status"] in ("pass", "fail", "slower", "pruned", "dominated", "unreached") and row["why"]
         if row["seconds"] is not None:  # timed: its bench session's record is there

@@ -154,9 +154,10 @@ def handler(args: argparse.Namespace) -> int:
 
         config = config_from_args(args)
         validate(config)  # before the imports below take their seconds
+        from ..entry import prepare_pipeline_process
         from .run import RECORD, run_tune
 
-        result, space, _ = run_tune(config)
+        result, space, _ = run_tune(config, prepare=prepare_pipeline_process)
     except (TuneError, GateError, SwitchError, RequestError, CheckpointError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2

@@ -96,8 +96,8 @@ class Bench:
 class Gate:
     """Scores candidates with the gate, each into its own report folder, all sharing one clip cache."""
 
-    def __init__(self, config: TuneConfig, log: Callable[[str], None]):
-        self.config, self.log = config, log
+    def __init__(self, config: TuneConfig, log: Callable[[str], None], prepare: Callable | None = None):
+        self.config, self.log, self.prepare = config, log, prepare
         self.clips = config.out / "clips"
         self.reference_status: list[dict[str, str]] = []
 
@@ -108,7 +108,7 @@ class Gate:
         link = out / "clips"
         if not link.is_symlink():
             link.symlink_to(Path("..") / ".." / "clips", target_is_directory=True)
-        run = run_gate(gate_config(self.config, str(arm.resolve()), out), log=self.log)
+        run = run_gate(gate_config(self.config, str(arm.resolve()), out), log=self.log, prepare=self.prepare)
         ref = run.reference.hash
         self.reference_status.append(
             {path: status for path, status in run.clip_status.items() if f"-{ref}-" in Path(path).name}
@@ -130,8 +130,11 @@ def _candidate_comments(space: Space, c: Candidate, config: TuneConfig) -> list[
     ]
 
 
-def run_tune(config: TuneConfig, log: Callable[[str], None] = _stderr) -> tuple[SearchResult, Space, dict[str, Any]]:
-    """The whole run: probes, search, record, winner. Returns the search result, the space and the record."""
+def run_tune(
+    config: TuneConfig, log: Callable[[str], None] = _stderr, prepare: Callable | None = None
+) -> tuple[SearchResult, Space, dict[str, Any]]:
+    """The whole run: probes, search, record, winner. Returns the search result, the space and the record.
+    prepare: what the command's process does before each gate pipeline is built (see `clips.run_jobs`)."""
     space, notes, ckpt = space_for(config)
     steps = config.steps if config.steps is not None else ckpt.default_steps
     for note in notes:
@@ -140,7 +143,7 @@ def run_tune(config: TuneConfig, log: Callable[[str], None] = _stderr) -> tuple[
     arms = out / "arms"
     arms.mkdir(parents=True, exist_ok=True)
     bench = Bench(config, str(ckpt.root), steps, ckpt.default_guidance, log)
-    gate = Gate(config, log)
+    gate = Gate(config, log, prepare)
 
     log(f"tune: timing the base arm {config.base_arm}")
     base_arm = write_arm(arms / "base.env", dict(space.base), [f"k6fast tune: the base arm {config.base_arm}"])
