@@ -30,6 +30,11 @@ PRO_DIT_BF16_BYTES = int(56.14 * GiB)
 # decoders (the full-size acceptance run's peak host RSS, measurements/sessions/2026-12-01_acceptance-full, with a
 # margin on top).
 PROCESS_HOST_BYTES = 8 * GiB
+# Stored size against BF16: a DF11 checkpoint (lossless) and an fp8 one (lossy). DF11's 0.70 is its paper's figure on
+# released models (arXiv 2504.11651); Gaussian synthetic weights measured 0.667-0.673
+# (measurements/sessions/2026-12-02_df11-h200). fp8: e4m3 weights with their scales, the rest as stored.
+DF11_RATIO = 0.70
+FP8_RATIO = 0.58
 W1_TOKENS = dit_tokens(*W1)  # what the runtime plans a W1 request's activations for (MMAudio's rate)
 
 
@@ -138,13 +143,15 @@ def dit_plan(model: Path, budget_bytes: int, gpu: Gpu | None = None) -> dict:
     stored_fp8 = any(loc.dtype == "F8_E4M3" for loc in index.values())
     capacity = {arm: _arm_capacity(arm, planner, stored_fp8, gpu, rate) for arm in _arm_names()}
     stored = sum(f.stat().st_size for f in ckpt.transformer_files)
+    stored_as = ckpt.quantization or ckpt.compression  # None: BF16 as released
     try:
         plan = planner(dit_tokens(*W1, rate))
     except ResidencyError as exc:
         return {"variant": ckpt.variant, "dit_file_bytes": stored, "describe": f"at W1: {exc}", "capacity": capacity,
-                "text": text.as_dict(), "text_describe": text.describe()}  # fmt: skip
+                "text": text.as_dict(), "text_describe": text.describe(), "stored_as": stored_as}  # fmt: skip
     return {"variant": ckpt.variant, "dit_file_bytes": stored, **plan.as_dict(), "describe": plan.describe(),
-            "capacity": capacity, "text": text.as_dict(), "text_describe": text.describe()}  # fmt: skip
+            "capacity": capacity, "text": text.as_dict(), "text_describe": text.describe(),
+            "stored_as": stored_as}  # fmt: skip
 
 
 def _arm_names() -> list[str]:
@@ -176,8 +183,9 @@ def _arm_capacity(arm: str, planner, stored_fp8: bool, gpu: Gpu | None, rate: Au
     return {f"{w}x{h}": largest_frames(fits, w, h) for w, h in CAPACITY_SIZES}
 
 
-def advise(report: Report, dit_bytes: int, plan: dict | None) -> list[str]:
-    """The choices k6fast would make on this machine, each with its reason."""
+def advise(report: Report, dit_bytes: int, plan: dict | None, compressed: bool = False) -> list[str]:
+    """The choices k6fast would make on this machine, each with its reason. compressed: the checkpoint is already
+    stored smaller than BF16 (DF11, fp8, nvfp4), so no other format is suggested."""
     out = []
     if not report.gpus:
         out.append("no NVIDIA GPU found (nvidia-smi absent or silent): k6fast would run on the CPU, for tests only")
@@ -200,10 +208,18 @@ def advise(report: Report, dit_bytes: int, plan: dict | None) -> list[str]:
         )
         out.append(f"largest clip, arm {arm}: {longest} (a larger request is refused before any work)")
     cache_room = report.host_ram_bytes - PROCESS_HOST_BYTES
-    fp8_bytes = int(dit_bytes * 0.58)
-    if dit_bytes > cache_room:
-        hint = (f"an fp8 checkpoint (`k6fast quantize --format fp8`, ~{fp8_bytes / GB:.0f} GB) would fit"
-                if fp8_bytes <= cache_room else "a smaller (fp8/nvfp4) checkpoint or more RAM would help")  # fmt: skip
+    df11_bytes, fp8_bytes = int(dit_bytes * DF11_RATIO), int(dit_bytes * FP8_RATIO)
+    if dit_bytes > cache_room and compressed:
+        out.append(f"page cache: the DiT's {dit_bytes / GB:.0f} GB do not fit beside {report.host_ram_bytes / GB:.0f} "
+                   "GB of RAM: expect disk reads every denoising step; more RAM would help")  # fmt: skip
+    elif dit_bytes > cache_room:
+        if df11_bytes <= cache_room:  # lossless: every arm's output unchanged, `reference` and `final` included
+            hint = (f"a DF11 checkpoint (`k6fast quantize --format df11 --device cuda`, lossless, "
+                    f"~{df11_bytes / GB:.0f} GB) would fit")  # fmt: skip
+        elif fp8_bytes <= cache_room:
+            hint = f"an fp8 checkpoint (`k6fast quantize --format fp8`, lossy, ~{fp8_bytes / GB:.0f} GB) would fit"
+        else:
+            hint = "a smaller (fp8/nvfp4) checkpoint or more RAM would help"
         out.append(f"page cache: the DiT's {dit_bytes / GB:.0f} GB do not fit beside {report.host_ram_bytes / GB:.0f} "
                    f"GB of RAM: expect disk reads every denoising step; {hint}")  # fmt: skip
     else:
@@ -233,7 +249,8 @@ def run_doctor(model: str | None = None, budget_gb: float = 0.0, measure: bool =
 
             largest = max(open_checkpoint(model).transformer_files, key=lambda f: f.stat().st_size)
             report.read_gb_s, report.read_note = measure_read(largest)
-    report.advice = advise(report, dit_bytes, report.plan)
+    compressed = bool(report.plan and report.plan.get("stored_as"))
+    report.advice = advise(report, dit_bytes, report.plan, compressed)
     return report
 
 

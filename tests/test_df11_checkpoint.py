@@ -195,3 +195,13 @@ def test_pipeline_latents_from_the_compressed_checkpoint_are_bit_identical(tiny_
     for name, want in plain.latents.items():
         assert torch.equal(packed.latents[name], want), name
     assert plain.frames.std() > 1e-3  # not a flat clip
+
+
+def test_doctor_says_the_checkpoint_is_compressed_and_suggests_no_other_format(tiny_bf16, compressed):
+    from k6fast.doctor import Gpu, Report, advise, dit_plan
+
+    plan = dit_plan(compressed[0], 32 * 2**30)
+    assert plan["stored_as"] == "df11" and dit_plan(tiny_bf16, 32 * 2**30)["stored_as"] is None
+    host = Report([Gpu("NVIDIA GeForce RTX 5090", "12.0", 32 * 2**30, "580")], 60 * 10**9, 50 * 10**9, 10**12, "/")
+    advice = "\n".join(advise(host, 80 * 10**9, plan, compressed=True))  # a DiT the host's page cache cannot hold
+    assert "more RAM would help" in advice and "quantize" not in advice

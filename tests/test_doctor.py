@@ -54,13 +54,21 @@ def test_plan_from_the_headers_matches_the_runtime_plan(tiny_distill) -> None:
     assert plan["resident_blocks"] == plan["num_blocks"] == ckpt.dit.num_visual_blocks and plan["slots"] == 0
 
 
-def test_advice_on_a_consumer_machine_names_the_page_cache_and_the_fp8_way_out() -> None:
+def test_advice_on_a_consumer_machine_names_the_page_cache_and_the_smallest_step_out() -> None:
     report = Report([Gpu("NVIDIA GeForce RTX 5090", "12.0", 32 * GiB, "580")], 60 * 10**9, 50 * 10**9, 200 * 10**9, "/")
     report.read_gb_s = 2.0
     plan = {"resident_blocks": 17, "num_blocks": 60, "slots": 2, "block_bytes": int(1.04 * GiB)}
     advice = "\n".join(advise(report, int(56.14 * GiB), plan))
     assert "arm: final (GeForce card" in advice
-    assert "do not fit beside 60 GB of RAM" in advice and "an fp8 checkpoint" in advice and "would fit" in advice
+    # The lossless way first: the DF11 copy (~42 GB) fits the page cache of a 60 GB host beside the process.
+    assert "do not fit beside 60 GB of RAM" in advice and "a DF11 checkpoint" in advice and "lossless, ~42 GB" in advice
+    assert "fp8" not in advice
+    smaller = Report([Gpu("NVIDIA GeForce RTX 5090", "12.0", 32 * GiB, "580")], 48 * 10**9, 40 * 10**9, 10**12, "/")
+    advice_48 = "\n".join(advise(smaller, int(56.14 * GiB), None))  # DF11 would not fit there; fp8 (lossy) would
+    assert "an fp8 checkpoint (`k6fast quantize --format fp8`, lossy, ~35 GB) would fit" in advice_48
+    assert "DF11" not in advice_48
+    stored = "\n".join(advise(report, int(56.14 * GiB), plan, compressed=True))
+    assert "do not fit beside 60 GB" in stored and "more RAM would help" in stored and "quantize" not in stored
     assert "a step that misses the page cache reads 48 GB: 24.0 s of reading per step" in advice
     big = Report([Gpu("NVIDIA H200", "9.0", 140 * GiB, "580")], 128 * 10**9, 120 * 10**9, 200 * 10**9, "/")
     assert "fit in 128 GB of RAM" in "\n".join(advise(big, int(56.14 * GiB), None))
