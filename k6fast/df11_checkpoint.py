@@ -25,8 +25,9 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from .checkpoint import Checkpoint, CheckpointError, open_checkpoint, weight_files
+from .checkpoint import Checkpoint
 from .df11_header import ALIGN, COMPRESSION_KEY, COMPRESSION_VERSION, Layout
+from .dit.config import BLOCK_PREFIX
 from .safetensors_index import ITEMSIZE, TensorLocation
 
 FORMAT = "df11"
@@ -60,21 +61,11 @@ class CompressReport:
 
 
 def check_compress(src: str | Path, dst: str | Path) -> tuple[Checkpoint, Path]:
-    """(SRC opened, DST as a path) after the checks `k6fast quantize` makes for every format: SRC a BF16 checkpoint
-    neither quantized nor compressed, DST missing or empty and outside SRC. Imports no PyTorch."""
-    src, dst = Path(src).expanduser(), Path(dst).expanduser()
-    if not src.is_dir():
-        raise CheckpointError(f"quantize: SRC {src} is not a checkpoint directory")
-    if dst.exists() and (not dst.is_dir() or any(dst.iterdir())):
-        kind = "a non-empty directory" if dst.is_dir() else "a file"
-        raise FileExistsError(f"quantize: expected a missing or empty directory for DST, found {kind}: {dst}")
-    if dst.resolve().is_relative_to(src.resolve()):
-        raise CheckpointError(f"quantize: DST {dst} lies inside SRC {src}; write it elsewhere")
-    ckpt = open_checkpoint(src)
-    stored = ckpt.quantization or ckpt.compression
-    if stored is not None:
-        raise CheckpointError(f"quantize: SRC {src} is already stored as {stored}; start from bf16")
-    return ckpt, dst
+    """(SRC opened, DST as a path) after the checks `k6fast quantize` makes for every format
+    (`quantize_check.check_source_and_destination`). Imports no PyTorch."""
+    from .quantize_check import check_source_and_destination
+
+    return check_source_and_destination(src, dst)
 
 
 def _blob_bound(loc: TensorLocation) -> int:
@@ -152,7 +143,7 @@ def _write_shard(src: Path, dst: Path, device, min_elements: int, report: Compre
 
 
 def _count(report: CompressReport, s: TensorLocation, after: int, *, compressed: bool) -> None:
-    in_block = s.name.startswith("visual_transformer_blocks.")
+    in_block = s.name.startswith(BLOCK_PREFIX)
     report.tensors += 1
     report.compressed += compressed
     report.total_before += s.nbytes
@@ -172,7 +163,7 @@ def compress_checkpoint(
     """Write DST = SRC with its transformer stored DF11 (see the module docstring). `device` packs and checks the
     blobs (cuda is much faster; the bytes are the same). `min_elements` (default `df11.MIN_ELEMENTS`): the smallest
     BF16 tensor compressed. Raises as `check_compress`; DST is built beside it and renamed into place."""
-    from .quantize import _build_beside, _link_or_copy
+    from .quantize import write_transformer_copy
 
     ckpt, dst = check_compress(src, dst)
     min_elements = _df11().MIN_ELEMENTS if min_elements is None else min_elements
@@ -180,36 +171,12 @@ def compress_checkpoint(
 
     if torch.device(device).type == "cpu" and torch.cuda.is_available():
         log("df11: packing and checking on the CPU; --device cuda does the same several times faster")
-    root = ckpt.root
-    transformer = root / "transformer"
-    weights = set(weight_files(transformer, WEIGHT_STEM))
-    rewritten = weights | {transformer / "config.json", transformer / f"{WEIGHT_STEM}.safetensors.index.json"}
     report = CompressReport()
     start = time.perf_counter()
-
-    def build(tmp: Path) -> None:
-        for folder, dirs, files in os.walk(root):
-            rel = Path(folder).relative_to(root)
-            dirs[:] = [d for d in dirs if not (rel == Path() and d == ".cache")]
-            (tmp / rel).mkdir(exist_ok=True)
-            for name in files:
-                if Path(folder) / name not in rewritten:
-                    _link_or_copy(Path(folder) / name, tmp / rel / name)
-        weight_map: dict[str, str] = {}
-        for shard in sorted(weights):
-            weight_map.update(_write_shard(shard, tmp / "transformer" / shard.name, device, min_elements, report))
-            log(f"wrote transformer/{shard.name}")
-        if (transformer / f"{WEIGHT_STEM}.safetensors.index.json").is_file():
-            index = {"metadata": {"total_size": report.total_after}, "weight_map": dict(sorted(weight_map.items()))}
-            (tmp / "transformer" / f"{WEIGHT_STEM}.safetensors.index.json").write_text(
-                json.dumps(index, indent=2) + "\n"
-            )
-        config = json.loads((transformer / "config.json").read_text())
-        config[COMPRESSION_KEY] = {"format": FORMAT, "version": COMPRESSION_VERSION}
-        (tmp / "transformer" / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
-        open_checkpoint(tmp)  # the copy must validate (every blob header against its length) before it is published
-
-    _build_beside(dst, build)
+    write_transformer_copy(
+        ckpt.root, dst, lambda shard, out: _write_shard(shard, out, device, min_elements, report),
+        (COMPRESSION_KEY, {"format": FORMAT, "version": COMPRESSION_VERSION}), lambda: report.total_after, log,
+    )  # fmt: skip
     report.seconds = time.perf_counter() - start
     for line in report.lines():
         log(line)

@@ -217,6 +217,48 @@ def _build_beside(dst: Path, build: Callable[[Path], None]) -> None:
         raise
 
 
+def write_transformer_copy(
+    root: Path,
+    dst: Path,
+    write_shard: Callable[[Path, Path], dict[str, str]],
+    config_entry: tuple[str, dict],
+    total_after: Callable[[], int],
+    log: Callable[[str], None],
+) -> None:
+    """DST = the checkpoint at `root` with its transformer's weight shards rewritten: every other file hard-linked (or
+    copied), `write_shard(src_shard, dst_shard)` writing each shard and returning its {tensor name: file name}, the
+    shard index's total size from `total_after()` once all are written, `config_entry` (key, value) added to the
+    transformer's config.json. Built beside DST, opened (it must validate), then renamed into place."""
+    from .checkpoint import open_checkpoint, weight_files
+
+    transformer = root / "transformer"
+    weights = set(weight_files(transformer, WEIGHT_STEM))
+    index_name = f"{WEIGHT_STEM}.safetensors.index.json"
+    rewritten = weights | {transformer / "config.json", transformer / index_name}
+
+    def build(tmp: Path) -> None:
+        for folder, dirs, files in os.walk(root):
+            rel = Path(folder).relative_to(root)
+            dirs[:] = [d for d in dirs if not (rel == Path() and d == ".cache")]  # huggingface-cli's download cache
+            (tmp / rel).mkdir(exist_ok=True)
+            for name in files:
+                if Path(folder) / name not in rewritten:
+                    _link_or_copy(Path(folder) / name, tmp / rel / name)
+        weight_map: dict[str, str] = {}
+        for shard in sorted(weights):
+            weight_map.update(write_shard(shard, tmp / "transformer" / shard.name))
+            log(f"wrote transformer/{shard.name}")
+        if (transformer / index_name).is_file():
+            index = {"metadata": {"total_size": total_after()}, "weight_map": dict(sorted(weight_map.items()))}
+            (tmp / "transformer" / index_name).write_text(json.dumps(index, indent=2) + "\n")
+        config = json.loads((transformer / "config.json").read_text())
+        config[config_entry[0]] = config_entry[1]
+        (tmp / "transformer" / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+        open_checkpoint(tmp)  # the copy must validate (each compressed blob against its length) before it is published
+
+    _build_beside(dst, build)
+
+
 def quantize_checkpoint(
     src: str | Path,
     dst: str | Path,
@@ -230,40 +272,15 @@ def quantize_checkpoint(
 
     Raises ValueError for an unknown format, CheckpointError for a missing, invalid or already quantized SRC, and
     FileExistsError for a DST that is a file or a non-empty directory."""
-    from .checkpoint import open_checkpoint, weight_files
     from .quantize_check import check_quantize
 
     ckpt, dst = check_quantize(src, dst, fmt)
     device = torch.device(device)
-    root = ckpt.root
-    transformer = root / "transformer"
-    weights = set(weight_files(transformer, WEIGHT_STEM))
-    rewritten = weights | {transformer / "config.json", transformer / f"{WEIGHT_STEM}.safetensors.index.json"}
     report = QuantizeReport(fmt)
-
-    def build(tmp: Path) -> None:
-        for folder, dirs, files in os.walk(root):
-            rel = Path(folder).relative_to(root)
-            dirs[:] = [d for d in dirs if not (rel == Path() and d == ".cache")]  # huggingface-cli's download cache
-            (tmp / rel).mkdir(exist_ok=True)
-            for name in files:
-                if Path(folder) / name not in rewritten:
-                    _link_or_copy(Path(folder) / name, tmp / rel / name)
-        weight_map: dict[str, str] = {}
-        for shard in sorted(weights):
-            weight_map.update(_write_shard(shard, tmp / "transformer" / shard.name, fmt, device, report))
-            log(f"wrote transformer/{shard.name}")
-        if (transformer / f"{WEIGHT_STEM}.safetensors.index.json").is_file():
-            index = {"metadata": {"total_size": report.total_after}, "weight_map": dict(sorted(weight_map.items()))}
-            (tmp / "transformer" / f"{WEIGHT_STEM}.safetensors.index.json").write_text(
-                json.dumps(index, indent=2) + "\n"
-            )
-        config = json.loads((transformer / "config.json").read_text())
-        config[QUANT_CONFIG_KEY] = {"format": fmt, "version": QUANT_VERSION}
-        (tmp / "transformer" / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
-        open_checkpoint(tmp)  # the copy must validate before it is published
-
-    _build_beside(dst, build)
+    write_transformer_copy(
+        ckpt.root, dst, lambda shard, out: _write_shard(shard, out, fmt, device, report),
+        (QUANT_CONFIG_KEY, {"format": fmt, "version": QUANT_VERSION}), lambda: report.total_after, log,
+    )  # fmt: skip
     for line in report.lines():
         log(line)
     log(f"wrote {dst}")

@@ -87,6 +87,10 @@ def test_refuses_a_compressed_source_and_a_used_destination(tiny_bf16, compresse
     dst, _ = compressed
     with pytest.raises(CheckpointError, match="already stored as df11"):
         compress_checkpoint(dst, tmp_path / "twice")
+    from k6fast.quantize import quantize_checkpoint
+
+    with pytest.raises(CheckpointError, match="already stored as df11"):  # fp8 from DF11 blobs would read garbage
+        quantize_checkpoint(dst, tmp_path / "fp8", "fp8")
     (tmp_path / "used").mkdir()
     (tmp_path / "used" / "x").write_text("")
     with pytest.raises(FileExistsError, match="non-empty directory"):

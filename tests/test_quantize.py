@@ -289,7 +289,7 @@ def test_command_refuses_bad_arguments(tiny_distill, quantized, tmp_path, capsys
     with pytest.raises(FileExistsError, match="found a non-empty directory"):
         args.func(args)
     assert [p.name for p in busy.iterdir()] == ["keep.txt"]
-    with pytest.raises(CheckpointError, match="already quantized"):
+    with pytest.raises(CheckpointError, match="already stored as fp8"):
         quantize_checkpoint(quantized["fp8"], tmp_path / "twice", "nvfp4")
     with pytest.raises(CheckpointError, match="lies inside SRC"):
         quantize_checkpoint(tiny_distill, tiny_distill / "quantized", "fp8")
