@@ -5,21 +5,12 @@ from __future__ import annotations
 import pytest
 import torch
 from diffusers import FlowMatchEulerDiscreteScheduler, PiflowScheduler
+from pipeline_testing import CountingDiT
 
 from k6fast.pipeline import Pipeline, Request, RequestError
 from k6fast.switches import Options
 
 REQUEST = Request(prompt="Rain on a tin roof, thunder far away", width=32, height=32, frames=5, steps=10, seed=3)
-
-
-class CountingDiT:
-    def __init__(self, dit):
-        self.dit = dit
-        self.calls = 0
-
-    def __call__(self, **kwargs):
-        self.calls += 1
-        return self.dit(**kwargs)
 
 
 def _run(path, options: Options, request: Request, monkeypatch, scheduler_cls=PiflowScheduler):

@@ -10,6 +10,7 @@ import json
 
 import pytest
 import torch
+from pipeline_testing import CountingDiT
 
 from k6fast.checkpoint import open_checkpoint
 from k6fast.pipeline import Pipeline, Request, RequestError
@@ -19,24 +20,6 @@ from k6fast.switches import Options, SwitchError, load_options
 
 STEPS = 10
 REQUEST = Request(prompt="Rain on a tin roof, thunder far away", width=32, height=32, frames=5, steps=STEPS, seed=3)
-
-
-class CountingDiT:
-    def __init__(self, dit):
-        self.dit = dit
-        self.calls = 0
-
-    def __call__(self, **kwargs):
-        self.calls += 1
-        return self.dit(**kwargs)
-
-    def begin_step(self, *args) -> None:
-        self.dit.begin_step(*args)
-
-    def __setattr__(self, name, value):
-        if name == "should_stop":  # the pipeline sets it per request on the DiT it holds
-            setattr(self.dit, name, value)
-        super().__setattr__(name, value)
 
 
 @pytest.fixture(scope="module")
