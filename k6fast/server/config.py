@@ -11,14 +11,13 @@ import math
 from dataclasses import dataclass
 from pathlib import Path
 
+from ..request import FPS as PIPELINE_FPS
+from ..request import SPATIAL_MULTIPLE
+from ..vae_geometry import TEMPORAL_STRIDE
 from .errors import ApiError, bad_param
 
-FPS = 24  # frames = seconds x FPS + 1 (the pipeline's frame rate)
+FPS = int(PIPELINE_FPS)  # frames = seconds x FPS + 1: the API's seconds in whole frames of the pipeline's rate
 DEFAULT_DATA_DIR = Path("k6fast-data")
-# The pipeline's geometry rules (`k6fast.pipeline.validate_geometry`: sizes in multiples of 16, frame counts 4k+1),
-# repeated here so that settings are checked without importing torch; tests/test_server_cli.py checks they agree.
-SPATIAL_MULTIPLE = 16
-TEMPORAL_STRIDE = 4
 # The longest a duration setting may be (ten years): a job's expiry must stay a finite integer timestamp.
 MAX_SECONDS_SETTING = 10 * 365 * 24 * 3600.0
 
