@@ -16,6 +16,7 @@ from kernel_testing import dit_like_gemm as dit_like  # fp32 on the CPU
 
 from k6fast.kernels import blockscaled as bs
 from k6fast.kernels.fallback import log_reference_once
+from k6fast.kernels.formats import E4M3_MAX
 from k6fast.testing.bounds import rel_l2
 
 
@@ -39,13 +40,13 @@ OUTLIER_BOUND = {"mxfp8": 0.03, "nvfp4": 0.12}
 
 def emulate_mxfp8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """x [R, K] → (elements as fp32 [R, K], biased e8m0 exponents int [R, K/32]): the block's scale is the smallest
-    power of two 2^e with amax / 2^e <= 448 (cuBLAS's RCEIL), found from the exact binary exponent (frexp)."""
+    power of two 2^e with amax / 2^e <= E4M3_MAX (cuBLAS's RCEIL), found from the exact binary exponent (frexp)."""
     blocks = x.float().reshape(x.shape[0], -1, 32)
-    descale = blocks.abs().amax(-1) / 448.0
+    descale = blocks.abs().amax(-1) / E4M3_MAX
     mantissa, exponent = torch.frexp(descale)  # descale = m · 2^E, m in [0.5, 1): ceil(log2) = E - (m == 0.5)
     e = torch.where(descale > 0, exponent - (mantissa == 0.5).int(), torch.full_like(exponent, -127)).clamp(-127, 127)
     scaled = blocks * torch.exp2(-e.float()).unsqueeze(-1)
-    elements = scaled.clamp(-448, 448).to(torch.float8_e4m3fn).float() * torch.exp2(e.float()).unsqueeze(-1)
+    elements = scaled.clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn).float() * torch.exp2(e.float()).unsqueeze(-1)
     return elements.reshape(x.shape), e + 127
 
 
@@ -60,9 +61,9 @@ def nearest_e2m1(v: torch.Tensor) -> torch.Tensor:
 
 def emulate_nvfp4(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, float]:
     """x [R, K] → (dequantized elements fp32 [R, K], e4m3 block scales as fp32 [R, K/16], tensor scale)."""
-    tensor_scale = x.abs().max().item() / (448.0 * 6.0)
+    tensor_scale = x.abs().max().item() / (E4M3_MAX * 6.0)
     blocks = x.float().reshape(x.shape[0], -1, 16)
-    block_scale = (blocks.abs().amax(-1) / 6.0 / tensor_scale).clamp(2.0**-6, 448).to(torch.float8_e4m3fn).float()
+    block_scale = (blocks.abs().amax(-1) / 6.0 / tensor_scale).clamp(2.0**-6, E4M3_MAX).to(torch.float8_e4m3fn).float()
     divisor = (block_scale * tensor_scale).unsqueeze(-1)
     elements = nearest_e2m1(blocks / divisor) * divisor
     return elements.reshape(x.shape), block_scale, tensor_scale
@@ -87,7 +88,7 @@ def test_mxfp8_operands_equal_the_emulation(shape):
     assert scale.dtype == torch.uint8 and scale.shape == (shape[0], shape[1] // 32)
     assert torch.equal(scale.long(), biased.long())
     assert torch.equal(bs.dequantize_mxfp8(xq, scale), elements)
-    assert xq.float().abs().max() <= 448.0
+    assert xq.float().abs().max() <= E4M3_MAX
 
 
 def test_mxfp8_zero_and_bf16_blocks():

@@ -15,6 +15,7 @@ import torch
 from kernel_testing import dit_like_gemm as dit_like  # fp32 on the CPU
 from kernel_testing import interpreter_suite, needs_cuda, needs_interpreter
 
+from k6fast.kernels.formats import E4M3_MAX
 from k6fast.kernels.fp8_fp16acc import (
     DEFAULT_CHUNK,
     FP16_CHUNK_QMAX,
@@ -38,13 +39,13 @@ def test_qmax_bounds_every_chunk_sum_below_fp16_max(chunk):
     qmax = FP16_CHUNK_QMAX[chunk]
     assert qmax * qmax * chunk <= FP16_MAX
     assert torch.tensor(qmax).to(torch.float8_e4m3fn).float().item() == qmax  # an e4m3 value: saturation lands on it
-    # The worst case: every product at qmax² — the emulation's FP16 accumulator stays finite, and 448 would not.
+    # The worst case: every product at qmax² — the emulation's FP16 accumulator stays finite, and E4M3_MAX would not.
     ones = torch.ones(4, 2 * chunk)
     (xq, xs), wq, ws = quantized(ones, ones, chunk)
     assert xq.float().max() == qmax
     y = fp8_fp16acc_linear_ref(xq, xs, wq, ws, out_dtype=torch.float32, chunk=chunk)
     assert torch.isfinite(y).all() and torch.allclose(y, torch.full_like(y, 2.0 * chunk))
-    big = torch.full((4, chunk), 448.0).to(torch.float8_e4m3fn)
+    big = torch.full((4, chunk), E4M3_MAX).to(torch.float8_e4m3fn)
     one = torch.ones(4, 1)
     assert torch.isinf(fp8_fp16acc_linear_ref(big, one, big, one.t(), out_dtype=torch.float32, chunk=chunk)).all()
 
@@ -59,7 +60,7 @@ def test_fp16_chunks_cost_little_against_fp32_accumulation(m, k, n):
     assert rel_l2(chunks, fp32_acc) <= 2e-3
     if m * n >= 4096:  # enough outputs for a stable figure
         exact = x @ w.t() + bias
-        assert rel_l2(chunks, exact) <= 0.045  # the e4m3 operands' own loss, as the 448-range fp8 GEMM has it
+        assert rel_l2(chunks, exact) <= 0.045  # the e4m3 operands' own loss, as the full-range fp8 GEMM has it
 
 
 def test_reduced_range_keeps_e4m3_precision():
@@ -77,7 +78,7 @@ def test_bad_input_is_refused():
     with pytest.raises(ValueError, match="expected chunk one of"):
         fp8_fp16acc_linear((xq, xs), wq, ws, chunk=48)
     with pytest.raises(ValueError, match=r"must lie within ±44"):
-        fp8_fp16acc_linear(quantize_rows_fp8(x), wq, ws)  # quantized to ±448: may overflow FP16
+        fp8_fp16acc_linear(quantize_rows_fp8(x), wq, ws)  # quantized to ±E4M3_MAX: may overflow FP16
     with pytest.raises(ValueError, match="expected e4m3"):
         fp8_fp16acc_linear((xq.float(), xs), wq, ws)
     with pytest.raises(ValueError, match="expected xq"):
