@@ -193,7 +193,8 @@ def advise(report: Report, dit_bytes: int, plan: dict | None, compressed: bool =
     gpu = report.gpus[0]
     arm = "final"
     why = ("GeForce card: `final`'s auto choices take the GeForce GEMM and attention kernels on the middle blocks, "
-           "not measured on such a card yet; `k6fast switches --arm final` shows them") if gpu.geforce else (
+           "shown by `k6fast switches --arm final`; what was measured on which card is in README's Results") if (
+            gpu.geforce) else (
            "datacenter card: `final`'s auto choices keep BF16 GEMMs and exact attention")  # fmt: skip
     out.append(f"arm: {arm} ({why}); `fast` is the lossy mode - judge it with `k6fast gate` on your prompts")
     budget = gpu.memory_bytes
