@@ -60,7 +60,7 @@ def device_budget(device: torch.device, budget_gb: float) -> int:
     """The VRAM budget in bytes: the switch's value, or, at 0, what the card has free now (the CUDA context, a
     display and other programs already hold the rest) less what CUDA will add outside the allocator. A budget larger
     than that is lowered to it, with a warning: on a 32 GB card a 32 GiB budget would run out of device memory
-    outside PyTorch's accounting. Arithmetic on what the card reports: `cap_allocator` enforces it."""
+    outside PyTorch's accounting. Arithmetic on what the card reports: `entry.cap_device_memory` enforces it."""
     import torch
 
     device = resolve_device(device)
