@@ -9,6 +9,7 @@ import argparse
 import contextlib
 import io
 import json
+import shlex
 from pathlib import Path
 
 import pytest
@@ -109,6 +110,20 @@ def test_the_limits_scale_with_the_gate_proportions(tmp_path) -> None:
     assert limits.log_mel_db == 1.5 and limits.mrstft == pytest.approx(gate.mrstft / 2)
     assert limits.log_mel_worst_db == pytest.approx(gate.log_mel_worst_db / 2)
     assert TuneConfig(model="m", prompts=tmp_path, lpips_max=0.1, out=tmp_path).thresholds.mrstft == gate.mrstft
+
+
+def test_the_recorded_command_parses_back_to_the_run_it_records(tmp_path) -> None:
+    from k6fast.cli import build_parser
+    from k6fast.telemetry import StartupClock
+
+    argv = ["tune", "--model", "m", "--prompts", str(tmp_path / "p.json"), "--lpips-max", "0.05", "--knobs",
+            "gemm,cache", "--seeds", "1,2", "--test", "--out", str(tmp_path / "t")]  # fmt: skip
+    args = build_parser().parse_args(argv)
+    args.startup = StartupClock(from_process_start=False)  # as `k6fast.cli.main` sets it on every command's namespace
+    command = shlex.split(tune_cli.config_from_args(args).command)
+    assert command[:2] == ["k6fast", "tune"] and "--startup" not in command
+    again = vars(build_parser().parse_args(command[1:]))
+    assert again == {name: value for name, value in vars(args).items() if name != "startup"}
 
 
 def tune(argv: list[str]) -> tuple[int, str]:

@@ -102,12 +102,16 @@ def _backbone(args: argparse.Namespace) -> str | None:
 
 
 def _command(args: argparse.Namespace) -> str:
-    """The `k6fast tune` line that repeats this run, every option spelled out (the record's `command`)."""
+    """The `k6fast tune` line that repeats this run, every option spelled out (the record's `command`). Only the
+    command's own options: `k6fast.cli` puts more on the namespace (its start-up clock), which no flag sets."""
+    parser = argparse.ArgumentParser(add_help=False)
+    actions = register(parser.add_subparsers())._actions
+    flags = {action.dest: action.option_strings[-1] for action in actions if action.option_strings}
     argv = ["k6fast", "tune"]
     for name, value in vars(args).items():
-        if name in ("func", "command") or value is None or value is False:
+        flag = flags.get(name)
+        if flag is None or value is None or value is False:
             continue
-        flag = "--" + name.replace("_", "-")
         if value is True:
             argv.append(flag)
         elif isinstance(value, tuple):
