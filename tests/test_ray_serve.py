@@ -66,6 +66,9 @@ class FaultyPipeline:
     def resolve(self, request: Any) -> tuple[int, float]:
         return self.real.resolve(request)
 
+    def check_fits(self, request: Any) -> None:  # the replica's fit check the ingress asks before it queues a job
+        self.real.check_fits(request)
+
     def generate(self, request: Any, on_step: Any = None, should_stop: Any = None) -> Any:
         if request.prompt == OOM_PROMPT:
             import torch
