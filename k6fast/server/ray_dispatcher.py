@@ -45,40 +45,30 @@ if TYPE_CHECKING:
     from ..switches import Options
 
 log = logging.getLogger("k6fast.server")
-FIT_CHECK_TIMEOUT_S = 30.0  # a replica answers from arithmetic; longer means it is gone
 
 
 @dataclass(frozen=True)
 class ClusterModel:
-    """The model as the HTTP side sees it when replicas hold the weights (see dispatch.py). `generator`: the
-    replicas' handle, asked whether a request's geometry fits their VRAM budget (each replica plans it as its own
-    pipeline does; the replicas of one deployment share one budget); None checks the checkpoint only."""
+    """The model as the HTTP side sees it when replicas hold the weights (see dispatch.py). It checks a request
+    against the checkpoint only: whether its geometry fits the replicas' VRAM budget is decided by the replica that
+    runs it (the job fails with the message that names what fits). Asking a replica here would wait behind its
+    running job: a replica takes one call at a time (`max_ongoing_requests`), its fit check included."""
 
     ckpt: Checkpoint
     options: Options
     device: str
-    generator: Any = None
 
     def resolve(self, request: Request) -> tuple[int, float]:
-        """(steps, guidance) for a request the checkpoint and the replicas' budget take; RequestError otherwise,
-        before the job is queued (an oversize request's message names what fits)."""
-        from ..request import RequestError, resolve_request
+        from ..request import resolve_request
 
-        resolved = resolve_request(self.ckpt, self.options, request)
-        if self.generator is not None:
-            message = self.generator.fit_error.remote(request.width, request.height, request.frames).result(
-                timeout_s=FIT_CHECK_TIMEOUT_S
-            )
-            if message is not None:
-                raise RequestError(message)
-        return resolved
+        return resolve_request(self.ckpt, self.options, request)
 
 
 def describe_cluster(generator: DeploymentHandle, options: Options, settings: RaySettings) -> ClusterModel:
     """Ask a replica for the checkpoint's configs (waits until one has loaded and warmed up)."""
     card = generator.describe.remote().result()
     count = f"{settings.replicas}-{settings.max_replicas}" if settings.max_replicas else str(settings.replicas)
-    return ClusterModel(card.ckpt, options, f"ray: {count} replica(s) on {card.device}", generator)
+    return ClusterModel(card.ckpt, options, f"ray: {count} replica(s) on {card.device}")
 
 
 @dataclass

@@ -94,18 +94,6 @@ class CallerWatch:
         return self.gone
 
 
-def fit_error(pipeline: Pipeline, width: int, height: int, frames: int) -> str | None:
-    """None when a request of this geometry fits the pipeline's VRAM budget, else the message that names what fits
-    (`Pipeline.check_fits`). Arithmetic only: a replica answers it beside a generation."""
-    from ..request import Request, RequestError
-
-    try:
-        pipeline.check_fits(Request(prompt="", width=width, height=height, frames=frames))
-    except RequestError as exc:
-        return str(exc)
-    return None
-
-
 class Generator:
     """One replica: one pipeline, one job at a time. `load` builds the warmed-up pipeline (default: the checkpoint
     in `config`, as `k6fast serve` loads it)."""
@@ -133,10 +121,6 @@ class Generator:
 
     def describe(self) -> ModelCard:
         return ModelCard(self.pipeline.ckpt, str(self.pipeline.device), self.identity)
-
-    def fit_error(self, width: int, height: int, frames: int) -> str | None:
-        """Asked by the ingress before it queues a job: see `fit_error`."""
-        return fit_error(self.pipeline, width, height, frames)
 
     async def run(self, payload: JobPayload) -> AsyncIterator[Started | Progress | Finished]:
         loop = asyncio.get_running_loop()
