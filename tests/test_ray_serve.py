@@ -49,6 +49,8 @@ RESTART_S = 60.0  # from killing the ingress to its jobs running again (Serve no
 SMALL = {"size": "64x64", "seconds": "0.167", "extra_body": {"num_inference_steps": 2}}  # 5 frames, 2 steps
 # A job of a few seconds on the tiny model (~10 ms a step on one core), long enough to act on mid-job.
 LONG = {"size": "64x64", "seconds": "0.167", "extra_body": {"num_inference_steps": 400}}
+# Jobs of minutes on the tiny model: they cannot end by themselves before a test's checks, however busy the machine.
+ENDLESS = {"size": "64x64", "seconds": "0.167", "extra_body": {"num_inference_steps": 20_000}}
 
 
 def until(check: Any, what: str, timeout: float = DEADLINE_S) -> Any:
@@ -271,7 +273,7 @@ def test_out_of_memory_fails_only_its_job(app: App) -> None:
 
 def test_full_queue_answers_429_with_retry_after(app: App) -> None:
     client = app.client()
-    running = [client.videos.create(prompt=f"a long hum {i}", **LONG) for i in range(2)]
+    running = [client.videos.create(prompt=f"a long hum {i}", **ENDLESS) for i in range(2)]
     for video in running:
         _running_on(app, video.id)
     queued = [client.videos.create(prompt=f"waiting {i}", **SMALL) for i in range(8)]
@@ -332,9 +334,7 @@ def test_replica_killed_mid_job_is_retried_on_another(app: App, tmp_path: Path) 
 
 def test_ingress_killed_and_restarted_loses_no_job(app: App) -> None:
     client = app.client()
-    # Jobs of minutes on the tiny model: their first attempts cannot end by themselves before the checks below.
-    endless = {"size": "64x64", "seconds": "0.167", "extra_body": {"num_inference_steps": 20_000}}
-    running = [client.videos.create(prompt=f"a long sustained chord {i}", **endless) for i in range(2)]
+    running = [client.videos.create(prompt=f"a long sustained chord {i}", **ENDLESS) for i in range(2)]
     for video in running:
         _running_on(app, video.id)
     queued = [client.videos.create(prompt=f"footsteps {i}", **SMALL) for i in range(2)]
