@@ -190,6 +190,8 @@ def test_tune_end_to_end_on_the_tiny_checkpoint(paths, tmp_path, monkeypatch) ->
     arm = out / "tuned.env"
     assert read_arm(arm) == winner["switches"]
     options = load_options(environ={}, arm=arm)
-    assert options.piflow_cache_steps == tuple(int(s) for s in winner["switches"]["K6_PIFLOW_CACHE_STEPS"].split(","))
+    # The winner depends on the measured times (the gemm-only candidate or one with cached steps): either parses back.
+    cached = winner["switches"].get("K6_PIFLOW_CACHE_STEPS", "")
+    assert options.piflow_cache_steps == tuple(int(s) for s in cached.split(",") if s)
     text = arm.read_text()
     assert "PLUMBING ONLY" in text and winner["gate_report"] in text and winner["timing"]["session"] in text
