@@ -28,6 +28,7 @@ from kernel_testing import (
 
 from k6fast.kernels import nvfp4 as nvfp4_module
 from k6fast.kernels.fallback import log_reference_once
+from k6fast.kernels.formats import E4M3_MAX
 from k6fast.kernels.nvfp4 import (
     E2M1_VALUES,
     dequantize_nvfp4,
@@ -101,12 +102,12 @@ def test_scales_follow_the_nvfp4_recipe():
     packed, block_scales, global_scale = quantize_nvfp4(w)
     amax = w.float().abs().amax()
     assert global_scale.dtype == torch.float32 and global_scale.shape == ()
-    assert global_scale == amax / torch.tensor(448.0 * 6.0)
+    assert global_scale == amax / torch.tensor(E4M3_MAX * 6.0)
     assert block_scales.shape == (64, 16) and block_scales.dtype == torch.float8_e4m3fn
     block_amax = w.float().view(64, 16, 16).abs().amax(-1)
     expected = (block_amax / (torch.tensor(6.0) * global_scale)).to(torch.float8_e4m3fn)
     assert torch.equal(block_scales.view(torch.uint8), expected.view(torch.uint8))
-    assert block_scales.float().max() == 448.0, "the block holding the global amax gets the largest scale"
+    assert block_scales.float().max() == E4M3_MAX, "the block holding the global amax gets the largest scale"
     # The largest weight comes back exactly up to the scale's fp32 rounding.
     back = dequantize_nvfp4(packed, block_scales, global_scale, torch.float32)
     torch.testing.assert_close(back.abs().max(), amax, rtol=1e-6, atol=0)

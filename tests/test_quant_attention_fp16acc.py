@@ -42,6 +42,7 @@ from k6fast.kernels import quant_attention as qa
 from k6fast.kernels import quant_attention_core as qc
 from k6fast.kernels import quant_attention_prologue as qp
 from k6fast.kernels.attention_constants import FP8_MAX, PV_CHUNK, V_FP16_ACC_MAX
+from k6fast.kernels.formats import E4M3_MAX
 
 FP16_MAX = 65504.0
 FP16_ROUNDING_ALONE = 3e-3
@@ -95,7 +96,7 @@ def test_chunk_emulation_rounds_each_32_key_sum_once():
     # 2048 + 1, not fp16(2050) or the exact 2050.
     p = torch.zeros(1, 1, 64)
     v = torch.zeros(1, 64, 1)
-    p[0, 0, :3], v[0, :3, 0] = torch.tensor([448.0, 448.0, 1.0]), torch.tensor([2.25, 2.25, 33.0])  # 2016 + 33
+    p[0, 0, :3], v[0, :3, 0] = torch.tensor([E4M3_MAX, E4M3_MAX, 1.0]), torch.tensor([2.25, 2.25, 33.0])  # 2016 + 33
     p[0, 0, 40], v[0, 40, 0] = 1.0, 1.0
     assert qc.pv_fp16_chunks_ref(p, v).item() == 2048.0 + 1.0
     assert PV_CHUNK == 32
