@@ -28,6 +28,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
@@ -150,7 +151,7 @@ class Run:
     cancelled: bool = False
 
 
-class JobLoop:
+class JobLoop(ABC):
     """The queue loop and the job outcomes a dispatcher shares (the module's docstring says what each does). An
     implementation gives `execute(run, job)`, which ends each job with one of `complete`, `fail` or `stopped`, and
     where it needs to: `new_run` (a `Run` that holds more), `interrupt` (stop a run that does not poll
@@ -175,17 +176,20 @@ class JobLoop:
 
     # The implementation's part.
 
+    @abstractmethod
     def execute(self, run: Run, job: Job) -> None:
-        raise NotImplementedError
+        """Run `job` (claimed, recorded in `run`) and end it with `complete`, `fail` or `stopped`."""
 
     def new_run(self, job_id: str) -> Run:
         return Run(job_id)
 
     def interrupt(self, run: Run) -> None:
         """Called after `run` was cancelled or the loop told to stop; a run that polls `should_stop` needs nothing."""
+        return None  # the default: nothing to interrupt
 
     def after_job(self) -> None:
         """Called on the job's thread once it has ended, before the next job can start."""
+        return None  # the default: nothing to release
 
     # Dispatcher.
 
