@@ -28,10 +28,10 @@ from pathlib import Path
 from .checkpoint import Checkpoint
 from .df11_header import ALIGN, COMPRESSION_KEY, COMPRESSION_VERSION, Layout
 from .dit.config import BLOCK_PREFIX
+from .memory import GiB
 from .safetensors_index import ITEMSIZE, TensorLocation
 
 FORMAT = "df11"
-WEIGHT_STEM = "diffusion_pytorch_model"
 
 
 @dataclass
@@ -52,9 +52,9 @@ class CompressReport:
         return [
             f"df11: {self.compressed} of {self.tensors} transformer tensors compressed, each decoded and compared "
             "bit for bit before it was written",
-            f"fused blocks: {self.block_before / 2**30:.3f} GiB -> {self.block_after / 2**30:.3f} GiB "
+            f"fused blocks: {self.block_before / GiB:.3f} GiB -> {self.block_after / GiB:.3f} GiB "
             f"({self.block_after / max(self.block_before, 1):.4f}x)",
-            f"transformer weights: {self.total_before / 2**30:.3f} GiB -> {self.total_after / 2**30:.3f} GiB "
+            f"transformer weights: {self.total_before / GiB:.3f} GiB -> {self.total_after / GiB:.3f} GiB "
             f"({self.total_after / max(self.total_before, 1):.4f}x) in {self.seconds:.1f} s "
             f"({gb / max(self.seconds, 1e-9):.3f} GB/s)",
         ]
