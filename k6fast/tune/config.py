@@ -9,6 +9,7 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
+from ..bench.workload import parse_geometry as bench_geometry
 from ..checkpoint import Checkpoint, open_checkpoint
 from ..quality_gate.config import GateConfig, validate_config
 from ..quality_gate.thresholds import Thresholds
@@ -17,8 +18,6 @@ from .search import Space, TuneError
 from .space import KNOBS, build_space
 
 RANDOM_BACKBONE = "random"  # the gate's seeded random LPIPS trunk (quality_gate/lpips_metric.py RANDOM)
-GEOMETRIES = {"w1": (864, 480, 121)}
-_GEOMETRY_RE = re.compile(r"(\d+)x(\d+)x(\d+)")
 _NAME_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]*")
 # The gate's default LPIPS worst-frame limit over its set-mean limit, and the other audio limits over the log-mel one:
 # --lpips-max and --audio-max move each family of limits together, keeping the gate's proportions.
@@ -67,15 +66,12 @@ class TuneConfig:
 
 
 def parse_geometry(text: str) -> tuple[int, int, int]:
-    """`w1` or WIDTHxHEIGHTxFRAMES."""
-    key = text.strip().lower()
-    if key in GEOMETRIES:
-        return GEOMETRIES[key]
-    match = _GEOMETRY_RE.fullmatch(key)
-    if match is None:
-        raise TuneError(f"--geometry {text!r}: expected w1 or WIDTHxHEIGHTxFRAMES such as 480x272x49")
-    width, height, frames = (int(v) for v in match.groups())
-    return width, height, frames
+    """`w1`, `smoke` or WIDTHxHEIGHTxFRAMES: `k6fast bench`'s --geometry, checked the same way."""
+    try:
+        geometry = bench_geometry(text)
+    except ValueError as exc:
+        raise TuneError(str(exc)) from None
+    return geometry.width, geometry.height, geometry.frames
 
 
 def check_prompts(path: Path) -> int:
