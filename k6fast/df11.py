@@ -211,7 +211,7 @@ def decode_blob_ref(blob: Tensor, layout: Layout, out: Tensor | None = None) -> 
 def crc32_matches(decoded: Tensor, layout: Layout) -> bool:
     """Whether a decoded bf16 tensor's bytes have the CRC-32 its header stores (reads the tensor on the CPU)."""
     raw = decoded.detach().contiguous().reshape(-1).view(torch.int16).cpu().numpy()
-    return zlib.crc32(raw.tobytes()) == layout.crc32
+    return zlib.crc32(raw) == layout.crc32
 
 
 def exponent_entropy_bits(t: Tensor) -> float:
