@@ -13,8 +13,8 @@ Level 0 of every knob is the reference (off) value, so the base arm must leave t
   always stay dense. They matter only with `quant_attn` or `sparse` on.
 - `cache`: cached steps. Distilled checkpoints: K6_PIFLOW_CACHE_STEPS (the step two before the end, then also the
   middle one; the steps `final` and `fast` cache on a 10-step schedule). Base checkpoints: MagCache
-  (K6_STEP_CACHE=magcache at STEP_CACHE_THRESHOLDS) where the registry declares it, which needs the checkpoint's
-  calibration first (K6_STEP_CACHE=calibrate), else the fixed PiFlow-style cache.
+  (K6_STEP_CACHE=magcache at STEP_CACHE_THRESHOLDS), which needs the checkpoint's calibration first
+  (K6_STEP_CACHE=calibrate).
 
 A knob the checkpoint leaves no room for (no block outside the protected ones, a schedule too short to cache) is left
 out, and the space says so. New switches join by adding a knob here.
@@ -64,16 +64,15 @@ def _step_levels(steps: int) -> list[int]:
 
 
 def _cache_levels(steps: int, distilled: bool) -> list[tuple[str, dict[str, str]]]:
-    off = [("off", {"K6_PIFLOW_CACHE_STEPS": ""})]
-    if not distilled and "K6_STEP_CACHE" in SWITCHES_BY_NAME:
-        off[0][1]["K6_STEP_CACHE"] = "off"
-        return off + [
-            (
-                f"magcache-{t:g}",
-                {"K6_PIFLOW_CACHE_STEPS": "", "K6_STEP_CACHE": "magcache", "K6_STEP_CACHE_THRESHOLD": str(t)},
-            )
+    if not distilled:
+        # K6_PIFLOW_CACHE_STEPS stays empty at every level: the two step caches refuse to run together.
+        off = {"K6_PIFLOW_CACHE_STEPS": "", "K6_STEP_CACHE": "off"}
+        magcache = [
+            (f"magcache-{t:g}", {**off, "K6_STEP_CACHE": "magcache", "K6_STEP_CACHE_THRESHOLD": str(t)})
             for t in STEP_CACHE_THRESHOLDS
         ]
+        return [("off", off), *magcache]
+    off = [("off", {"K6_PIFLOW_CACHE_STEPS": ""})]
     # Step 0 has no prediction to reuse and the last step sets the final detail: cache inside (0, steps - 1).
     late, middle = steps - 2, steps // 2
     sets: list[tuple[int, ...]] = []
