@@ -10,7 +10,7 @@ from pathlib import Path
 
 from . import __version__
 from .checkpoint import Checkpoint, CheckpointError, open_checkpoint
-from .cli_args import device_problem, seed_problem, size_arg
+from .cli_args import DTYPES, device_problem, seed_problem, size_arg, torch_dtype_of
 from .entry import configure_allocator_environment, prepare_pipeline_process, quiet_warnings
 from .request import Request, RequestError, dit_tokens, request_from_args, resolve_request, validate_geometry
 from .switches import Options, SwitchError, load_options
@@ -24,13 +24,7 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", required=True, help="Hub id or local Diffusers-layout checkpoint directory")
     p.add_argument("--arm", help="named arm (switches/arms/NAME.env) or path to an .env file; env vars override it")
     p.add_argument("--device", help="cuda, cuda:N or cpu (default: cuda when available)")
-    p.add_argument("--dtype", choices=["bf16", "fp16", "fp32"], help="compute dtype (default: bf16 GPU, fp32 CPU)")
-
-
-def _dtype(name: str | None):
-    import torch
-
-    return {None: None, "bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[name]
+    p.add_argument("--dtype", choices=DTYPES, help="compute dtype (default: bf16 GPU, fp32 CPU)")
 
 
 def _check_out(out: Path) -> None:
@@ -133,8 +127,9 @@ def cmd_generate(args: argparse.Namespace) -> int:
     width, height = args.size
     prepare_pipeline_process(options, args.device)  # this process's allocator cap and compile caches
     clock.lap("cuda_context")  # since the imports: the CUDA context and the allocator's cap at the budget
-    pipe = Pipeline(ckpt, options, device=args.device, dtype=_dtype(args.dtype), plan_geometry=(width, height,
-                    args.frames), prompt_cache_dir=prompt_cache_dir(args, options))  # fmt: skip
+    dtype, cache_dir = torch_dtype_of(args.dtype), prompt_cache_dir(args, options)
+    pipe = Pipeline(ckpt, options, device=args.device, dtype=dtype, plan_geometry=(width, height, args.frames),
+                    prompt_cache_dir=cache_dir)  # fmt: skip
     clock.lap_split(pipe.load_parts, "load_other")
     if pipe.device.type == "cuda":  # the residency plan is a GPU memory budget; the CPU has none
         print(pipe.runtime.plan.describe(), file=sys.stderr)

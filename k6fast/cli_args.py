@@ -26,6 +26,30 @@ def comma_list(text: str, example: str = "reference,final") -> tuple[str, ...]:
     return names
 
 
+def seed_list(text: str) -> tuple[int, ...]:
+    """`42,43` → (42, 43); an argparse type refusing a non-integer or a repeated seed."""
+    try:
+        seeds = tuple(int(v) for v in text.split(",") if v.strip())
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"expected comma-separated integer seeds such as 42,43, found {text!r}"
+        ) from None
+    if len(set(seeds)) != len(seeds):
+        raise argparse.ArgumentTypeError(f"expected distinct seeds, found {text!r}")
+    return seeds
+
+
+DTYPES = ("bf16", "fp16", "fp32")  # what `--dtype` takes
+
+
+def torch_dtype_of(name: str | None):
+    """The torch dtype a `--dtype` name (one of DTYPES) means; None for None (the device's default: BF16 on a GPU,
+    FP32 on the CPU). Imports PyTorch: call it where the model loads."""
+    import torch
+
+    return None if name is None else {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[name]
+
+
 SEED_MAX = 2**63 - 1  # the server's bound too: a seed that works in one works in the other
 
 

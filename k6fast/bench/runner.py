@@ -8,6 +8,7 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass, field, fields
 from typing import TYPE_CHECKING, Any, Protocol
 
+from ..cli_args import DTYPES, torch_dtype_of
 from ..request import Request
 from .records import DEFAULT_PROMPT
 from .workload import Geometry
@@ -16,7 +17,6 @@ if TYPE_CHECKING:  # PyTorch loads in the visit process only: the session that p
     import torch
 
 COMPONENTS = ("pipeline", "dit", "block")
-DTYPES = ("bf16", "fp16", "fp32")
 
 
 @dataclass(frozen=True)
@@ -67,7 +67,7 @@ class VisitSpec:
         import torch
 
         if self.dtype is not None:
-            return {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[self.dtype]
+            return torch_dtype_of(self.dtype)
         return torch.bfloat16 if self.resolved_device().type == "cuda" else torch.float32
 
     @classmethod

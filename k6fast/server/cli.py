@@ -18,7 +18,7 @@ import sqlite3
 import sys
 from pathlib import Path
 
-from ..cli_args import device_problem, no_gpu_device_files, size_arg
+from ..cli_args import DTYPES, device_problem, no_gpu_device_files, size_arg
 from .config import CPU_LIMITS, DEFAULT_DATA_DIR, GPU_LIMITS, Limits, ServerConfig, device_limits, fmt_size, limits_of
 from .ray_cli import RayServeError, add_ray_arguments, ray_settings_from_args
 
@@ -33,7 +33,7 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", required=True, help="Hub id or local Diffusers-layout checkpoint directory")
     p.add_argument("--arm", help="named arm (switches/arms/NAME.env) or path to an .env file; env vars override it")
     p.add_argument("--device", help="cuda, cuda:N or cpu (default: cuda when available)")
-    p.add_argument("--dtype", choices=["bf16", "fp16", "fp32"], help="compute dtype (default: bf16 GPU, fp32 CPU)")
+    p.add_argument("--dtype", choices=DTYPES, help="compute dtype (default: bf16 GPU, fp32 CPU)")
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (default: loopback only)")
     p.add_argument("--port", type=int, default=8094, help="port (default 8094; 0 = any free port, logged)")
     p.add_argument("--data-dir", type=Path, help=f"jobs and videos (default: K6_DATA_DIR, else ./{DEFAULT_DATA_DIR})")

@@ -18,6 +18,7 @@ import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
+from ..cli_args import torch_dtype_of
 from .config import ServerConfig, frames_for_seconds
 from .dispatch import STAGES, InputUnreadable, JobLoop, Run, Stage, classify_failure, stored_input
 from .images import decode_stored
@@ -48,17 +49,15 @@ WARMUP_FRAMES = 5
 def load_pipeline(config: ServerConfig, options: Options) -> Pipeline:
     """Load the checkpoint and run one small generation, so that the first request pays no first-call costs
     (kernel selection, allocator growth, lazy imports)."""
-    import torch
-
     from ..entry import prepare_pipeline_process
     from ..pipeline import Pipeline
     from ..request import Request
 
-    dtype = {None: None, "bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[config.dtype]
     # Resident blocks are planned for the default request; a larger one streams more of them for its own run, and
     # one that cannot fit the budget at all is refused before it is queued (`Pipeline.resolve`).
     plan_geometry = (*config.default_size, frames_for_seconds(config.default_seconds))
     prepare_pipeline_process(options, config.device)  # the server's process: in-process, or a Ray replica's
+    dtype = torch_dtype_of(config.dtype)
     pipeline = Pipeline(config.model, options, device=config.device, dtype=dtype, plan_geometry=plan_geometry)
     # Two steps touch every phase; a cached-step switch needs the schedule long enough to contain its steps.
     steps = max(2, *(s + 1 for s in options.piflow_cache_steps)) if options.piflow_cache_steps else 2
