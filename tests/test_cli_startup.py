@@ -206,7 +206,11 @@ CASES = {
     "quantize-df11-src": (["quantize", "--format", "df11", "{here}/nowhere", "{out}"], {}, "is not a checkpoint"),
     "tune-prompts": ([*TUNE, "--prompts", "{here}/no.json"], {}, "--prompts {here}/no.json: no such file"),
     "tune-lpips": ([*TUNE, "--lpips-max", "-1"], {}, "--lpips-max: expected a number > 0"),
-    "tune-geometry": ([*TUNE, "--geometry", "big"], {}, "--geometry 'big': expected w1 or WIDTHxHEIGHTxFRAMES"),
+    "tune-geometry": (
+        [*TUNE, "--geometry", "big"],
+        {},
+        "--geometry 'big': expected one of w1, smoke or WIDTHxHEIGHTxFRAMES",
+    ),
     "tune-arm": ([*TUNE, "--base-arm", "nope"], {}, "Unknown arm 'nope'"),
     "tune-model": ([*TUNE, "--model", "{here}/nowhere"], {}, "no such directory"),
     "tune-model-not-a-checkpoint": ([*TUNE, "--model", "{here}"], {}, "missing file {here}/model_index.json"),
