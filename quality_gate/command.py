@@ -16,7 +16,7 @@ import sys
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from ..cli_args import size_arg
+from ..cli_args import seed_list, size_arg
 from . import GateError
 from .config import SET_A, GateConfig, validate_config
 from .thresholds import Thresholds
@@ -27,18 +27,6 @@ if TYPE_CHECKING:
 DTYPE_NAMES = ("bf16", "fp16", "fp32")
 DEFAULT_OUT = Path("k6fast-gate")
 EXIT_PLUMBING = 3  # the run had no verdict: its LPIPS backbone was random
-
-
-def _seeds(text: str) -> list[int]:
-    try:
-        seeds = [int(v) for v in text.split(",") if v.strip()]
-    except ValueError:
-        raise argparse.ArgumentTypeError(
-            f"expected comma-separated integer seeds such as 42,43, found {text!r}"
-        ) from None
-    if len(set(seeds)) != len(seeds):
-        raise argparse.ArgumentTypeError(f"expected distinct seeds, found {text!r}")
-    return seeds
 
 
 def _positive(text: str) -> float:
@@ -62,7 +50,7 @@ def register(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
         "--exact", action="append", default=[], help="an arm that must reproduce the reference bit for bit; repeatable"
     )
     p.add_argument("--prompts", type=Path, help="prompt set JSON (default: the packaged set A, quality_gate/setA.json)")
-    p.add_argument("--seeds", type=_seeds, default=[42], help="comma-separated seeds (default 42)")
+    p.add_argument("--seeds", type=seed_list, default=[42], help="comma-separated seeds (default 42)")
     p.add_argument("--size", type=size_arg, default=(864, 480), help="WIDTHxHEIGHT (default 864x480)")
     p.add_argument("--frames", type=int, default=121, help="frame count 4k+1 (default 121)")
     p.add_argument("--steps", type=int, help="denoising steps (default: the checkpoint's)")

@@ -15,7 +15,7 @@ import shlex
 import sys
 from pathlib import Path
 
-from ..cli_args import comma_list
+from ..cli_args import comma_list, seed_list
 from .search import TuneError
 from .space import KNOBS
 
@@ -29,15 +29,6 @@ def _number(text: str) -> float:
         return float(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"expected a number, found {text!r}") from None
-
-
-def _seeds(text: str) -> tuple[int, ...]:
-    try:
-        return tuple(int(v) for v in text.split(",") if v.strip())
-    except ValueError:
-        raise argparse.ArgumentTypeError(
-            f"expected comma-separated integer seeds such as 42,43, found {text!r}"
-        ) from None
 
 
 def register(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
@@ -68,7 +59,7 @@ def register(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
     )
     p.add_argument("--geometry", default="w1", help="w1 (864x480x121, default) or WIDTHxHEIGHTxFRAMES")
     p.add_argument("--steps", type=int, help="denoising steps (default: the checkpoint's)")
-    p.add_argument("--seeds", type=_seeds, default=(42,), help="comma-separated seeds (default 42)")
+    p.add_argument("--seeds", type=seed_list, default=(42,), help="comma-separated seeds (default 42)")
     p.add_argument(
         "--base-arm", default="reference", help="lossless settings every candidate keeps (default reference)"
     )
