@@ -35,7 +35,6 @@ PROCESS_HOST_BYTES = 8 * GiB
 # (measurements/sessions/2026-12-02_df11-h200). fp8: e4m3 weights with their scales, the rest as stored.
 DF11_RATIO = 0.70
 FP8_RATIO = 0.58
-W1_TOKENS = dit_tokens(*W1)  # what the runtime plans a W1 request's activations for (MMAudio's rate)
 
 
 @dataclass

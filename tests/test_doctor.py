@@ -37,18 +37,20 @@ def test_plan_from_the_headers_matches_the_runtime_plan(tiny_distill) -> None:
     import torch
 
     from k6fast.checkpoint import open_checkpoint
-    from k6fast.doctor import W1_TOKENS
+    from k6fast.request import W1, dit_tokens
     from k6fast.stream.runtime import build_dit
     from k6fast.text_phase import TextPhase
+    from k6fast.vae_geometry import audio_rate
 
     plan = dit_plan(tiny_distill, 32 * GiB)
     ckpt = open_checkpoint(tiny_distill)
+    tokens = dit_tokens(*W1, audio_rate(ckpt.root))  # a W1 request at the checkpoint's audio rate, as doctor plans
     # What the runtime plans for the same budget and geometry, bf16 compute, the exact arm, beside its text phase.
     text = TextPhase(ckpt.root, torch.device("cpu"), torch.bfloat16)
     text_bytes = text.device_bytes()
     text.close()
     runtime = build_dit(ckpt.transformer_files, ckpt.dit, torch.device("cpu"), torch.bfloat16,
-                        budget_bytes=32 * GiB, tokens=W1_TOKENS, text_bytes=text_bytes)  # fmt: skip
+                        budget_bytes=32 * GiB, tokens=tokens, text_bytes=text_bytes)  # fmt: skip
     runtime.close()
     assert {k: plan[k] for k in runtime.plan.as_dict()} == runtime.plan.as_dict()
     assert plan["resident_blocks"] == plan["num_blocks"] == ckpt.dit.num_visual_blocks and plan["slots"] == 0
