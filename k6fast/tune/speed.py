@@ -20,6 +20,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
+from ..switches import SWITCHES_BY_NAME
 from .search import TuneError
 
 
@@ -55,6 +56,14 @@ def probe_arms(space_levels: Sequence[Mapping[str, str]], densities: Sequence[fl
     if densities:
         probes[f"sparse-{min(densities):g}"] = {"K6_SPARSE_ATTN": str(min(densities)), **FULL_COVERAGE}
     return probes
+
+
+def _value(switches: Mapping[str, str], name: str):
+    """A switch's parsed value in `switches` (K6_NAME → raw), parsed by the registry; its default where unset or
+    empty."""
+    switch = SWITCHES_BY_NAME[name]
+    raw = switches.get(name)
+    return switch.parse(raw) if raw else switch.default
 
 
 def _mean(values: Sequence[float]) -> float:
@@ -98,12 +107,11 @@ class SpeedModel:
         a = 1.0
         if switches.get("K6_ATTN", "exact") == "k6":
             a *= self._ratio(f"quant-{switches.get('K6_QUANT_ATTN_SITES', 'video_self')}", lossy_only=True)
-        a *= self._sparse_ratio(float(switches.get("K6_SPARSE_ATTN", "0") or 0))
-        blocks = int(switches.get("K6_EXACT_ATTN_BLOCKS", "0") or 0)
-        coverage = max(0, self.num_blocks - 2 * blocks) / self.num_blocks
-        first = int(switches.get("K6_EXACT_ATTN_STEPS", "0") or 0)
-        last = int(switches.get("K6_EXACT_ATTN_LAST_STEPS", "0") or 0)
-        cached = {int(s) for s in (switches.get("K6_PIFLOW_CACHE_STEPS") or "").split(",") if s.strip()}
+        a *= self._sparse_ratio(_value(switches, "K6_SPARSE_ATTN"))
+        coverage = max(0, self.num_blocks - 2 * _value(switches, "K6_EXACT_ATTN_BLOCKS")) / self.num_blocks
+        first = _value(switches, "K6_EXACT_ATTN_STEPS")
+        last = _value(switches, "K6_EXACT_ATTN_LAST_STEPS")
+        cached = set(_value(switches, "K6_PIFLOW_CACHE_STEPS"))
         denoise = sum(
             b * g * (1.0 - coverage * (1.0 - a) * (first <= i < steps - last))
             for i, b in enumerate(self.base.step_s)
