@@ -144,22 +144,3 @@ def request_from_args(args: argparse.Namespace, image: PIL.Image.Image | None = 
         image=image,
         audio=not args.no_audio,
     )
-
-
-def request_from_create(values: Mapping[str, Any]) -> Request:
-    """The request of a server create body whose parameters server/validation.py has checked, keyed by their API
-    names (`size` as (width, height), `num_frames` derived from `seconds` where needed). The input reference is not
-    part of it: the job keeps the upload's bytes until it starts (server/images.py). The API runs at the model's
-    frame rate: it has no parameter for `fps`."""
-    width, height = values["size"]
-    return Request(
-        prompt=values["prompt"],
-        width=width,
-        height=height,
-        frames=values["num_frames"],
-        steps=values["num_inference_steps"],
-        guidance=values["guidance_scale"],
-        seed=values["seed"],
-        negative_prompt=values["negative_prompt"],
-        audio=values["sample_audio"],
-    )

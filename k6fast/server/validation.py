@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..cli_args import SEED_MAX
-from ..request import Request, RequestError, request_from_create, validate_geometry
+from ..request import Request, RequestError, validate_geometry
 from .config import FPS, ServerConfig, fits, fmt_size, frames_for_seconds, seconds_for_frames
 from .errors import ApiError, bad_param, shown
 from .images import ImageUpload, reference_image
@@ -220,22 +220,24 @@ def parse_create(fields: Mapping[str, Any], config: ServerConfig, served_names: 
         )
     size = fields.get("size")
     # In a fixed order: of several bad parameters, the error names the first one checked.
-    width_height = parse_size(fmt_size(config.default_size) if size is None or size == "" else size, config)
+    width, height = parse_size(fmt_size(config.default_size) if size is None or size == "" else size, config)
     frames, seconds = _frames(fields, config)
     seed = _int(fields, "seed", 0, SEED_MAX)
-    negative_prompt = _text(fields, "negative_prompt") or None
-    checked = {
-        "prompt": prompt,
-        "size": width_height,
-        "num_frames": frames,
+    # The API runs at the model's frame rate (it has no parameter for `fps`); the input reference is not part of the
+    # request: the job keeps the upload's bytes until it starts (images.py).
+    request = Request(
+        prompt=prompt,
+        width=width,
+        height=height,
+        frames=frames,
         # Drawn here, not at run time, so a job re-run after a restart makes the same clip.
-        "seed": secrets.randbelow(2**31) if seed is None else seed,
-        "negative_prompt": negative_prompt,
-        "num_inference_steps": _int(fields, "num_inference_steps", 1, config.max_steps),
-        "guidance_scale": _float(fields, "guidance_scale"),
-        "sample_audio": _bool(fields, "sample_audio", True),
-    }
-    return Draft(request_from_create(checked), seconds, reference_image(fields))
+        seed=secrets.randbelow(2**31) if seed is None else seed,
+        negative_prompt=_text(fields, "negative_prompt") or None,
+        steps=_int(fields, "num_inference_steps", 1, config.max_steps),
+        guidance=_float(fields, "guidance_scale"),
+        audio=_bool(fields, "sample_audio", True),
+    )
+    return Draft(request, seconds, reference_image(fields))
 
 
 def parse_list_query(query: Mapping[str, str]) -> tuple[str | None, int, str]:
