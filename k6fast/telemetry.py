@@ -14,6 +14,8 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 
+from .memory import GiB
+
 
 def peak_host_rss_bytes() -> int:
     """Peak resident set size of this process (Linux reports ru_maxrss in KiB)."""
@@ -173,10 +175,10 @@ class Telemetry:
             lines.append(f"torch.compile: {self.compiled_graphs} graphs in {self.compile_s:.1f} s")
         if self.peak_vram_bytes:
             lines.append(
-                f"peak GPU memory: {self.peak_vram_bytes / 2**30:.2f} GiB allocated, "
-                f"{self.peak_vram_reserved_bytes / 2**30:.2f} GiB reserved"
+                f"peak GPU memory: {self.peak_vram_bytes / GiB:.2f} GiB allocated, "
+                f"{self.peak_vram_reserved_bytes / GiB:.2f} GiB reserved"
             )
-        lines.append(f"peak host RSS: {peak_host_rss_bytes() / 2**30:.2f} GiB")
+        lines.append(f"peak host RSS: {peak_host_rss_bytes() / GiB:.2f} GiB")
         return "\n".join(lines)
 
 
