@@ -13,7 +13,7 @@ import shlex
 from pathlib import Path
 
 import pytest
-from test_cli_startup import _run
+from cli_testing import assert_refused
 
 from k6fast import entry
 from k6fast.quality_gate import clips
@@ -88,15 +88,7 @@ def paths(tiny_distill: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[
 
 @pytest.mark.parametrize("case", CASES)
 def test_every_tune_error_is_one_line_before_any_heavy_import(paths: dict[str, str], tmp_path, case: str) -> None:
-    args, env, words = CASES[case]
-    here = tmp_path / "cwd"
-    here.mkdir()
-    names = paths | {"here": str(here)}
-    done, stderr, heavy = _run([a.format(**names) for a in args], here, env)
-    assert done.returncode == 2, done.stderr[-3000:]
-    assert len(stderr) == 1 and stderr[0].startswith("error: ") and words.format(**names) in stderr[0], stderr
-    assert heavy == [], f"{case} imported {heavy[:5]} before refusing"
-    assert list(here.iterdir()) == []  # refused before writing anything
+    assert_refused(*CASES[case], tmp_path, paths)
 
 
 def test_the_limits_scale_with_the_gate_proportions(tmp_path) -> None:
