@@ -236,14 +236,14 @@ class Pipeline:
             )
         cuda = latents.is_cuda
         telemetry.video_decode = plan.describe(peak=cuda)
-        # Channels-last activations, cuDNN's timed algorithms and the fused GroupNorm+SiLU kernel: the fastest
-        # variant measured on an H200 (measurements/sessions/2026-11-29_vae-decode); plain PyTorch on the CPU.
+        # Channels-last activations and the fused GroupNorm+SiLU kernel, under the cuDNN algorithm timing the entry
+        # points set for their process (k6fast.entry.time_convolutions): the fastest variant measured on an H200
+        # (measurements/sessions/2026-11-29_vae-decode); plain PyTorch on the CPU.
         return decode_video_fast(
             self.vae,
             latents,
             plan=plan,
             layout="ndhwc" if cuda else "ncdhw",
-            cudnn_benchmark=cuda,
             triton_norm=cuda,
             should_stop=should_stop,
             on_frames=on_frames,

@@ -1,7 +1,9 @@
 """No process-wide effect outside the entry points: read from the package's source, nothing but the entry points and
-switches/ writes an environment variable or sets the CUDA allocator (its cap, its settings), and the functions that
-do it for the entry points (k6fast/entry.py) are called by the entry points only.
-A library user's two pipelines in one process must not re-cap each other or rewrite each other's environment."""
+switches/ writes an environment variable, sets the CUDA allocator (its cap, its settings) or a `torch.backends` flag
+(cuDNN's algorithm timing, TF32, ...: one per process, not per thread, even inside a scope that restores it), and the
+functions that do it for the entry points (k6fast/entry.py) are called by the entry points only.
+A library user's two pipelines in one process must not re-cap each other, rewrite each other's environment or change
+the algorithms each other's kernels run."""
 
 from __future__ import annotations
 
@@ -9,6 +11,7 @@ import ast
 from pathlib import Path
 
 import pytest
+import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGE_DIRS = ("k6fast", "kernels", "switches", "quality_gate")
@@ -35,10 +38,27 @@ PROCESS_FUNCTIONS = {
         "cap_device_memory",
         "expandable_segments_now",
         "prepare_pipeline_process",
+        "time_convolutions",
     },
 }
 WATCHED_CALLS = {"set_per_process_memory_fraction", "_set_allocator_settings", "putenv", "unsetenv"}
 MUTATORS = {"setdefault", "update", "pop", "popitem", "clear", "__setitem__", "__delitem__"}
+BACKENDS = "torch.backends"
+# Functions of torch.backends' modules that set their flags (`flags` and `sdp_kernel` are scopes that set them).
+BACKEND_SETTERS = ("flags", "sdp_kernel", "enable_", "set_", "preferred_")
+
+
+def _module_names(tree: ast.AST) -> dict[str, str]:
+    """The dotted module or attribute each name bound by this module's imports stands for (`import torch.backends as
+    b` → b: torch.backends; `from torch.backends import cudnn` → cudnn: torch.backends.cudnn)."""
+    names = {}
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            for a in node.names:
+                names[a.asname or a.name.split(".")[0]] = a.name if a.asname else a.name.split(".")[0]
+        elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
+            names |= {a.asname or a.name: f"{node.module}.{a.name}" for a in node.names}
+    return names
 
 
 def _environ_names(tree: ast.AST) -> tuple[set[str], set[str]]:
@@ -54,11 +74,24 @@ def _environ_names(tree: ast.AST) -> tuple[set[str], set[str]]:
 
 class _Effects(ast.NodeVisitor):
     """Writes to os.environ (directly, or through a name bound to it such as `env = os.environ if e is None else e`)
-    and calls of the watched process-wide functions; `found` holds one line per effect."""
+    , calls of the watched process-wide functions, and writes to torch.backends' flags (assigned, set with setattr or
+    through its setters); `found` holds one line per effect."""
 
-    def __init__(self, os_names: set[str], environ_names: set[str]):
-        self.os_names, self.found = os_names, []
+    def __init__(self, os_names: set[str], environ_names: set[str], modules: dict[str, str]):
+        self.os_names, self.modules, self.found = os_names, modules, []
         self.aliases = [set(environ_names)]
+
+    def _dotted(self, node: ast.AST) -> str | None:
+        """`torch.backends.cudnn.benchmark` for an attribute chain on a name an import bound; None for anything
+        else."""
+        if isinstance(node, ast.Attribute):
+            base = self._dotted(node.value)
+            return None if base is None else f"{base}.{node.attr}"
+        return self.modules.get(node.id) if isinstance(node, ast.Name) else None
+
+    def _in_backends(self, node: ast.AST) -> str | None:
+        name = self._dotted(node)
+        return name if name is not None and (name + ".").startswith(BACKENDS + ".") else None
 
     def _is_environ(self, node: ast.AST) -> bool:
         if isinstance(node, ast.Attribute) and node.attr == "environ":
@@ -84,6 +117,11 @@ class _Effects(ast.NodeVisitor):
             self.aliases[-1] |= {t.id for t in node.targets if isinstance(t, ast.Name)}
         self.generic_visit(node)
 
+    def visit_Attribute(self, node: ast.Attribute) -> None:
+        if isinstance(node.ctx, (ast.Store, ast.Del)) and (name := self._in_backends(node)):
+            self.found.append(f"line {node.lineno}: {name} set")
+        self.generic_visit(node)
+
     def visit_Subscript(self, node: ast.Subscript) -> None:
         if isinstance(node.ctx, (ast.Store, ast.Del)) and self._is_environ(node.value):
             self.found.append(f"line {node.lineno}: os.environ[...] assigned or deleted")
@@ -96,13 +134,17 @@ class _Effects(ast.NodeVisitor):
             self.found.append(f"line {node.lineno}: os.environ.{name}(...)")
         elif name in WATCHED_CALLS:
             self.found.append(f"line {node.lineno}: {name}(...)")
+        elif name == "setattr" and node.args and (target := self._in_backends(node.args[0])):
+            self.found.append(f"line {node.lineno}: setattr({target}, ...)")
+        elif name is not None and name.startswith(BACKEND_SETTERS) and (setter := self._in_backends(func)):
+            self.found.append(f"line {node.lineno}: {setter}(...)")
         self.generic_visit(node)
 
 
 def effects_in(source: str) -> list[str]:
     """The process-wide effects in one module's source, one line each."""
     tree = ast.parse(source)
-    finder = _Effects(*_environ_names(tree))
+    finder = _Effects(*_environ_names(tree), _module_names(tree))
     finder.visit(tree)
     return finder.found
 
@@ -164,10 +206,45 @@ def test_every_entry_module_exists() -> None:
         "import os\ndef f(env=None):\n    env = os.environ if env is None else env\n    env['A'] = '1'",
         "import torch\ntorch.cuda.set_per_process_memory_fraction(0.5, 0)",
         "import torch\ntorch.cuda.memory._set_allocator_settings('expandable_segments:True')",
+        "import torch\ntorch.backends.cudnn.benchmark = True",
+        "import torch\ntorch.backends.cuda.matmul.allow_tf32 = True",
+        "import torch.backends.cudnn\ntorch.backends.cudnn.allow_tf32 = False",
+        "import torch.backends.cudnn as cudnn\ncudnn.benchmark = True",
+        "from torch.backends import cudnn\ncudnn.deterministic = True",
+        "from torch import backends\nbackends.cudnn.benchmark = True",
+        "import torch\nsetattr(torch.backends.cudnn, 'benchmark', True)",
+        "import torch\nwith torch.backends.cudnn.flags(enabled=True, benchmark=True):\n    pass",
+        "import torch\ntorch.backends.cuda.enable_flash_sdp(False)",
     ],
 )
 def test_each_kind_of_effect_is_found(source: str) -> None:
     assert len(effects_in(source)) == 1
+
+
+def test_a_scope_that_restores_a_backends_flag_is_still_an_effect() -> None:
+    # The video decode's cuDNN scope before issue #37: while it is open, every other thread's convolutions run under
+    # its flag.
+    source = """
+import contextlib
+import torch
+
+@contextlib.contextmanager
+def cudnn_benchmark_scope(on: bool):
+    before = torch.backends.cudnn.benchmark
+    torch.backends.cudnn.benchmark = on
+    try:
+        yield
+    finally:
+        torch.backends.cudnn.benchmark = before
+"""
+    assert effects_in(source) == [
+        "line 8: torch.backends.cudnn.benchmark set",
+        "line 12: torch.backends.cudnn.benchmark set",
+    ]
+    assert violations({"k6fast/video_decode/decode.py": source}) == [
+        "k6fast/video_decode/decode.py: line 8: torch.backends.cudnn.benchmark set",
+        "k6fast/video_decode/decode.py: line 12: torch.backends.cudnn.benchmark set",
+    ]
 
 
 @pytest.mark.parametrize(
@@ -178,6 +255,10 @@ def test_each_kind_of_effect_is_found(source: str) -> None:
         "import os\nenv = dict(os.environ)\nenv['A'] = '1'",
         "import os\nenv = os.environ.copy()\nenv.update(A='1')",
         "import os\ndef f(environ):\n    environ['A'] = '1'\ndef g():\n    environ = os.environ\n    return environ",
+        "import torch\non = torch.backends.cudnn.benchmark",
+        "import torch\nok = torch.backends.cudnn.is_available() and torch.backends.cuda.matmul.allow_tf32",
+        "import torch\ntorch.nn.Conv3d(1, 1, 3).benchmark = True",
+        "from torch import nn\nsetattr(nn, 'backends', 1)",
     ],
 )
 def test_reads_and_copies_are_not_effects(source: str) -> None:
@@ -189,3 +270,13 @@ def test_a_library_module_calling_an_entry_function_is_refused() -> None:
     assert violations(modules) == [
         "k6fast/pipeline.py: calls k6fast/entry.py's prepare_pipeline_process, which only entry points may"
     ]
+
+
+def test_the_entry_points_time_convolutions_on_cuda_only(monkeypatch) -> None:
+    from k6fast import entry
+
+    monkeypatch.setattr(torch.backends.cudnn, "benchmark", False)
+    entry.time_convolutions("cpu")
+    assert torch.backends.cudnn.benchmark is False
+    entry.time_convolutions("cuda:0")  # sets the flag only: no CUDA call, so this runs on the CPU too
+    assert torch.backends.cudnn.benchmark is True

@@ -50,7 +50,7 @@ ops, then the streamed slabs and tiles).
 Check: `pytest tests/test_video_decode.py`. Benchmark: `python measurements/bench_vae_decode.py --out vae.json`.
 """
 
-from .decode import LAYOUTS, cudnn_benchmark_scope, decode_video_fast, decode_with_plan
+from .decode import LAYOUTS, decode_video_fast, decode_with_plan
 from .decoder import decoder_geometry, decoder_ops
 from .plan import UPSAMPLE_FUSION, UpsampleFusion, VideoDecodePlan, plan_video_decode, whole_clip_peak
 
@@ -59,7 +59,6 @@ __all__ = [
     "UPSAMPLE_FUSION",
     "UpsampleFusion",
     "VideoDecodePlan",
-    "cudnn_benchmark_scope",
     "decode_video_fast",
     "decode_with_plan",
     "decoder_geometry",

@@ -3,7 +3,7 @@ each spatial tile, blended into the fp32 output; `decode_video_fast` plans and d
 
 from __future__ import annotations
 
-import contextlib
+import functools
 import logging
 from collections.abc import Callable, Mapping
 
@@ -49,16 +49,12 @@ def _ramp(pos: Tensor, lo: float, hi: float) -> Tensor:
     return ((pos - lo) / (hi - lo)).clamp(0, 1)
 
 
-@contextlib.contextmanager
-def cudnn_benchmark_scope(on: bool):
-    """cudnn.benchmark set to `on` inside the block (one decode's convolutions); the process-wide flag is restored on
-    exit."""
-    before = torch.backends.cudnn.benchmark
-    torch.backends.cudnn.benchmark = on
-    try:
-        yield
-    finally:
-        torch.backends.cudnn.benchmark = before
+@functools.cache
+def _note_heuristic_algorithms() -> None:
+    logger.info(
+        "video decode: cuDNN picks its convolution algorithms by heuristics (torch.backends.cudnn.benchmark is off in "
+        "this process); k6fast's entry points turn timing on (k6fast.entry.time_convolutions), the measured setting"
+    )
 
 
 def _decode_sample(
@@ -143,7 +139,6 @@ def decode_with_plan(
     plan: VideoDecodePlan,
     *,
     layout: str = "ncdhw",
-    cudnn_benchmark: bool = False,
     triton_norm: bool = False,
     frozen: Mapping[str, _Moments] | None = None,
     max_chunk_frames: int | None = None,
@@ -178,12 +173,13 @@ def decode_with_plan(
     s = vae.config.spatial_compression_ratio
     out = torch.zeros((b, frames, h * s, w * s, 3), dtype=torch.float32, device=device)
     moments: dict[str, _Moments] = {}
-    with cudnn_benchmark_scope(cudnn_benchmark) if device.type == "cuda" else contextlib.nullcontext():
-        for i in range(b):
-            zi = vae.post_quant_conv(z[i : i + 1]).contiguous(memory_format=ctx.memory_format)
-            finished = _Finisher(out[i], frames, raw, on_frames)
-            moments = _decode_sample(vae, zi, plan, ctx, out[i], frozen, finished)
-            finished.check_done()
+    if device.type == "cuda" and not torch.backends.cudnn.benchmark:
+        _note_heuristic_algorithms()
+    for i in range(b):
+        zi = vae.post_quant_conv(z[i : i + 1]).contiguous(memory_format=ctx.memory_format)
+        finished = _Finisher(out[i], frames, raw, on_frames)
+        moments = _decode_sample(vae, zi, plan, ctx, out[i], frozen, finished)
+        finished.check_done()
     return out, moments
 
 
@@ -218,7 +214,6 @@ def decode_video_fast(
     budget_bytes: int | None = None,
     chunk_latent_frames: int | None = None,
     layout: str = "ncdhw",
-    cudnn_benchmark: bool = False,
     triton_norm: bool = False,
     upsample_fusion: str = "auto",
     plan: VideoDecodePlan | None = None,
@@ -234,11 +229,12 @@ def decode_video_fast(
     `plan_video_decode`); otherwise the up blocks stream and their GroupNorms use running statistics.
     `chunk_latent_frames` forces streaming in slabs of that many latent frames. `plan`: a plan made beforehand
     (instead of `budget_bytes`), so that the caller decodes with the plan it decided on.
-    `layout` "ndhwc" keeps activations channels-last (cuDNN's native 3D layout); `cudnn_benchmark` lets cuDNN time
-    its convolution algorithms during this decode only; `triton_norm` runs GroupNorm+SiLU as one Triton kernel
-    (kernels/groupnorm_silu.py) instead of PyTorch's three passes through fp32. Samples of a batch are decoded one
-    after another. `should_stop` (k6fast.cancel) is checked before every op of every slab and tile: when it says
-    stop, `Cancelled` is raised and the decode's buffers are dropped with it.
+    `layout` "ndhwc" keeps activations channels-last (cuDNN's native 3D layout); `triton_norm` runs GroupNorm+SiLU
+    as one Triton kernel (kernels/groupnorm_silu.py) instead of PyTorch's three passes through fp32. cuDNN picks its
+    convolution algorithms as the process has it set (`torch.backends.cudnn.benchmark`, which the decode reads and
+    never changes: the entry points turn timing on with `k6fast.entry.time_convolutions`). Samples of a batch are
+    decoded one after another. `should_stop` (k6fast.cancel) is checked before every op of every slab and tile: when
+    it says stop, `Cancelled` is raised and the decode's buffers are dropped with it.
     `on_frames(f0, f1, frames)` (a batch of 1 only) is handed frames [f0, f1) of the output as soon as they are final
     (frames: fp32 [f1 - f0, 8H, 8W, 3] in [0, 1], a view of the returned tensor on the VAE's device): in order, each
     frame once, chunk by chunk of the last op. So a whole-clip decode hands them over during its last op only (every
@@ -264,7 +260,6 @@ def decode_video_fast(
         latents,
         plan,
         layout=layout,
-        cudnn_benchmark=cudnn_benchmark,
         triton_norm=triton_norm,
         should_stop=should_stop,
         on_frames=on_frames,
