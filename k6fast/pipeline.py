@@ -21,7 +21,7 @@ from .allocator import device_budget, resolve_device
 from .cancel import StopCheck, check_stop
 from .checkpoint import Checkpoint, open_checkpoint
 from .dit.backend import SwitchedBackend
-from .fit import oversize_message
+from .fit import oversize_message, vram_budget
 from .frame_sink import FrameSink
 from .memory import GiB
 from .prompt_cache import PromptCache
@@ -146,9 +146,10 @@ class Pipeline:
     def fits(self, width: int, height: int, frames: int) -> bool:
         """Whether a request of this geometry fits the VRAM budget: the DiT with every block streamed if need be,
         and (K6_VIDEO_DECODE=exact) the whole-clip decode beside the decoders. Arithmetic only."""
-        return self._dit_fits(width, height, frames) and self._exact_decode_fits(width, height, frames)
+        return self.dit_fits(width, height, frames) and self._exact_decode_fits(width, height, frames)
 
-    def _dit_fits(self, width: int, height: int, frames: int) -> bool:
+    def dit_fits(self, width: int, height: int, frames: int) -> bool:
+        """Whether the DiT alone fits this geometry (every block streamed if need be). Arithmetic only."""
         try:
             self._dit_planner(dit_tokens(width, height, frames, self.audio_rate))
         except ResidencyError:
@@ -160,7 +161,9 @@ class Pipeline:
             return True
         shape = (latent_frames(frames), *latent_size(height, width))
         try:
-            return plan_video_decode(self.vae, shape, budget_bytes=self.budget_bytes - self._decoder_bytes).exact
+            return plan_video_decode(
+                self.vae, shape, budget_bytes=self.budget_bytes - self._decoder_bytes, dtype=self.dtype
+            ).exact
         except ValueError:
             return False
 
@@ -168,14 +171,8 @@ class Pipeline:
         """Refuse, before any work, a request that cannot fit this pipeline's budget, naming what fits instead."""
         if not self.fits(request.width, request.height, request.frames):
             w, h, f = request.width, request.height, request.frames
-            budget = f"the VRAM budget of {self.budget_bytes / GiB:.1f} GiB (K6_VRAM_BUDGET_GB)"
-            message = oversize_message(self.fits, w, h, f, budget)
-            if self._dit_fits(w, h, f) and not self._exact_decode_fits(w, h, f):
-                message += (
-                    "; the exact video decode is what does not fit: K6_VIDEO_DECODE=streamed (slabs with running "
-                    "GroupNorm statistics) or tiled would fit a larger clip"
-                )
-            raise RequestError(message)
+            budget = vram_budget([self.budget_bytes])
+            raise RequestError(oversize_message(self.fits, w, h, f, budget, dit_fits=self.dit_fits))
 
     def drop_dit(self) -> None:
         """Send the DiT off the device (its runtime closed, its memory given back); the next request reloads it."""

@@ -171,9 +171,9 @@ def dies(replica: ReplicaIdentity) -> Callable[[JobPayload], Iterator[Any]]:
     return call
 
 
-def finishes(replica: ReplicaIdentity, video: bytes) -> Callable[[JobPayload], Iterator[Any]]:
+def finishes(replica: ReplicaIdentity, video: bytes, fit: Any = None) -> Callable[[JobPayload], Iterator[Any]]:
     def call(payload: JobPayload) -> Iterator[Any]:
-        yield Started(replica)
+        yield Started(replica, fit)
         yield Progress(1, 4, (0.01, 0.02))
         yield Finished(replica, 0.5, telemetry={"peak_vram_bytes": 7}, files=ClipFiles(video, b"{}\n", b"\xff\xd8"))
 
@@ -305,3 +305,68 @@ def test_cluster_model_checks_requests_as_the_pipeline_does(tiny_distill: Path) 
         ClusterModel(model.ckpt, Options(piflow_cache_steps=(8,)), "x").resolve(
             Request(prompt="a bell", width=64, height=64, frames=5, steps=4)
         )
+
+
+class _Budget:
+    """A replica's fit predicates over plain arithmetic (a FitModel): fits while width/16 x height/16 x (latent frames
+    + 1) stays within `tokens`, as the DiT planner's activations do."""
+
+    def __init__(self, tokens: int, budget_gb: int):
+        self.tokens, self.budget_bytes = tokens, budget_gb * 2**30
+
+    def fits(self, w: int, h: int, f: int) -> bool:
+        return (w // 16) * (h // 16) * ((f - 1) // 4 + 2) <= self.tokens
+
+    dit_fits = fits
+
+
+def test_the_ingress_refuses_what_no_replica_fits_before_queueing_and_learns_budgets_from_started_jobs(
+    tiny_distill: Path, tmp_path: Path
+) -> None:
+    """The Ray ingress's app over a scripted handle: a request the known replica's fit table refuses gets the 400 a
+    pipeline gives (`fit.refusal` over the table; test_fit_table.py holds tables to `Pipeline.fits`), nothing is
+    queued and no replica is asked; a replica with a larger budget that starts a job makes it fit."""
+    pytest.importorskip("ray")
+    pytest.importorskip("fastapi")
+    import functools
+
+    from fastapi.testclient import TestClient
+
+    from k6fast.checkpoint import open_checkpoint
+    from k6fast.fit import fit_table, refusal
+    from k6fast.server.app import create_app
+    from k6fast.server.ray_dispatcher import ClusterModel, RayDispatcher, ReplicaFits
+
+    config = server_testing.tiny_server_config(tmp_path / "data", max_size=(640, 640), max_frames=97, max_queue=4)
+    small = fit_table(_Budget(20 * 20 * 10, 24), max(config.max_size), config.max_frames)
+    large = fit_table(_Budget(30 * 30 * 20, 80), max(config.max_size), config.max_frames)
+    model = ClusterModel(open_checkpoint(tiny_distill), Options(), "ray: 2 replica(s) on cuda", ReplicaFits([small]))
+    handle = ScriptedHandle(finishes(REPLICA_B, b"mp4 one", fit=large), finishes(REPLICA_B, b"mp4 two", fit=large))
+    dispatcher = functools.partial(RayDispatcher, generator=handle, settings=RaySettings(replicas=2), caller=None)
+    app = create_app(config, Options(), load=lambda: model, dispatcher=dispatcher)
+
+    def create(size: str) -> Any:
+        fields = {"prompt": "a fox", "size": size, "num_frames": "33", "num_inference_steps": "2"}
+        return client.post("/v1/videos", files=[(k, (None, v)) for k, v in fields.items()])
+
+    def completed(video_id: str) -> bool:
+        return client.get(f"/v1/videos/{video_id}").json()["status"] == "completed"
+
+    with TestClient(app) as client:
+        server_testing.until(lambda: client.get("/health").status_code == 200, "the ingress to be ready")
+        refused = create("336x336")
+        assert refused.status_code == 400, refused.text
+        error = server_testing.check_error_body(refused.json())
+        assert (error["param"], error["code"]) == ("size", "invalid_value")
+        assert error["message"] == refusal([small], 336, 336, 33)
+        assert error["message"].startswith("336x336 with 33 frames does not fit the VRAM budget of 24.0 GiB")
+        assert app.state.k6.store.queue_depth() == 0 and handle.payloads == [], "refused before it was queued"
+
+        first = create("64x64")
+        assert first.status_code == 200, first.text
+        server_testing.until(lambda: completed(first.json()["id"]), "the fitting job to complete")
+        assert model.replica_fits.tables == (small, large), "the replica that started the job told its budget"
+        second = create("336x336")  # fits the larger replica's budget now known
+        assert second.status_code == 200, second.text
+        server_testing.until(lambda: completed(second.json()["id"]), "the second job to complete")
+        assert [p.spec.request.width for p in handle.payloads] == [64, 336]

@@ -64,12 +64,11 @@ class FaultyPipeline:
     def __init__(self, real: Any):
         self.real = real
         self.ckpt, self.device, self.options = real.ckpt, real.device, real.options
+        # What the replica's fit table is computed from (`fit.fit_table`), sent to the ingress.
+        self.fits, self.dit_fits, self.budget_bytes = real.fits, real.dit_fits, real.budget_bytes
 
     def resolve(self, request: Any) -> tuple[int, float]:
         return self.real.resolve(request)
-
-    def check_fits(self, request: Any) -> None:  # the replica's fit check the ingress asks before it queues a job
-        self.real.check_fits(request)
 
     def generate(self, request: Any, on_step: Any = None, should_stop: Any = None) -> Any:
         if request.prompt == OOM_PROMPT:
@@ -118,6 +117,7 @@ class App:
     cluster: Cluster
     handle: Any  # the ingress deployment's handle
     data_dir: Path
+    options: Options  # the replicas' (their VRAM budget holds 512x512 x 65 frames, not the server's largest request)
 
     def client(self) -> OpenAI:
         return self.cluster.client()
@@ -129,6 +129,13 @@ class App:
         store = JobStore(self.data_dir / "jobs.sqlite3")  # WAL: a second reader beside the ingress is fine
         try:
             return store.get(video_id)
+        finally:
+            store.close()
+
+    def job_ids(self) -> set[str]:
+        store = JobStore(self.data_dir / "jobs.sqlite3")
+        try:
+            return store.ids()
         finally:
             store.close()
 
@@ -176,13 +183,14 @@ def app(cluster: Cluster, tiny_distill: Path, tmp_path_factory: pytest.TempPathF
     settings = RaySettings(
         replicas=2, gpus_per_replica=0, cpus_per_replica=1, ingress_node_ip=cluster.ray.util.get_node_ip_address()
     )
-    options = Options(api_key=KEY)
+    # A budget the server's largest request (1280x720, 241 frames) does not fit: the ingress refuses it.
+    options = Options(api_key=KEY, vram_budget_gb=server_testing.budget_fitting(tiny_distill, 512, 512, 65))
     handle = cluster.serve.run(
         build_app(config, options, settings, load=faulty_load), name=settings.app_name, route_prefix="/"
     )
     until(cluster.healthy, "the ingress to report healthy")
     try:
-        yield App(cluster, handle, data_dir)
+        yield App(cluster, handle, data_dir, options)
     finally:
         cluster.serve.delete(settings.app_name)
 
@@ -241,6 +249,27 @@ def test_sdk_flow_through_two_replicas(app: App, tmp_path: Path) -> None:
     with urllib.request.urlopen(request, timeout=5) as response:
         health = json.loads(response.read())
     assert health["status"] == "ok" and health["device"] == "ray: 2 replica(s) on cpu"
+
+
+def test_a_request_no_replica_can_fit_is_refused_before_it_is_queued(app: App, tiny_distill: Path) -> None:
+    from k6fast.pipeline import Pipeline
+    from k6fast.request import Request, RequestError
+
+    pipeline = Pipeline(tiny_distill, app.options, device="cpu")  # what `k6fast serve` would answer in-process
+    try:
+        with pytest.raises(RequestError) as in_process:
+            pipeline.resolve(Request(prompt="a whole symphony", width=1280, height=720, frames=241, steps=2))
+    finally:
+        pipeline.close()
+    client = app.client()
+    jobs_before = app.job_ids()
+    with pytest.raises(openai.BadRequestError) as info:
+        client.videos.create(prompt="a whole symphony", size="1280x720", seconds="10", extra_body=SMALL["extra_body"])
+    error = info.value.body
+    assert (error["param"], error["code"], error["message"]) == ("size", "invalid_value", str(in_process.value))
+    assert app.job_ids() == jobs_before, "refused by the ingress: nothing was queued"
+    done = _finished(client, client.videos.create(prompt="a small one that fits", **SMALL).id)
+    assert done.status == "completed", done.error
 
 
 def test_eight_jobs_spread_over_both_replicas(app: App) -> None:

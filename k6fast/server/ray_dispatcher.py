@@ -2,6 +2,9 @@
 a Serve deployment handle, on the job loop the one-GPU worker runs too (dispatch.py: claiming, back-off, cancel and
 what each outcome records):
 
+- fit: a request no replica's VRAM budget fits gets the 400 `k6fast serve` gives (naming what fits) before it is
+  queued, from the fit table each replica computed once at its start and sent with its card and each job's start
+  (`ReplicaFits`); the ingress never asks a busy replica;
 - progress: each `Progress` a replica streams becomes the job's progress in the store, as the worker's steps do;
 - cancel: a DELETE cancels the call; the replica stops the job at its next check (a DiT block, a decode op,
   a frame of the mux) and frees itself;
@@ -23,11 +26,14 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import logging
+import threading
 import time
-from dataclasses import dataclass
+from collections.abc import Iterable
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from ..atomic import write_bytes_atomic
+from ..fit import FitTable, refusal
 from .config import ServerConfig
 from .dispatch import FAILURES, InputUnreadable, JobLoop, Run, classify_failure, stored_input
 from .jobs import RESTART_LIMIT_CODE, Job, JobFiles, JobStore
@@ -47,28 +53,58 @@ if TYPE_CHECKING:
 log = logging.getLogger("k6fast.server")
 
 
+class ReplicaFits:
+    """The FitTables of the replicas the ingress has heard from (`describe`, then each job's `Started`), one per
+    distinct budget: a request fits when it fits one of them. Nothing is asked of a replica per request: a replica
+    takes one call at a time (`max_ongoing_requests`), so a question would wait behind its running job."""
+
+    def __init__(self, tables: Iterable[FitTable] = ()):
+        self._lock = threading.Lock()
+        self._tables: tuple[FitTable, ...] = ()
+        for table in tables:
+            self.add(table)
+
+    def add(self, table: FitTable) -> None:
+        with self._lock:
+            if table not in self._tables:
+                self._tables = (*self._tables, table)
+
+    @property
+    def tables(self) -> tuple[FitTable, ...]:
+        return self._tables
+
+    def refusal(self, request: Request) -> str | None:
+        """`fit.refusal` over the tables known now: None when the request fits (or none is known yet)."""
+        return refusal(self._tables, request.width, request.height, request.frames)
+
+
 @dataclass(frozen=True)
 class ClusterModel:
-    """The model as the HTTP side sees it when replicas hold the weights (see dispatch.py). It checks a request
-    against the checkpoint only: whether its geometry fits the replicas' VRAM budget is decided by the replica that
-    runs it (the job fails with the message that names what fits). Asking a replica here would wait behind its
-    running job: a replica takes one call at a time (`max_ongoing_requests`), its fit check included."""
+    """The model as the HTTP side sees it when replicas hold the weights (see dispatch.py). It checks a request as a
+    `Pipeline` does: against the checkpoint, then against what fits the replicas' VRAM budgets (`replica_fits`), so
+    that an oversize request gets the same 400 naming what fits, before it is queued."""
 
     ckpt: Checkpoint
     options: Options
     device: str
+    replica_fits: ReplicaFits = field(default_factory=ReplicaFits)
 
     def resolve(self, request: Request) -> tuple[int, float]:
-        from ..request import resolve_request
+        from ..request import RequestError, resolve_request
 
-        return resolve_request(self.ckpt, self.options, request)
+        resolved = resolve_request(self.ckpt, self.options, request)
+        message = self.replica_fits.refusal(request)
+        if message is not None:
+            raise RequestError(message)
+        return resolved
 
 
 def describe_cluster(generator: DeploymentHandle, options: Options, settings: RaySettings) -> ClusterModel:
-    """Ask a replica for the checkpoint's configs (waits until one has loaded and warmed up)."""
+    """Ask a replica for the checkpoint's configs and what fits its budget (waits until one has loaded and warmed
+    up)."""
     card = generator.describe.remote().result()
     count = f"{settings.replicas}-{settings.max_replicas}" if settings.max_replicas else str(settings.replicas)
-    return ClusterModel(card.ckpt, options, f"ray: {count} replica(s) on {card.device}")
+    return ClusterModel(card.ckpt, options, f"ray: {count} replica(s) on {card.device}", ReplicaFits([card.fit]))
 
 
 @dataclass
@@ -196,6 +232,8 @@ class RayDispatcher(JobLoop):
                 if isinstance(message, Started):
                     with self._lock:
                         run.replica = message.replica
+                    if message.fit is not None:
+                        self.model.replica_fits.add(message.fit)
                 elif isinstance(message, Progress):
                     self.progress(job, message.step, message.total, message.step_seconds)
                 elif isinstance(message, Finished):

@@ -9,9 +9,12 @@ here imports Ray or torch.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from .jobs import JobSpec
+
+if TYPE_CHECKING:
+    from ..fit import FitTable
 
 
 @dataclass(frozen=True)
@@ -50,16 +53,22 @@ class ClipFiles:
 
 @dataclass(frozen=True)
 class ModelCard:
-    """What the ingress needs to check requests without loading weights (see dispatch.py)."""
+    """What the ingress needs to check requests without loading weights (see dispatch.py): the checkpoint's configs,
+    and what fits the replica's VRAM budget over the server's size grid (`fit.FitTable`, computed once at its start)."""
 
     ckpt: Any  # checkpoint.Checkpoint: configs only, paths as seen by the replica
     device: str
     replica: ReplicaIdentity
+    fit: FitTable
 
 
 @dataclass(frozen=True)
 class Started:
+    """A replica took the job. `fit`: its FitTable, so the ingress learns the budget of every replica that runs a
+    job (one started after the ingress asked `describe`, or on a card with another budget); None from a stand-in."""
+
     replica: ReplicaIdentity
+    fit: FitTable | None = None
 
 
 @dataclass(frozen=True)

@@ -24,6 +24,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from ..fit import fit_table
 from .config import ServerConfig
 from .dispatch import STAGES, Stage, classify_failure
 from .jobs import JobFiles, write_image
@@ -107,20 +108,26 @@ class Generator:
         self.identity = _identity()
         started = time.perf_counter()
         self.pipeline = (load or load_pipeline)(config, options)
+        loaded = time.perf_counter()
+        # What fits this replica's budget, for the ingress to refuse an oversize request before it is queued:
+        # asking a replica per request would wait behind its running job (it takes one call at a time).
+        self.fit = fit_table(self.pipeline, max(config.max_size), config.max_frames)
+        self._fit_seconds = time.perf_counter() - loaded
         self._files = JobFiles(config.data_dir) if settings.shared_data_dir else None
         self._executor = ThreadPoolExecutor(1, thread_name_prefix="k6fast-replica")
         self._busy = threading.Lock()
         log.info(
-            "replica %s on node %s: %s loaded on %s in %.1f s",
+            "replica %s on node %s: %s loaded on %s in %.1f s (its fit table in %.1f s)",
             self.identity.replica,
             self.identity.node[:12],
             config.model,
             self.pipeline.device,
             time.perf_counter() - started,
+            self._fit_seconds,
         )
 
     def describe(self) -> ModelCard:
-        return ModelCard(self.pipeline.ckpt, str(self.pipeline.device), self.identity)
+        return ModelCard(self.pipeline.ckpt, str(self.pipeline.device), self.identity, self.fit)
 
     async def run(self, payload: JobPayload) -> AsyncIterator[Started | Progress | Finished]:
         loop = asyncio.get_running_loop()
@@ -134,7 +141,7 @@ class Generator:
         # Scheduled after every step event the thread queued, so None marks the end of the stream.
         future.add_done_callback(lambda _: events.put_nowait(None))
         try:
-            yield Started(self.identity)
+            yield Started(self.identity, self.fit)
             finished = False
             while not finished:
                 batch = [await events.get()]
