@@ -271,3 +271,26 @@ def test_the_peer_reads_its_own_checkpoint_where_one_is_given(tiny_distill, tmp_
             "--only", "diffusers-offload-32-cold", "--peer-model", str(tmp_path / "nowhere")]  # fmt: skip
     assert main(argv) == 2  # not a checkpoint: refused before any run
     assert not (tmp_path / "rec" / "runs.jsonl").exists()
+
+
+def test_a_peer_only_part_reads_its_defaults_from_the_peer_copy(tiny_distill, tmp_path, monkeypatch, capsys) -> None:
+    """A lease frees the main checkpoint's RAM-backed text encoders before the peer runs (the peer needs the host
+    memory): the part that runs only the peer must not need them; it still continues the main checkpoint's record."""
+    import k6fast.bench.acceptance as acceptance
+
+    main_copy = tmp_path / "main"
+    shutil.copytree(tiny_distill, main_copy)
+    shutil.rmtree(main_copy / "text_encoder")  # what `drop-text` leaves
+    seen = []
+    monkeypatch.setattr(acceptance, "run_acceptance", lambda runs, workload, **kw: seen.append((runs, workload)))
+    argv = ["acceptance", "--model", str(main_copy), "--out", str(tmp_path / "rec"), "--work", str(tmp_path / "w"),
+            "--geometry", "64x64x5", "--only"]  # fmt: skip
+    assert main([*argv, "diffusers-offload-32-cold", "--peer-model", str(tiny_distill)]) == 0
+    ((runs, workload),) = seen
+    assert [r.slug for r in runs] == ["diffusers-offload-32-cold"]
+    assert workload.model == str(main_copy) and workload.peer_model == str(tiny_distill)
+    assert workload.steps == 10  # the tiny distilled checkpoint's default, read from the peer's copy
+    capsys.readouterr()
+    # A k6fast arm still needs the main checkpoint whole: refused, naming what is missing.
+    assert main([*argv, "final-32-cold", "--peer-model", str(tiny_distill)]) == 2
+    assert "text_encoder" in capsys.readouterr().err and len(seen) == 1

@@ -175,7 +175,6 @@ def cmd_acceptance(args: argparse.Namespace) -> int:
                        text_encoder_dir=args.text_encoder_dir)  # fmt: skip
         made = time.perf_counter() - start
         print(f"acceptance: wrote the synthetic checkpoint in {made:.1f} s", file=sys.stderr)
-    ckpt = open_checkpoint(str(model))
     if args.peer_model and not (Path(args.peer_model) / "model_index.json").is_file():
         print(f"error: --peer-model {args.peer_model}: expected a checkpoint folder with model_index.json",
               file=sys.stderr)  # fmt: skip
@@ -191,6 +190,10 @@ def cmd_acceptance(args: argparse.Namespace) -> int:
                   f"{', '.join(r.slug for r in runs)}", file=sys.stderr)  # fmt: skip
             return 2
         runs = [r for r in runs if r.slug in args.only]
+    # Only the peer runs: the checkpoint's defaults come from the copy it reads, so that the main checkpoint's large
+    # text encoders may already be gone (a lease frees their RAM-backed folder before the peer, which needs the room).
+    peer_only = bool(args.peer_model) and all(r.peer for r in runs)
+    ckpt = open_checkpoint(str(args.peer_model if peer_only else model))
     workload = Workload(
         model=str(model), geometry=geometry.label(), prompt=args.prompt or DEFAULT_PROMPT, seed=args.seed,
         steps=args.steps or ckpt.default_steps,
