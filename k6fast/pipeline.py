@@ -157,13 +157,17 @@ class Pipeline:
         return True
 
     def _exact_decode_fits(self, width: int, height: int, frames: int) -> bool:
+        """Whether the decode of this geometry would be exact (`plan_video_decode(...).exact`), from the whole-clip
+        decode's estimate alone: a fit table asks this thousands of times."""
+        from .video_decode.plan import exact_decode_fits
+
         if self.options.video_decode != "exact":
             return True
         shape = (latent_frames(frames), *latent_size(height, width))
         try:
-            return plan_video_decode(
+            return exact_decode_fits(
                 self.vae, shape, budget_bytes=self.budget_bytes - self._decoder_bytes, dtype=self.dtype
-            ).exact
+            )
         except ValueError:
             return False
 

@@ -4,6 +4,7 @@ upsamplers fused in the lean whole-clip decode, chosen from a byte budget by est
 from __future__ import annotations
 
 import math
+import weakref
 from collections.abc import Mapping
 from dataclasses import dataclass
 
@@ -243,6 +244,66 @@ def _lean_fusions(
         fusions[up] = up in fusions  # first with the shortcut stored, then recomputed
 
 
+# Each live VAE's decoder as ops, for the planner: a fit table asks thousands of plans, and the list depends only on
+# the decoder's modules, which diffusers builds from the VAE's config (`.to()`, `.eval()` and loading weights keep
+# every module and shape). Weak keys: an entry goes with its VAE, so what is kept is bounded by the VAEs alive, each a
+# few dozen small records.
+_PLANNED_OPS: weakref.WeakKeyDictionary[nn.Module, list[_Op]] = weakref.WeakKeyDictionary()
+
+
+def planned_ops(vae: nn.Module) -> list[_Op]:
+    """`decoder_ops(vae)`, built once per VAE object; not to be mutated. Rebuilt when `vae.decoder` is no longer the
+    decoder the list was built from (the "out" op holds it), and checked again (so refused as `decoder_ops` refuses
+    it) while the decoder is in training mode. A module replaced inside the same decoder object is not seen: nothing
+    in k6fast does that; whoever does must plan with a new VAE object."""
+    ops = _PLANNED_OPS.get(vae)
+    decoder = getattr(vae, "decoder", None)
+    if ops is None or ops[-1].module is not decoder or decoder.training:
+        ops = _PLANNED_OPS[vae] = decoder_ops(vae)
+    return ops
+
+
+@dataclass(frozen=True)
+class _Room:
+    """One clip's decode within one budget: the ops and their geometry over the clip, the element size, and how the
+    budget divides into the reserve, the convolution workspace, the fp32 output and what the activations may use."""
+
+    ops: list[_Op]
+    geoms: list[_Geom]
+    elt: int
+    reserve: int
+    workspace: int
+    out_bytes: int
+    usable: int
+
+
+def _room(vae: nn.Module, latent_shape: tuple[int, int, int], budget_bytes: int, dtype: torch.dtype | None) -> _Room:
+    t, h, w = latent_shape
+    if min(t, h, w) < 1:
+        raise ValueError(f"expected a latent clip (T, H, W) with positive sizes, found {latent_shape}")
+    ops = planned_ops(vae)
+    geoms = decoder_geometry(ops, t, h, w)
+    elt = (dtype or vae.dtype).itemsize
+    reserve, workspace = decode_reserve(budget_bytes), decode_workspace(budget_bytes)
+    out_bytes = geoms[-1].t * geoms[-1].h * geoms[-1].w * 3 * 4
+    return _Room(ops, geoms, elt, reserve, workspace, out_bytes, budget_bytes - reserve - out_bytes)
+
+
+def _whole_clip(room: _Room, policy: str) -> tuple[dict[int, bool], int] | None:
+    """The whole-clip (exact) decode's fusions and peak within `room`, or None where it does not fit."""
+    return _lean_fusions(room.ops, room.geoms, room.usable, room.elt, room.workspace, policy)
+
+
+def exact_decode_fits(
+    vae: nn.Module, latent_shape: tuple[int, int, int], *, budget_bytes: int, dtype: torch.dtype | None = None
+) -> bool:
+    """`plan_video_decode(vae, latent_shape, budget_bytes=..., dtype=...).exact` (False where that raises for want of
+    room) without searching for the streamed decode. Under "auto" fusion that search never finds an exact plan
+    where the whole-clip decode does not fit: one slab and one tile run the same ops over the same geometry and
+    also store the split's input, so its peak is above the plain whole-clip decode's, which "auto" tries first."""
+    return _whole_clip(_room(vae, latent_shape, budget_bytes, dtype), "auto") is not None
+
+
 def plan_video_decode(
     vae: nn.Module,
     latent_shape: tuple[int, int, int],
@@ -265,22 +326,17 @@ def plan_video_decode(
     To measure or test a streamed decode: `split` fixes where streaming starts (an op index after the mid-block
     attention), `min_grid` forces at least that many tiles per side.
     """
-    t, h, w = latent_shape
-    if min(t, h, w) < 1:
-        raise ValueError(f"expected a latent clip (T, H, W) with positive sizes, found {latent_shape}")
     if upsample_fusion not in UPSAMPLE_FUSION:
         raise ValueError(f"upsample_fusion must be one of {', '.join(UPSAMPLE_FUSION)}, found {upsample_fusion!r}")
     if chunk_latent_frames is not None and chunk_latent_frames < 1:
         raise ValueError(f"chunk_latent_frames must be >= 1 or None, found {chunk_latent_frames}")
-    ops = decoder_ops(vae)
+    room = _room(vae, latent_shape, budget_bytes, dtype)
+    t, h, w = latent_shape
+    ops, geoms, elt, workspace, usable = room.ops, room.geoms, room.elt, room.workspace, room.usable
+    reserve, out_bytes = room.reserve, room.out_bytes
     first = _first_streamable(ops)
     if split is not None and not first <= split < len(ops):
         raise ValueError(f"split must be in [{first}, {len(ops)}) (after the attention), found {split}")
-    geoms = decoder_geometry(ops, t, h, w)
-    elt = torch.empty((), dtype=dtype or vae.dtype).element_size()
-    reserve, workspace = decode_reserve(budget_bytes), decode_workspace(budget_bytes)
-    out_bytes = geoms[-1].t * geoms[-1].h * geoms[-1].w * 3 * 4
-    usable = budget_bytes - reserve - out_bytes
 
     def prefix_peak(stop: int) -> int:
         pairs = zip(ops[:stop], geoms, strict=False)
@@ -309,7 +365,7 @@ def plan_video_decode(
         return make(stop, slab, rows, cols, halo, peak) if peak <= usable else None
 
     forced = split is not None or chunk_latent_frames is not None or min_grid > 1
-    whole = None if forced else _lean_fusions(ops, geoms, usable, elt, workspace, upsample_fusion)
+    whole = None if forced else _whole_clip(room, upsample_fusion)
     if whole is not None:
         fusions, peak = whole
         fused = tuple(UpsampleFusion(ops[i].name, ops[i + 1].name, r) for i, r in sorted(fusions.items()))
