@@ -19,17 +19,25 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from .fit import largest_frames
+from .memory import PROCESS_HOST_BYTES, HostMemory, meminfo
 from .request import W1, dit_tokens
-from .stream.plan import GiB, ResidencyError, activation_estimate, activation_profile, index_footprint, plan_residency
+from .stream.plan import (
+    GiB,
+    ResidencyError,
+    activation_estimate,
+    activation_profile,
+    block_of,
+    disk_bytes_per_step,
+    index_footprint,
+    plan_host_cache,
+    plan_residency,
+)
+from .switches.registry import AUTO
 from .vae_geometry import AudioRate, audio_rate
 
 GB = 1e9
 # The Pro DiT in BF16 (60 fused blocks, text blocks, embeddings): the size a user would download.
 PRO_DIT_BF16_BYTES = int(56.14 * GiB)
-# The DiT process's own anonymous memory beside the page cache: text encoders' activations, pinned staging, the
-# decoders (the full-size acceptance run's peak host RSS, measurements/sessions/2026-12-01_acceptance-full, with a
-# margin on top).
-PROCESS_HOST_BYTES = 8 * GiB
 # Stored size against BF16: a DF11 checkpoint (lossless) and an fp8 one (lossy). DF11's 0.70 is its paper's figure on
 # released models (arXiv 2504.11651); Gaussian synthetic weights measured 0.667-0.673
 # (measurements/sessions/2026-12-02_df11-h200). fp8: e4m3 weights with their scales, the rest as stored.
@@ -60,6 +68,7 @@ class Report:
     read_note: str = ""
     advice: list[str] = field(default_factory=list)
     plan: dict | None = None
+    disk_per_step: dict | None = None  # `predict_disk_per_step`: what a later run's disk_read_bytes is held against
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -81,17 +90,6 @@ def read_gpus(smi: str | None = None) -> list[Gpu]:
         if len(parts) == 4 and parts[2].isdigit():
             gpus.append(Gpu(parts[0], parts[1], int(parts[2]) * 2**20, parts[3]))
     return gpus
-
-
-def meminfo(path: str = "/proc/meminfo") -> tuple[int, int]:
-    """(MemTotal, MemAvailable) in bytes."""
-    values = {}
-    with open(path) as f:
-        for line in f:
-            key, _, rest = line.partition(":")
-            if key in ("MemTotal", "MemAvailable"):
-                values[key] = int(rest.split()[0]) * 1024
-    return values.get("MemTotal", 0), values.get("MemAvailable", 0)
 
 
 def measure_read(path: Path, nbytes: int = 512 << 20) -> tuple[float, str]:
@@ -148,9 +146,13 @@ def dit_plan(model: Path, budget_bytes: int, gpu: Gpu | None = None) -> dict:
     except ResidencyError as exc:
         return {"variant": ckpt.variant, "dit_file_bytes": stored, "describe": f"at W1: {exc}", "capacity": capacity,
                 "text": text.as_dict(), "text_describe": text.describe(), "stored_as": stored_as}  # fmt: skip
+    stored_blocks = [0] * cfg.num_visual_blocks  # what the reader reads per block: the files' bytes
+    for name, loc in index.items():
+        if (b := block_of(name)) is not None:
+            stored_blocks[b] += loc.nbytes
     return {"variant": ckpt.variant, "dit_file_bytes": stored, **plan.as_dict(), "describe": plan.describe(),
-            "capacity": capacity, "text": text.as_dict(), "text_describe": text.describe(),
-            "stored_as": stored_as}  # fmt: skip
+            "capacity": capacity, "text": text.as_dict(), "text_describe": text.describe(), "stored_as": stored_as,
+            "streamed_stored_bytes": stored_blocks[plan.resident_blocks :]}  # fmt: skip
 
 
 def _arm_names() -> list[str]:
@@ -226,7 +228,7 @@ def advise(report: Report, dit_bytes: int, plan: dict | None, compressed: bool =
         out.append(f"page cache: the DiT's {dit_bytes / GB:.0f} GB fit in {report.host_ram_bytes / GB:.0f} GB of RAM "
                    "after the first request")  # fmt: skip
     if report.read_gb_s is not None and plan is not None and "resident_blocks" in plan:
-        streamed = (plan["num_blocks"] - plan["resident_blocks"]) * plan["block_bytes"]
+        streamed = sum(_streamed_sizes(plan))
         out.append(f"disk: {report.read_gb_s:.2f} GB/s; a step that misses the page cache reads "
                    f"{streamed / GB:.0f} GB: {streamed / GB / report.read_gb_s:.1f} s of reading per step")  # fmt: skip
     if report.disk_free_bytes < dit_bytes:
@@ -235,20 +237,77 @@ def advise(report: Report, dit_bytes: int, plan: dict | None, compressed: bool =
     return out
 
 
-def run_doctor(model: str | None = None, budget_gb: float = 0.0, measure: bool = True) -> Report:
+def _streamed_sizes(plan: dict) -> list[int]:
+    """Stored bytes of each streamed block in streaming order: the checkpoint's own where the plan has them (a plan
+    from `dit_plan`), else each block at its device size."""
+    if "streamed_stored_bytes" in plan:
+        return list(plan["streamed_stored_bytes"])
+    return [plan["block_bytes"]] * (plan["num_blocks"] - plan["resident_blocks"])
+
+
+def predict_disk_per_step(plan: dict, available_bytes: int, read_gb_s: float | None) -> dict | None:
+    """Bytes a steady denoising step reads from disk (at W1, under `plan`) on a host with `available_bytes`
+    MemAvailable before k6fast starts, without the host tier and with K6_HOST_CACHE_GB=auto, and the step time
+    their reading alone takes at `read_gb_s`: a lower bound, what a run's disk_read_bytes per step is held against.
+    None when nothing streams."""
+    sizes = _streamed_sizes(plan)
+    if not sizes:
+        return None
+    host = HostMemory(0, available_bytes)  # the process not started yet: its whole size is still to come
+    streamed = list(enumerate(sizes))
+    blocks = plan_host_cache(AUTO, streamed, host)
+    tier = sum(sizes[i] for i in blocks)
+    without, with_tier = disk_bytes_per_step(sum(sizes), 0, host), disk_bytes_per_step(sum(sizes), tier, host)
+    seconds = (lambda n: n / GB / read_gb_s) if read_gb_s else (lambda n: None)  # noqa: E731
+    return {"streamed_blocks": len(sizes), "streamed_bytes": sum(sizes), "available_bytes": available_bytes,
+            "cache_room_bytes": host.cache_room_bytes, "read_gb_s": read_gb_s,
+            "host_blocks": len(blocks), "host_bytes": tier,
+            "without_tier_bytes": without, "without_tier_min_s": seconds(without),
+            "with_tier_bytes": with_tier, "with_tier_min_s": seconds(with_tier)}  # fmt: skip
+
+
+def _disk_per_step_line(p: dict) -> str:
+    def part(n: int, s: float | None) -> str:
+        return f"{n / GB:.1f} GB" + (f" (>= {s:.1f} s a step at {p['read_gb_s']:.2f} GB/s)" if s is not None else "")
+
+    head = (f"disk reads per denoising step, {p['streamed_blocks']} streamed blocks of {p['streamed_bytes'] / GB:.1f} "
+            f"GB with {p['available_bytes'] / GB:.1f} GB available ({p['cache_room_bytes'] / GB:.1f} GB for the page "
+            f"cache and the host tier beside the process and the OS): ")  # fmt: skip
+    if not p["without_tier_bytes"]:
+        return head + "none after the first step, the page cache holds them all (K6_HOST_CACHE_GB=auto pins nothing)"
+    return (head + f"without the host tier {part(p['without_tier_bytes'], p['without_tier_min_s'])}; with "
+            f"K6_HOST_CACHE_GB=auto {p['host_blocks']} blocks ({p['host_bytes'] / GB:.1f} GB) in host memory, "
+            f"{part(p['with_tier_bytes'], p['with_tier_min_s'])}")  # fmt: skip
+
+
+def run_doctor(
+    model: str | None = None,
+    budget_gb: float = 0.0,
+    measure: bool = True,
+    *,
+    available_bytes: int | None = None,
+    read_gb_s: float | None = None,
+) -> Report:
+    """The report for this machine; `available_bytes` and `read_gb_s` stand in for its MemAvailable and its measured
+    disk speed, to predict another host's disk reads per step."""
     total, available = meminfo()
     where = Path(model) if model and Path(model).exists() else Path.cwd()
+    available = available if available_bytes is None else available_bytes
     report = Report(read_gpus(), total, available, shutil.disk_usage(where).free, str(where))
     dit_bytes = PRO_DIT_BF16_BYTES
     if model and Path(model).is_dir():
         budget = int(budget_gb * GiB) if budget_gb > 0 else (report.gpus[0].memory_bytes if report.gpus else 32 * GiB)
         report.plan = dit_plan(Path(model), budget, report.gpus[0] if report.gpus else None)
         dit_bytes = report.plan["dit_file_bytes"]
-        if measure:
+        if read_gb_s is not None:
+            report.read_gb_s, report.read_note = read_gb_s, "given with --read-gb-s"
+        elif measure:
             from .checkpoint import open_checkpoint
 
             largest = max(open_checkpoint(model).transformer_files, key=lambda f: f.stat().st_size)
             report.read_gb_s, report.read_note = measure_read(largest)
+        if "resident_blocks" in report.plan:
+            report.disk_per_step = predict_disk_per_step(report.plan, report.host_available_bytes, report.read_gb_s)
     compressed = bool(report.plan and report.plan.get("stored_as"))
     report.advice = advise(report, dit_bytes, report.plan, compressed)
     return report
@@ -269,6 +328,8 @@ def render(report: Report) -> str:
         lines.append(f"checkpoint: {report.plan['variant']}, DiT {report.plan['dit_file_bytes'] / GB:.1f} GB")
         lines.append(report.plan["describe"])
         lines.append(report.plan["text_describe"])
+        if report.disk_per_step is not None:
+            lines.append(_disk_per_step_line(report.disk_per_step))
         for arm, sizes in report.plan.get("capacity", {}).items():
             longest = ", ".join(f"{size} up to {n} frames" if n else f"{size} none" for size, n in sizes.items())
             lines.append(f"largest clip, arm {arm}: {longest} (a larger request is refused before any work)")
@@ -281,6 +342,8 @@ def register(subparsers):
     p.add_argument("--model", help="a local checkpoint directory: its disk speed and the residency plan for it")
     p.add_argument("--budget-gb", type=float, default=0.0, help="VRAM budget to plan for (default: the whole card)")
     p.add_argument("--no-read-test", action="store_true", help="skip the disk read measurement")
+    p.add_argument("--available-gb", type=float, help="plan the disk reads per step for this MemAvailable (GB)")
+    p.add_argument("--read-gb-s", type=float, help="plan with this disk read speed (GB/s) instead of measuring it")
     p.add_argument("--json", action="store_true", help="print the report as JSON")
     p.set_defaults(func=cmd_doctor)
     return p
@@ -292,9 +355,15 @@ def cmd_doctor(args) -> int:
         problem = f"--model {args.model}: no such directory; expected a local checkpoint directory (download a Hub id)"
     elif not (math.isfinite(args.budget_gb) and args.budget_gb >= 0):
         problem = f"--budget-gb: expected a number of GiB >= 0 (0 = the whole card), found {args.budget_gb}"
+    elif args.available_gb is not None and not (math.isfinite(args.available_gb) and args.available_gb >= 0):
+        problem = f"--available-gb: expected a number of GB >= 0, found {args.available_gb}"
+    elif args.read_gb_s is not None and not (math.isfinite(args.read_gb_s) and args.read_gb_s > 0):
+        problem = f"--read-gb-s: expected a number of GB/s > 0, found {args.read_gb_s}"
     if problem:
         print(f"error: {problem}", file=sys.stderr)
         return 2
-    report = run_doctor(args.model, args.budget_gb, measure=not args.no_read_test)
+    available = None if args.available_gb is None else int(args.available_gb * GB)
+    report = run_doctor(args.model, args.budget_gb, measure=not args.no_read_test, available_bytes=available,
+                        read_gb_s=args.read_gb_s)  # fmt: skip
     print(json.dumps(report.as_dict(), indent=2) if args.json else render(report))
     return 0

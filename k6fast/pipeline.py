@@ -99,6 +99,7 @@ class Pipeline:
             tokens=dit_tokens(*plan_geometry, self.audio_rate),
             prefetch=options.prefetch_blocks,
             max_resident=None if options.max_resident_blocks < 0 else options.max_resident_blocks,
+            host_cache=options.host_cache_gb,
             backend=SwitchedBackend(options, self.device),
             compile_blocks=options.compile,
         )

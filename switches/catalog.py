@@ -121,6 +121,16 @@ MAX_RESIDENT_BLOCKS = Switch(
     min=-1,
     affects_output=False,
 )
+HOST_CACHE_GB = Switch(
+    name="K6_HOST_CACHE_GB",
+    kind="auto_float",
+    default="auto",
+    doc="host memory in GiB pinned for the streamed DiT blocks at the end of the cycle, each read from disk once and "
+    "copied to the GPU from there every step; auto = only when the streamed blocks do not fit the page cache, as much "
+    "as MemAvailable at load leaves beyond a reserve for the OS and the process (k6fast/memory.py); 0 = off",
+    min=0.0,
+    affects_output=False,
+)
 ATTN = Switch(
     name="K6_ATTN",
     kind="enum",
@@ -272,6 +282,7 @@ SWITCHES: tuple[Switch, ...] = (
     VRAM_BUDGET_GB,
     PREFETCH_BLOCKS,
     MAX_RESIDENT_BLOCKS,
+    HOST_CACHE_GB,
     API_KEY,
     DATA_DIR,
     INDUCTOR_CACHE_DIR,

@@ -16,14 +16,17 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
-Kind = Literal["bool", "int", "float", "enum", "int_list", "str", "path"]
-KINDS: tuple[str, ...] = ("bool", "int", "float", "enum", "int_list", "str", "path")
+Kind = Literal["bool", "int", "float", "auto_float", "enum", "int_list", "str", "path"]
+KINDS: tuple[str, ...] = ("bool", "int", "float", "auto_float", "enum", "int_list", "str", "path")
+# An `auto_float` switch takes this word (parsed as itself) or a number: a size k6fast chooses unless one is given.
+AUTO = "auto"
 
 # The Python type each kind parses to; Options declares its attributes with these.
 PYTHON_TYPES: dict[str, object] = {
     "bool": bool,
     "int": int,
     "float": float,
+    "auto_float": float | str,
     "enum": str,
     "int_list": tuple[int, ...],
     "str": str,
@@ -35,7 +38,7 @@ SwitchValue = bool | int | float | str | tuple[int, ...] | Path | None
 _NAME_RE = re.compile(r"K6_[A-Z0-9]+(?:_[A-Z0-9]+)*")
 # int() alone would also take "1_000" and "٣" (Arabic-Indic digits); a switch takes plain ASCII decimals.
 _INT_RE = re.compile(r"[+-]?[0-9]+")
-_BOUNDED_KINDS = ("int", "float", "int_list")
+_BOUNDED_KINDS = ("int", "float", "auto_float", "int_list")
 SECRET_SET = "<set>"
 
 
@@ -114,6 +117,8 @@ class Switch:
             return "an integer" + self._bounds_text()
         if self.kind == "float":
             return "a finite number" + self._bounds_text()
+        if self.kind == "auto_float":
+            return f"{AUTO}, or a finite number" + self._bounds_text()
         if self.kind == "enum":
             return "one of " + ", ".join(self.choices)
         if self.kind == "int_list":
@@ -152,7 +157,9 @@ class Switch:
             if not _INT_RE.fullmatch(text) or not self._in_bounds(int(text)):
                 raise self._error(raw)
             return int(text)
-        if self.kind == "float":
+        if self.kind == "auto_float" and raw == AUTO:
+            return AUTO
+        if self.kind in ("float", "auto_float"):
             try:
                 value = float(raw)
             except ValueError:
@@ -198,9 +205,11 @@ class Switch:
             if not isinstance(value, int) or isinstance(value, bool):
                 raise self._type_error(value, "an int")
             return str(value)
-        if self.kind == "float":
+        if self.kind == "auto_float" and value == AUTO:
+            return AUTO
+        if self.kind in ("float", "auto_float"):
             if not isinstance(value, int | float) or isinstance(value, bool):
-                raise self._type_error(value, "a float")
+                raise self._type_error(value, f"a float or {AUTO!r}" if self.kind == "auto_float" else "a float")
             return repr(float(value))
         if self.kind == "int_list":
             if not isinstance(value, tuple | list) or any(not isinstance(v, int) or isinstance(v, bool) for v in value):

@@ -20,3 +20,15 @@ def tiny_dit(
     return build_dit(
         ckpt.transformer_files, ckpt.dit, device, dtype, budget_bytes=UNLIMITED_BUDGET_BYTES, tokens=TOKENS, **kwargs
     )
+
+
+def dit_inputs(cfg, seed: int = 0) -> dict[str, torch.Tensor]:
+    """Random inputs of one tiny-DiT forward (a 3x4x6 latent grid, 5 text tokens, 4 audio steps), fp32 on the CPU."""
+    g = torch.Generator().manual_seed(seed)
+    return dict(
+        hidden_states=torch.randn(1, 3, 4, 6, cfg.visual_in_channels, generator=g),
+        encoder_hidden_states=torch.randn(1, 5, cfg.in_text_dim, generator=g),
+        pooled_projections=torch.randn(1, cfg.in_text_dim2, generator=g),
+        timestep=torch.tensor([500.0]),
+        audio_hidden_states=torch.randn(1, 4, cfg.in_audio_dim, generator=g),
+    )

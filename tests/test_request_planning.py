@@ -8,8 +8,7 @@ from dataclasses import replace
 
 import pytest
 import torch
-from dit_testing import tiny_dit
-from test_streaming import _inputs
+from dit_testing import dit_inputs, tiny_dit
 
 from k6fast.checkpoint import open_checkpoint
 from k6fast.fit import largest_frames, largest_size, oversize_message
@@ -49,7 +48,7 @@ def test_a_larger_request_streams_more_blocks_and_the_next_smaller_one_brings_th
         else base_planner(tokens)  # fmt: skip
     try:
         assert runtime.streamer is None and runtime.plan.resident_blocks == n
-        kwargs = _inputs(ckpt.dit, 1)
+        kwargs = dit_inputs(ckpt.dit, 1)
         want = reference.dit(**kwargs)
         assert runtime.plan_for(large).streamed_blocks == n
         runtime.fit(large)

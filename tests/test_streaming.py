@@ -4,24 +4,13 @@ from __future__ import annotations
 
 import pytest
 import torch
-from dit_testing import tiny_dit
+from dit_testing import dit_inputs, tiny_dit
 from safetensors import safe_open
 
 from k6fast.checkpoint import open_checkpoint
 from k6fast.safetensors_index import index_safetensors
 from k6fast.stream.plan import RESERVE_BYTES, GiB, plan_residency
 from k6fast.stream.reader import FileReader, torch_dtype
-
-
-def _inputs(cfg, seed: int = 0):
-    g = torch.Generator().manual_seed(seed)
-    return dict(
-        hidden_states=torch.randn(1, 3, 4, 6, cfg.visual_in_channels, generator=g),
-        encoder_hidden_states=torch.randn(1, 5, cfg.in_text_dim, generator=g),
-        pooled_projections=torch.randn(1, cfg.in_text_dim2, generator=g),
-        timestep=torch.tensor([500.0]),
-        audio_hidden_states=torch.randn(1, 4, cfg.in_audio_dim, generator=g),
-    )
 
 
 def test_reader_returns_the_file_bytes(tiny_distill) -> None:
@@ -50,7 +39,7 @@ def test_streamed_forward_is_bit_identical_to_resident(tiny_distill, max_residen
         assert resident.streamer is None and streamed.streamer is not None
         assert streamed.plan.resident_blocks == max_resident
         for seed in range(3):  # several forwards: the slots rotate through the cycle
-            kwargs = _inputs(ckpt.dit, seed)
+            kwargs = dit_inputs(ckpt.dit, seed)
             a, b = resident.dit(**kwargs), streamed.dit(**kwargs)
             assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1])
     finally:
@@ -66,7 +55,7 @@ def test_an_interrupted_forward_does_not_desynchronise_the_stream(tiny_distill) 
         blocks.begin_forward()
         blocks.get(0)
         blocks.release(0)  # stop after one of two streamed blocks, as a cancelled request would
-        kwargs = _inputs(ckpt.dit, 5)
+        kwargs = dit_inputs(ckpt.dit, 5)
         assert torch.equal(resident.dit(**kwargs)[0], streamed.dit(**kwargs)[0])
         with pytest.raises(RuntimeError, match="requested"):
             streamed.dit.blocks.streamer.get(1)  # out of order: the stream holds block 0 next
@@ -111,8 +100,8 @@ def test_bf16_streamed_forward_matches_resident_and_fp32(tiny_distill) -> None:
         assert bf16.dit.weights["video_pooled_text_embeddings.in_layer.weight"].dtype == torch.float32
         assert bf16.dit.weights["visual_embeddings.in_layer.weight"].dtype == torch.bfloat16
         kwargs = {k: v.to(torch.bfloat16) if v.is_floating_point() and k != "timestep" else v
-                  for k, v in _inputs(ckpt.dit, 2).items()}  # fmt: skip
-        ref = fp32.dit(**_inputs(ckpt.dit, 2))
+                  for k, v in dit_inputs(ckpt.dit, 2).items()}  # fmt: skip
+        ref = fp32.dit(**dit_inputs(ckpt.dit, 2))
         a, b = bf16.dit(**kwargs), streamed.dit(**kwargs)
         assert a[0].dtype == torch.bfloat16
         assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1])

@@ -5,12 +5,13 @@ Arithmetic on the safetensors index alone (no PyTorch), so `k6fast doctor` plans
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
 from ..dit.config import BLOCK_PREFIX, held_itemsize
-from ..memory import PLANNER_RESERVE_BYTES, GiB
+from ..memory import PLANNER_RESERVE_BYTES, GiB, HostMemory
 from ..safetensors_index import DF11Location, TensorLocation
+from ..switches.registry import AUTO, SwitchError
 
 # Peak activation bytes of one fused block per (video token x model_dim) for k6fast's exact BF16 block: the fp32
 # AdaLN temporaries (x.float(), the normalised copy, the affine result: 12 bytes) and the feed-forward's 4x-wide
@@ -31,6 +32,11 @@ class ResidencyError(ValueError):
     """The VRAM budget cannot hold what the DiT needs even when streaming."""
 
 
+class HostCacheError(SwitchError):
+    """K6_HOST_CACHE_GB asks for more host memory than this host can spare: a switch value this host cannot use, so
+    the entry points report it as they report any other."""
+
+
 @dataclass(frozen=True)
 class ResidencyPlan:
     budget_bytes: int
@@ -41,6 +47,8 @@ class ResidencyPlan:
     slots: int  # device buffers the other blocks stream through (0 when nothing streams)
     activation_bytes: int
     text_bytes: int = 0  # the text phase's peak: it runs in the activations' room, before denoising
+    host_blocks: int = 0  # streamed blocks held in host memory (the host tier), read from disk once
+    host_bytes: int = 0  # their stored bytes
 
     @property
     def streamed_blocks(self) -> int:
@@ -62,6 +70,8 @@ class ResidencyPlan:
             "activation_bytes": self.activation_bytes,
             "text_bytes": self.text_bytes,
             "reserve_bytes": RESERVE_BYTES,
+            "host_blocks": self.host_blocks,
+            "host_bytes": self.host_bytes,
         }
 
     def describe(self) -> str:
@@ -75,6 +85,11 @@ class ResidencyPlan:
             lines.append(
                 f"  streamed: {self.streamed_blocks} blocks through {self.slots} device slots "
                 f"({gib(self.slots * self.block_bytes)}), prefetched {self.slots - 1} ahead"
+            )
+        if self.host_blocks:
+            lines.append(
+                f"  host tier: the last {self.host_blocks} streamed blocks held in host memory "
+                f"({gib(self.host_bytes)}), read from disk once"
             )
         lines.append(f"  activations (estimate) {gib(self.activation_bytes)}, reserve {gib(RESERVE_BYTES)}")
         if self.text_bytes:
@@ -195,3 +210,47 @@ def plan_residency(
     return ResidencyPlan(
         budget_bytes, fixed_bytes, block_bytes, num_blocks, int(resident), slots, activation_bytes, text_bytes
     )
+
+
+def plan_host_cache(setting: str | float, streamed: Sequence[tuple[int, int]], host: HostMemory) -> tuple[int, ...]:
+    """The streamed blocks the host tier holds, from K6_HOST_CACHE_GB (`setting`: "auto", 0 = off, or GiB).
+    streamed: (block, stored bytes) in the order every forward streams them. Raises HostCacheError when a number
+    is more than `host` can spare (`HostMemory.cache_room_bytes`).
+
+    The tier is a run at the end of the cycle: residency is always a prefix of the blocks and a request's own plan
+    never keeps more resident than the plan the runtime was built with, so the last streamed blocks stream under
+    every plan `DiTRuntime.fit` may choose, and their memory is never held for a block that has become resident."""
+    room, total = host.cache_room_bytes, sum(n for _, n in streamed)
+    if setting == AUTO:
+        # Each step scans the streamed blocks in the same order. When they fit the page cache it serves every step
+        # after the first, and a tier would only cost load time and locked memory. When they do not, a cyclic
+        # scan larger than an LRU cache evicts each block just before its next use: every block outside the tier
+        # comes from disk each step, whatever room the page cache keeps, so the tier takes all the room there is.
+        if total <= room:
+            return ()
+        want = room
+    else:
+        want = int(float(setting) * GiB)
+        if want > room:
+            raise HostCacheError(
+                f"K6_HOST_CACHE_GB={float(setting):g} is more than this host can spare for it: "
+                f"{room / GiB:.1f} GiB (MemAvailable {host.available_bytes / GiB:.1f} GiB less the reserve for the "
+                f"OS and this process, k6fast/memory.py); expected at most {room / GiB:.1f}, 0 (off) or auto"
+            )
+    chosen, used = [], 0
+    for block, nbytes in reversed(streamed):
+        if used + nbytes > want:
+            break
+        chosen.append(block)
+        used += nbytes
+    return tuple(reversed(chosen))
+
+
+def disk_bytes_per_step(streamed_bytes: int, host_bytes: int, host: HostMemory) -> int:
+    """Bytes a steady denoising step reads from disk when `streamed_bytes` (stored) stream each step and
+    `host_bytes` of them sit in the host tier. The streamed blocks are all a step reads (the resident ones and the
+    fixed weights are on the device; the text encoders are read once per request); the rest is the page cache's
+    rule in `plan_host_cache`: what is outside the tier is read whole when it does not fit the room the tier
+    leaves, and not at all when it does."""
+    rest = streamed_bytes - host_bytes
+    return 0 if rest <= host.cache_room_bytes - host_bytes else rest

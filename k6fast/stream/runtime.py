@@ -3,6 +3,7 @@ uploaded once, the rest streamed."""
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -15,7 +16,10 @@ from ..allocator import resolve_device
 from ..dit.backend import Backend
 from ..dit.config import DiTConfig, block_prefix
 from ..dit.model import K6DiT
+from ..memory import HostMemory, host_memory
 from ..safetensors_index import TensorLocation, index_safetensors
+from ..switches.registry import AUTO
+from .host_cache import HostBlockCache
 from .plan import (
     ResidencyPlan,
     activation_estimate,
@@ -23,10 +27,11 @@ from .plan import (
     block_of,
     index_footprint,
     landing_bytes,
+    plan_host_cache,
     plan_residency,
 )
 from .reader import FileReader, upload
-from .streamer import BlockStreamer, MixedBlocks
+from .streamer import BlockLayout, BlockStreamer, MixedBlocks
 
 
 @dataclass
@@ -45,9 +50,11 @@ class DiTRuntime:
     device: torch.device
     dtype: torch.dtype
     planner: Callable[[tuple[int, int]], ResidencyPlan]  # (video, audio) tokens -> the plan at that geometry
-    # Seconds per part of `build_dit`: plan (index and residency plan), resident_upload, staging (the streamer's pinned
-    # staging and device slots), dit_build (the module, its compile wrappers): the start-up profile's parts.
+    # Seconds per part of `build_dit`: plan (index and residency plan), resident_upload, staging (the host tier's
+    # locked buffers, the streamer's pinned staging and device slots), dit_build (the module, its compile wrappers):
+    # the start-up profile's parts.
     load_s: dict[str, float] = field(default_factory=dict)
+    host_cache: HostBlockCache | None = None  # the host tier: blocks at the end of every plan's streamed run
 
     def plan_for(self, tokens: tuple[int, int]) -> ResidencyPlan:
         """The plan a request of `tokens` runs under: its own geometry's, never more resident blocks than the base
@@ -74,16 +81,17 @@ class DiTRuntime:
             self.streamer = None
         blocks.resident.update(_by_block(upload(self.reader, missing, self.device, self.dtype), keep))
         if plan.streamed_blocks:
-            self.streamer = BlockStreamer(
-                self.index, self.reader, self.cfg.num_visual_blocks, keep, plan.slots, self.device, self.dtype
-            )
+            self.streamer = BlockStreamer(self.index, self.reader, self.cfg.num_visual_blocks, keep, plan.slots,
+                                          self.device, self.dtype, self.host_cache)  # fmt: skip
         blocks.streamer = self.streamer
         self.plan = plan
         return plan
 
     def close(self) -> None:
         if self.streamer is not None:
-            self.streamer.close()
+            self.streamer.close()  # waits for the copies out of the host tier too
+        if self.host_cache is not None:
+            self.host_cache.close()
         self.reader.close()
 
 
@@ -117,10 +125,13 @@ def build_dit(
     backend: Backend | None = None,
     compile_blocks: bool = False,
     text_bytes: int = 0,
+    host_cache: str | float = AUTO,
+    host: HostMemory | None = None,
 ) -> DiTRuntime:
     """The DiT of the checkpoint whose transformer weights are `files` (its shards) and config `cfg`, on `device`
     computing in `dtype`. tokens: (video, audio) token counts of the largest geometry this runtime must serve
-    (sizes activations); text_bytes: the text phase's peak, planned in the activations' room."""
+    (sizes activations); text_bytes: the text phase's peak, planned in the activations' room; host_cache:
+    K6_HOST_CACHE_GB, planned against `host` (default: this host and process now, from /proc)."""
     start = time.perf_counter()
     device = resolve_device(device)
     index = index_safetensors(files)
@@ -150,12 +161,21 @@ def build_dit(
     ]
     weights = upload(reader, resident_names, device, dtype)
     laps.append(("resident_upload", _synced(device)))
+    # Planned after the upload: MemAvailable then counts this process's memory out and the resident blocks' pages
+    # (cached, reclaimable) in.
+    cache = _host_tier(index, cfg.num_visual_blocks, plan, host_cache, host, device)
+    if cache is not None:
+        # Every plan of this runtime streams the tier's blocks (see `plan_host_cache`), so every plan reports it.
+        tier = {"host_blocks": len(cache.blocks), "host_bytes": cache.nbytes}
+        plan = dataclasses.replace(plan, **tier)
+        planner = _with_tier(planner, tier)
     resident = _by_block(weights, plan.resident_blocks)
     # The fused blocks' tensors live in `resident` only, so that a block sent to the stream by `fit` frees its memory.
     fixed = {name: t for name, t in weights.items() if block_of(name) is None}
     streamer = None
     if plan.streamed_blocks:
-        streamer = BlockStreamer(index, reader, cfg.num_visual_blocks, plan.resident_blocks, plan.slots, device, dtype)
+        streamer = BlockStreamer(index, reader, cfg.num_visual_blocks, plan.resident_blocks, plan.slots, device, dtype,
+                                 cache)  # fmt: skip
     laps.append(("staging", _synced(device)))
     dit = K6DiT(cfg, fixed, backend=backend, blocks=MixedBlocks(resident, streamer))
     if compile_blocks:
@@ -163,7 +183,42 @@ def build_dit(
     laps.append(("dit_build", time.perf_counter()))
     marks = [start] + [at for _, at in laps]
     load_s = {name: at - marks[i] for i, (name, at) in enumerate(laps)}
-    return DiTRuntime(dit, plan, plan, streamer, reader, index, cfg, device, dtype, planner, load_s)
+    return DiTRuntime(dit, plan, plan, streamer, reader, index, cfg, device, dtype, planner, load_s, cache)
+
+
+def _host_tier(
+    index: Mapping[str, TensorLocation],
+    num_blocks: int,
+    plan: ResidencyPlan,
+    setting: str | float,
+    host: HostMemory | None,
+    device: torch.device,
+) -> HostBlockCache | None:
+    """The host tier for `plan`'s streamed blocks under K6_HOST_CACHE_GB (`setting`), or None when it holds none.
+    A size this host cannot spare is refused even when nothing streams: the same setting would fail on the next
+    larger request or budget, and should fail where it was set."""
+    if setting == 0:
+        return None
+    sizes = {b: BlockLayout.of(index, block_prefix(b)).nbytes for b in range(plan.resident_blocks, num_blocks)}
+    blocks = plan_host_cache(setting, list(sizes.items()), host if host is not None else host_memory())
+    if not blocks:
+        return None
+    cache = HostBlockCache({b: sizes[b] for b in blocks}, device)
+    if not cache.blocks:
+        cache.close()
+        return None
+    return cache
+
+
+def _with_tier(planner: Callable[[tuple[int, int]], ResidencyPlan], tier: dict[str, int]):
+    """`planner` with the tier in every plan that streams: `plan_for` and `fit` compare a request's plan with the one
+    in force, and a plan without the tier's figures would differ from it and refit the DiT for every request."""
+
+    def planned(at: tuple[int, int]) -> ResidencyPlan:
+        plan = planner(at)
+        return dataclasses.replace(plan, **tier) if plan.streamed_blocks else plan
+
+    return planned
 
 
 def _synced(device: torch.device) -> float:

@@ -1,9 +1,10 @@
 """Fused blocks streamed through a few device slots, one or more ahead of the block computing.
 
 A reader thread runs ahead of compute: it reads the next streamed block's tensors (`FileReader`) into one of two
-pinned staging buffers, and a copy stream moves them into a device slot. CUDA events order everything on the GPU (slot
-ready → compute; compute done → slot reusable), so the compute thread never synchronises the device per block. On a
-CPU "device" (tests) the same code runs with plain buffers and no streams.
+pinned staging buffers, and a copy stream moves them into a device slot. Blocks of the host tier (`host_cache.py`)
+are read once into their own host buffer, the copy's source on every later cycle. CUDA events order everything on
+the GPU (slot ready → compute; compute done → slot reusable), so the compute thread never synchronises the device per
+block. On a CPU "device" (tests) the same code runs with plain buffers and no streams.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from ..df11 import decode_blob
 from ..dit.config import block_prefix
 from ..dit.linear import bind_quantized
 from ..safetensors_index import DF11Location, TensorLocation
+from .host_cache import HostBlockCache
 from .reader import FileReader, as_tensor
 
 ALIGN = 256  # device slot offsets: every tensor view starts on a 256-byte boundary
@@ -108,6 +110,7 @@ class BlockStreamer:
         slots: int,
         device: torch.device,
         compute: torch.dtype,
+        host_cache: HostBlockCache | None = None,
     ):
         if slots < 1:
             raise ValueError(f"streaming needs at least one device slot, found {slots}")
@@ -116,6 +119,7 @@ class BlockStreamer:
         self.slot_bytes = max(layout.slot_nbytes for layout in self.layouts.values())
         stored_bytes = max(layout.nbytes for layout in self.layouts.values())
         self.device, self.compute, self.reader = device, compute, reader
+        self.host_cache = host_cache  # owned by the runtime: it outlives this streamer across `fit`
         self.cuda = device.type == "cuda"
         n_slots = min(slots, len(self.streamed))
         self._slots = [torch.empty(self.slot_bytes, dtype=torch.uint8, device=device) for _ in range(n_slots)]
@@ -175,30 +179,45 @@ class BlockStreamer:
     def _load(self, load: int) -> None:
         block = self.streamed[load % len(self.streamed)]
         layout = self.layouts[block]
-        slot_i, stage_i = load % len(self._slots), load % len(self._staging)
-        staging = self._staging[stage_i]
-        if self.cuda:
-            self._staging_free[stage_i].synchronize()  # the previous H2D out of this staging buffer is done
-        self.reader.read_into(staging, [(loc, at) for _, loc, at in layout.pieces])
+        slot_i = load % len(self._slots)
+        source, stage_i = self._read(load, block, layout)
         if not self.cuda:
             if layout.held is None:
-                self._slots[slot_i][: layout.nbytes].copy_(staging[: layout.nbytes])
+                self._slots[slot_i][: layout.nbytes].copy_(source[: layout.nbytes])
             else:
-                layout.fill(self._slots[slot_i], staging)
+                layout.fill(self._slots[slot_i], source)
             return
         with torch.cuda.stream(self._copy_stream):
             self._copy_stream.wait_event(self._slot_free[slot_i])
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             start.record(self._copy_stream)
             if layout.held is None:
-                self._slots[slot_i][: layout.nbytes].copy_(staging[: layout.nbytes], non_blocking=True)
+                self._slots[slot_i][: layout.nbytes].copy_(source[: layout.nbytes], non_blocking=True)
             else:
-                self._landing[: layout.nbytes].copy_(staging[: layout.nbytes], non_blocking=True)
+                self._landing[: layout.nbytes].copy_(source[: layout.nbytes], non_blocking=True)
                 layout.fill(self._slots[slot_i], self._landing)
             end.record(self._copy_stream)
-            self._staging_free[stage_i].record(self._copy_stream)
+            if stage_i is not None:
+                self._staging_free[stage_i].record(self._copy_stream)
             self._ready[slot_i].record(self._copy_stream)
         self._copy_events[slot_i] = (start, end)
+
+    def _read(self, load: int, block: int, layout: BlockLayout) -> tuple[Tensor, int | None]:
+        """The host buffer holding the block's stored bytes for this load, and the staging buffer's index (None for
+        a host-tier block). A tier block is read from its files on its first load only; nothing writes its buffer
+        after that, so a copy out of it needs no event before the next one."""
+        pieces = [(loc, at) for _, loc, at in layout.pieces]
+        held = self.host_cache.buffer(block) if self.host_cache is not None else None
+        if held is not None:
+            if not self.host_cache.filled(block):
+                self.reader.read_into(held, pieces)
+                self.host_cache.mark_filled(block)
+            return held, None
+        stage_i = load % len(self._staging)
+        if self.cuda:
+            self._staging_free[stage_i].synchronize()  # the previous H2D out of this staging buffer is done
+        self.reader.read_into(self._staging[stage_i], pieces)
+        return self._staging[stage_i], stage_i
 
     # -- compute side --------------------------------------------------------------------------------------------
     def begin_forward(self) -> None:
