@@ -16,7 +16,7 @@ import os
 import signal
 import sys
 
-from ..doctor import meminfo
+from ..memory import meminfo
 
 CHUNK = 1 << 30
 

@@ -226,6 +226,8 @@ def plan_host_cache(setting: str | float, streamed: Sequence[tuple[int, int]], h
         # after the first, and a tier would only cost load time and locked memory. When they do not, a cyclic
         # scan larger than an LRU cache evicts each block just before its next use: every block outside the tier
         # comes from disk each step, whatever room the page cache keeps, so the tier takes all the room there is.
+        # The text encoders' files lose their cached pages to it: they are read once per request, a block once per
+        # step.
         if total <= room:
             return ()
         want = room
