@@ -19,8 +19,11 @@ from safetensors.torch import save_file
 from k6fast import df11
 from k6fast.checkpoint import CheckpointError, open_checkpoint
 from k6fast.df11_checkpoint import compress_checkpoint
+from k6fast.memory import HostMemory
 from k6fast.safetensors_index import DF11Location, index_safetensors
 from k6fast.stream.plan import index_footprint
+
+ROOMY = HostMemory(1 << 40, 1 << 40)  # a host with room for any host tier these tests ask for
 
 
 @pytest.fixture(scope="module")
@@ -130,16 +133,18 @@ def _inputs(cfg, seed: int):
     )
 
 
-@pytest.mark.parametrize(("max_resident", "prefetch"), [(None, 1), (0, 1), (1, 2)])
-def test_dit_from_the_compressed_checkpoint_is_bit_identical(tiny_bf16, compressed, max_resident, prefetch):
-    """Resident (blobs decoded once at upload) and streamed (decoded as each block's views are made): the DiT's
-    outputs, hence the latents, equal the BF16 checkpoint's bit for bit."""
+@pytest.mark.parametrize(("max_resident", "prefetch", "host_cache"), [(None, 1, 0), (0, 1, 0), (1, 2, 0), (0, 1, 1.0)])
+def test_dit_from_the_compressed_checkpoint_is_bit_identical(tiny_bf16, compressed, max_resident, prefetch, host_cache):
+    """Resident (blobs decoded once at upload) and streamed (decoded as each block's views are made; with a host tier,
+    from the blobs it holds): the DiT's outputs, hence the latents, equal the BF16 checkpoint's bit for bit."""
     plain_ckpt, packed_ckpt = open_checkpoint(tiny_bf16), open_checkpoint(compressed[0])
     kwargs = {} if max_resident is None else {"max_resident": max_resident, "prefetch": prefetch}
+    kwargs |= {"host_cache": host_cache, "host": ROOMY}
     plain = tiny_dit(plain_ckpt, "cpu", torch.bfloat16)
     packed = tiny_dit(packed_ckpt, "cpu", torch.bfloat16, **kwargs)
     try:
         assert (packed.streamer is None) == (max_resident is None)
+        assert (packed.host_cache is not None) == (host_cache > 0)  # every streamed block's blobs in the tier
         for seed in range(2):  # the slots rotate
             a, b = plain.dit(**_inputs(plain_ckpt.dit, seed)), packed.dit(**_inputs(plain_ckpt.dit, seed))
             assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1])
@@ -158,11 +163,13 @@ def test_the_plan_counts_blobs_as_the_bf16_they_decode_to(tiny_bf16, compressed)
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-@pytest.mark.parametrize("max_resident", [None, 0])
-def test_dit_from_the_compressed_checkpoint_is_bit_identical_on_gpu(tiny_bf16, compressed, max_resident):
-    """The same on the GPU: blobs decoded by the Triton kernel, streamed blocks through the copy stream's slots."""
+@pytest.mark.parametrize(("max_resident", "host_cache"), [(None, 0), (0, 0), (0, 1.0)])
+def test_dit_from_the_compressed_checkpoint_is_bit_identical_on_gpu(tiny_bf16, compressed, max_resident, host_cache):
+    """The same on the GPU: blobs decoded by the Triton kernel, streamed blocks through the copy stream's slots (with
+    a host tier, from its locked buffers through the landing buffer)."""
     plain_ckpt, packed_ckpt = open_checkpoint(tiny_bf16), open_checkpoint(compressed[0])
     kwargs = {} if max_resident is None else {"max_resident": max_resident}
+    kwargs |= {"host_cache": host_cache, "host": ROOMY}
     plain = tiny_dit(plain_ckpt, "cuda", torch.bfloat16)
     packed = tiny_dit(packed_ckpt, "cuda", torch.bfloat16, **kwargs)
     try:
