@@ -152,6 +152,34 @@ def test_cancellation_mid_cycle_with_tier_blocks(blocks_file) -> None:
     _run_cancelled_cycles(blocks_file, torch.device("cpu"))
 
 
+def test_a_refused_lock_shortens_the_tier_from_its_start_with_one_warning(caplog) -> None:
+    """Locking may fail (a locked-memory limit, a cgroup): the tier keeps the run at the end of the cycle whose every
+    block was locked, gives back the others, and says so once, naming the sizes."""
+    sizes = {b: 4096 * b + 8 for b in range(3, 8)}  # distinct sizes name the blocks in the fakes below
+    locked, unlocked = [], []
+
+    def lock(buffer: torch.Tensor) -> bool:
+        assert buffer.data_ptr() % 4096 == 0  # page-aligned, so no locked page is shared with other memory
+        locked.append(buffer.numel())
+        return buffer.numel() != sizes[5]
+
+    with caplog.at_level("WARNING", logger="k6fast.stream.host_cache"):
+        cache = HostBlockCache(sizes, torch.device("cpu"), lock, lambda t: unlocked.append(t.numel()))
+    assert sorted(locked) == sorted(sizes.values())
+    assert cache.blocks == (6, 7) and cache.nbytes == sizes[6] + sizes[7]
+    assert sorted(unlocked) == [sizes[3], sizes[4]]  # locked, but outside the run: given back at once
+    (warning,) = [r.getMessage() for r in caplog.records]
+    assert f"could lock only {cache.nbytes / GiB:.2f} of the {sum(sizes.values()) / GiB:.2f} GiB asked" in warning
+    assert "(2 of 5 blocks)" in warning
+    cache.close()
+    assert sorted(unlocked) == sorted(sizes[b] for b in (3, 4, 6, 7)) and cache.blocks == ()
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="k6fast.stream.host_cache"):
+        assert HostBlockCache(sizes, torch.device("cpu"), lambda t: t.numel() != sizes[7], lambda t: None).blocks == ()
+        assert HostBlockCache(sizes, torch.device("cpu"), lambda t: True, lambda t: None).blocks == tuple(sizes)
+    assert len(caplog.records) == 1  # the refused one only
+
+
 def test_the_dit_with_a_host_tier_is_bit_identical_to_without(tiny_distill) -> None:
     ckpt = open_checkpoint(tiny_distill)
     index = index_safetensors(ckpt.transformer_files)

@@ -10,8 +10,9 @@ page-locked, so that the copy engine reads them while the host runs ahead; on a 
 from __future__ import annotations
 
 import logging
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
+from functools import partial
 
 import torch
 from torch import Tensor
@@ -38,13 +39,24 @@ class HostBlockCache:
     request. The reader thread is the only writer and the filled set only grows, so it needs no lock.
     """
 
-    def __init__(self, sizes: Mapping[int, int], device: torch.device):
+    def __init__(
+        self,
+        sizes: Mapping[int, int],
+        device: torch.device,
+        lock: Callable[[Tensor], bool] | None = None,
+        unlock: Callable[[Tensor], None] | None = None,
+    ):
+        """lock/unlock: page-lock a buffer (True when it worked) and undo it; by default cudaHostRegister and
+        cudaHostUnregister on CUDA, nothing on a CPU device (tests pass their own to take the fallback path)."""
         self.device = device
         self._buffers: dict[int, Tensor] = {}
-        self._registered: list[Tensor] = []
+        self._locked: list[Tensor] = []
         self._filled: set[int] = set()
+        if device.type == "cuda" and lock is None:
+            lock, unlock = partial(_register, device=device), _unregister
+        self._unlock = unlock
         order = list(sizes)
-        if device.type != "cuda":
+        if lock is None:
             self._buffers = {b: torch.empty(sizes[b], dtype=torch.uint8) for b in order}
             return
         raw = {b: torch.empty(sizes[b] + PAGE, dtype=torch.uint8) for b in order}
@@ -53,16 +65,16 @@ class HostBlockCache:
         with ThreadPoolExecutor(_PIN_THREADS, thread_name_prefix="k6-pin") as pool:
             # Registered on the pool's threads: a failed CUDA runtime call sets its thread's last error, which the
             # next kernel launch on that thread would raise; these threads launch nothing and end here.
-            ok = dict(zip(order, pool.map(lambda b: _register(views[b], device), order), strict=True))
+            ok = dict(zip(order, pool.map(lambda b: lock(views[b]), order), strict=True))
         first = len(order)  # order[first:]: the run at the end of the cycle whose every registration succeeded
         while first and ok[order[first - 1]]:
             first -= 1
         for b in order[:first]:
             if ok[b]:
-                _unregister(views[b])
+                unlock(views[b])
         for b in order[first:]:
             self._buffers[b] = views[b]
-            self._registered.append(views[b])
+            self._locked.append(views[b])
         if first:
             asked = sum(sizes.values())
             logger.warning(
@@ -91,9 +103,9 @@ class HostBlockCache:
 
     def close(self) -> None:
         """Give the memory back. Every copy out of the buffers must have finished (the streamer's `close` waits)."""
-        for view in self._registered:
-            _unregister(view)
-        self._registered.clear()
+        for view in self._locked:
+            self._unlock(view)
+        self._locked.clear()
         self._buffers.clear()
         self._filled.clear()
 
