@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import importlib
 import math
 import os
 import sys
@@ -103,6 +104,12 @@ def prompt_cache_dir(args: argparse.Namespace, options: Options) -> Path | None:
     return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "k6fast" / "prompts"
 
 
+# diffusers' and transformers' shared modules, which each of their model classes k6fast builds imports, and with them
+# Dynamo, Triton and sympy (diffusers.utils), scipy, torchvision and torchao (transformers' loss and quantizer modules):
+# `generate` imports them in a lap of their own in its start-up profile, before k6fast's modules.
+LIBRARY_MODULES = ("diffusers.utils.torch_utils", "transformers.modeling_utils")
+
+
 def startup_clock(args: argparse.Namespace):
     """The `StartupClock` `main` started for this command; a fresh one where a caller runs the command itself."""
     if getattr(args, "startup", None) is None:
@@ -117,16 +124,27 @@ def cmd_generate(args: argparse.Namespace) -> int:
     clock = startup_clock(args)
     clock.lap("checks")  # the request against the checkpoint, the device
     out = Path(args.out)
-    # Everything is checked: now the imports that take seconds (PyTorch, diffusers, transformers).
+    # Everything is checked: now the imports that take seconds, each lapped (PyTorch; the libraries' shared modules;
+    # k6fast's own and the model classes they import), and between the first two the CUDA context, which needs only
+    # PyTorch: on a GPU machine torchao, which transformers imports where it is installed, asks for the GPU's
+    # capability on import, which would start CUDA inside the libraries' lap.
+    import torch
+
+    clock.lap("imports_torch")
+    clock.facts["cuda_initialized_before_context"] = torch.cuda.is_initialized()
+    prepare_pipeline_process(options, args.device)  # this process's allocator cap and compile caches
+    clock.lap("cuda_context")  # the CUDA context and the allocator's cap at the budget
+    for name in LIBRARY_MODULES:
+        importlib.import_module(name)
+    clock.lap("imports_libraries")
     from tqdm import tqdm
 
     from .output import generate_to_mp4, sidecar_path
     from .pipeline import Pipeline
+    from .telemetry import bytecode_compiled
 
-    clock.lap("imports")
+    clock.lap("imports_k6fast")
     width, height = args.size
-    prepare_pipeline_process(options, args.device)  # this process's allocator cap and compile caches
-    clock.lap("cuda_context")  # since the imports: the CUDA context and the allocator's cap at the budget
     dtype, cache_dir = torch_dtype_of(args.dtype), prompt_cache_dir(args, options)
     pipe = Pipeline(ckpt, options, device=args.device, dtype=dtype, plan_geometry=(width, height, args.frames),
                     prompt_cache_dir=cache_dir)  # fmt: skip
@@ -145,9 +163,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
     plan = pipe.runtime.plan_for(tokens) if pipe.runtime else pipe.runtime_plan
     extra = {"load_s": pipe.load_seconds, "residency": plan.as_dict() if plan else None}
     if pipe.device.type == "cuda":
-        import torch
-
         extra["gpu_name"] = torch.cuda.get_device_name(pipe.device)
+    clock.facts["bytecode"] = bytecode_compiled(clock.started)  # every module the start-up imported
     clock.lap("before_request")
     extra["process"] = clock.as_dict()  # the start-up profile; `main` adds the request and the teardown at the end
     try:

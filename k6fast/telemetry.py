@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import os
 import resource
+import sys
 import time
+from collections import Counter
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -38,8 +40,6 @@ def anon_rss_bytes() -> int:
 def compile_counters() -> tuple[float, int]:
     """(seconds, graphs) torch.compile has spent and made in this process so far; (0, 0) before any compile.
     Dynamo's own bookkeeping: `_compile.compile_inner` wraps each frame's compile, Inductor's included."""
-    import sys
-
     utils = sys.modules.get("torch._dynamo.utils")  # not imported = nothing compiled yet; never import it here
     if utils is None:
         return 0.0, 0
@@ -195,6 +195,40 @@ def process_age_s() -> float | None:
         return None
 
 
+def processor_s() -> float:
+    """Processor seconds this process has spent (user and system, every thread) since it started."""
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    return usage.ru_utime + usage.ru_stime
+
+
+def bytecode_compiled(since: float) -> dict:
+    """Of the modules this process imported from Python source, how many it compiled itself instead of reading their
+    bytecode (.pyc): none existed and none could be written (an install without bytecode, such as `pip install
+    --no-compile` or uv's default, with PYTHONDONTWRITEBYTECODE set or a read-only folder), or this process wrote it
+    (modified since `since`, the process's start on the wall clock). Compiling is most of what such an import costs:
+    measurements/sessions/2026-12-02_imports-cpu found the generate path's imports twice as long without bytecode.
+    {"source_modules", "compiled", "compiled_by_package" (the eight largest counts), "writes_bytecode"}."""
+    source = compiled = 0
+    by_package: Counter[str] = Counter()
+    seen = set()  # a module under two names (`__main__` and multiprocessing's `__mp_main__`) counts once
+    for name, module in list(sys.modules.items()):
+        spec = getattr(module, "__spec__", None)
+        cached, origin = getattr(spec, "cached", None), getattr(spec, "origin", None)
+        if not cached or not isinstance(origin, str) or not origin.endswith(".py") or origin in seen:
+            continue  # built in, frozen, an extension module, bytecode without its source, or counted
+        seen.add(origin)
+        source += 1
+        try:
+            fresh = os.stat(cached).st_mtime >= since
+        except OSError:  # no .pyc after the import: compiled in memory, not written
+            fresh = True
+        if fresh:
+            compiled += 1
+            by_package[name.partition(".")[0]] += 1
+    return {"source_modules": source, "compiled": compiled, "compiled_by_package": dict(by_package.most_common(8)),
+            "writes_bytecode": not sys.dont_write_bytecode}  # fmt: skip
+
+
 # The parts of a `k6fast generate` process after its start-up: its request (the MP4 and sidecar written), the latents
 # it was asked to save, and its teardown (from there to the process's end).
 AFTER_STARTUP = ("request", "latents", "teardown")
@@ -202,37 +236,49 @@ AFTER_STARTUP = ("request", "latents", "teardown")
 
 class StartupClock:
     """The start-up profile of one process, in disjoint parts: `lap(part)` adds the seconds since the previous lap (the
-    first: since the process started) to `part`, so the parts cover the process's life up to the last lap, each second
-    counted once. `as_dict()` is what the sidecar records."""
+    first: since the process started) to `part`, and the processor seconds spent in them to its `cpu_s`, so the parts
+    cover the process's life up to the last lap, each second counted once. `facts` holds what a caller found on the
+    way (whether CUDA was running, how much bytecode was compiled); `as_dict()` is what the sidecar records."""
 
     def __init__(self, from_process_start: bool = True) -> None:
         """from_process_start: the first part starts when the process did (where /proc says when); else now."""
         age = process_age_s() if from_process_start else None
         self.origin = "process start" if age is not None else "clock"  # where the first part starts
         self._last = time.perf_counter() - (age or 0.0)
+        self._last_cpu = 0.0 if age is not None else processor_s()
+        self.started = time.time() - (age or 0.0)  # the first part's start on the wall clock (file times compare)
         self.parts: dict[str, float] = {}
+        self.cpu: dict[str, float] = {}
+        self.facts: dict = {}
         self.ended = False  # set when the process ends at the last lap (`k6fast.entry.end_process`)
 
     def lap(self, part: str) -> None:
-        now = time.perf_counter()
+        self._lap(part, whole=True)
+
+    def _lap(self, part: str, whole: bool) -> None:
+        now, cpu = time.perf_counter(), processor_s()
         self.parts[part] = self.parts.get(part, 0.0) + now - self._last
-        self._last = now
+        if whole:
+            self.cpu[part] = self.cpu.get(part, 0.0) + cpu - self._last_cpu
+        self._last, self._last_cpu = now, cpu
 
     def lap_split(self, parts: dict[str, float], rest: str) -> None:
         """Lap a span whose own parts were timed inside it (a pipeline's load): those parts, and the span's remainder
-        as `rest`."""
+        as `rest`. No processor time is kept for them: the parts' own is not known."""
         span = time.perf_counter() - self._last
-        self.lap(rest)
+        self._lap(rest, whole=False)
         for name, seconds in parts.items():
             self.parts[name] = self.parts.get(name, 0.0) + seconds
         self.parts[rest] -= min(span, sum(parts.values()))
 
     def as_dict(self) -> dict:
-        """{"startup_s": {part: seconds} in the order lapped, "origin" (when the first part starts), "request_s" and
-        "latents_s" (when lapped), "teardown_s" and "ended_at_s" (the process's age at its end; both None unless the
-        process ended at the last lap)}."""
+        """{"startup_s": {part: seconds} in the order lapped, "cpu_s": {part: processor seconds} for each part lapped
+        whole (the request's and the teardown's included; every thread's, so a part may hold more than its seconds),
+        "origin" (when the first part starts), the `facts`, "request_s" and "latents_s" (when lapped), "teardown_s" and
+        "ended_at_s" (the process's age at its end; both None unless the process ended at the last lap)}."""
         startup = {name: round(s, 4) for name, s in self.parts.items() if name not in AFTER_STARTUP}
-        out = {"startup_s": startup, "origin": self.origin}
+        cpu = {name: round(s, 4) for name, s in self.cpu.items()}
+        out = {"startup_s": startup, "cpu_s": cpu, "origin": self.origin, **self.facts}
         out |= {f"{name}_s": round(self.parts[name], 4) for name in AFTER_STARTUP[:2] if name in self.parts}
         ended = self.ended and "teardown" in self.parts
         out["teardown_s"] = round(self.parts["teardown"], 4) if ended else None

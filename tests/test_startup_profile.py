@@ -23,9 +23,12 @@ from k6fast.telemetry import StartupClock, process_age_s
 GEN = ["generate", "--prompt", "A fox runs through snow", "--size", "32x32", "--frames", "9", "--steps", "2"]
 # What the load of a tiny checkpoint is made of, each timed on its own (README "Start-up profile").
 STARTUP_PARTS = {
-    "interpreter", "checks", "checkpoint", "imports", "cuda_context", "text_setup", "plan", "resident_upload",
-    "staging", "dit_build", "decoders", "load_other", "before_request",
+    "interpreter", "checks", "checkpoint", "imports_torch", "cuda_context", "imports_libraries", "imports_k6fast",
+    "text_setup", "plan", "resident_upload", "staging", "dit_build", "decoders", "load_other", "before_request",
 }  # fmt: skip
+# The parts timed inside the pipeline's load, which have no processor time of their own.
+LOAD_PARTS = {"text_setup", "plan", "resident_upload", "staging", "dit_build", "decoders", "load_other"}
+IMPORT_PARTS = ("imports_torch", "imports_libraries", "imports_k6fast")
 # The kernel counts a process's start and its uptime in 10 ms ticks: the process's own age may read one tick long.
 TICK_S = 0.01
 
@@ -52,7 +55,13 @@ def test_the_command_profiles_its_start_up_and_ends_once_its_files_are_written(t
     assert set(process["startup_s"]) == STARTUP_PARTS
     seconds = [*process["startup_s"].values(), process["request_s"], process["latents_s"], process["teardown_s"]]
     assert all(s >= 0 for s in seconds), process
-    assert process["startup_s"]["imports"] > 0 and process["request_s"] > 0
+    assert all(process["startup_s"][k] > 0 for k in IMPORT_PARTS) and process["request_s"] > 0
+    # Processor time for each part lapped whole, the request's and the teardown's included.
+    assert set(process["cpu_s"]) == STARTUP_PARTS - LOAD_PARTS | {"request", "latents", "teardown"}
+    assert all(process["cpu_s"][k] > 0 for k in IMPORT_PARTS), process["cpu_s"]
+    assert process["cuda_initialized_before_context"] is False  # importing PyTorch starts no CUDA context
+    bytecode = process["bytecode"]
+    assert 0 <= bytecode["compiled"] <= bytecode["source_modules"] and bytecode["source_modules"] > 1000, bytecode
     # Disjoint parts: together they are the process's age when it ended, and no more than its wall time outside.
     assert abs(_profile_sum(process) - process["ended_at_s"]) < 1e-3 * len(seconds)
     assert process["ended_at_s"] <= wall + TICK_S, (process, wall)
@@ -83,6 +92,51 @@ def test_laps_split_a_span_into_its_own_parts_and_the_rest() -> None:
     parts = clock.as_dict()["startup_s"]
     assert list(parts) == ["a", "rest", "inner"] and parts["inner"] == 0.01
     assert parts["a"] >= 0.02 and parts["rest"] + parts["inner"] >= 0.03
+    assert list(clock.as_dict()["cpu_s"]) == ["a"]  # a split span's parts have no processor time of their own
+
+
+def test_laps_count_the_processor_time_spent_in_them() -> None:
+    clock = StartupClock(from_process_start=False)
+    time.sleep(0.05)
+    clock.lap("asleep")
+    end = time.process_time() + 0.05
+    while time.process_time() < end:
+        pass
+    clock.lap("busy")
+    cpu, seconds = clock.as_dict()["cpu_s"], clock.as_dict()["startup_s"]
+    assert cpu["asleep"] < 0.03 and seconds["asleep"] >= 0.05
+    assert cpu["busy"] >= 0.04
+
+
+def _bytecode_in_child(tmp_path: Path, prefix: Path, write: bool) -> dict:
+    """bytecode_compiled in a fresh process that imports `probe` from tmp_path, its bytecode kept under `prefix`
+    (PYTHONPYCACHEPREFIX), written there unless `write` is False (PYTHONDONTWRITEBYTECODE)."""
+    environ = {k: v for k, v in os.environ.items() if k != "PYTHONDONTWRITEBYTECODE"}
+    environ |= {"PYTHONPATH": os.pathsep.join([str(tmp_path), *sys.path]), "PYTHONPYCACHEPREFIX": str(prefix)}
+    if not write:
+        environ["PYTHONDONTWRITEBYTECODE"] = "1"
+    code = ("import json, probe; from k6fast.telemetry import StartupClock, bytecode_compiled; "
+            "print(json.dumps(bytecode_compiled(StartupClock().started)))")  # fmt: skip
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=environ, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    return json.loads(done.stdout)
+
+
+def test_bytecode_compiled_counts_the_modules_a_process_compiled_itself(tmp_path) -> None:
+    # A package of more modules than any the interpreter starts with, so that it leads `compiled_by_package`.
+    (tmp_path / "probe").mkdir()
+    (tmp_path / "probe" / "__init__.py").write_text("".join(f"from . import m{i}\n" for i in range(11)))
+    for i in range(11):
+        (tmp_path / "probe" / f"m{i}.py").write_text(f"VALUE = {i}\n")
+    first = _bytecode_in_child(tmp_path, tmp_path / "pyc", write=True)  # compiles and writes its bytecode
+    again = _bytecode_in_child(tmp_path, tmp_path / "pyc", write=True)  # reads what the first wrote
+    unwritten = _bytecode_in_child(tmp_path, tmp_path / "none", write=False)  # compiles and writes nothing
+    assert first["compiled_by_package"]["probe"] == 12 and first["writes_bytecode"] is True
+    assert "probe" not in again["compiled_by_package"] and again["compiled"] < first["compiled"]
+    assert unwritten["compiled_by_package"]["probe"] == 12 and unwritten["writes_bytecode"] is False
+    assert not (tmp_path / "none").exists()
+    # Without bytecode to read, every module imported from source was compiled (the interpreter's own included).
+    assert unwritten["compiled"] == unwritten["source_modules"] > 1
 
 
 def test_process_age_is_the_kernels_account_of_this_process() -> None:
