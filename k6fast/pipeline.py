@@ -104,6 +104,7 @@ class Pipeline:
             compile_blocks=options.compile,
         )
         self.runtime: DiTRuntime | None = None
+        self._host_tier = None  # the DiT's host tier while the DiT is off the device (`drop_dit`)
         self.runtime_plan = None
         with telemetry.phase("load"):
             self._load_dit()
@@ -131,15 +132,16 @@ class Pipeline:
 
     def _load_dit(self) -> None:
         if self.runtime is None:
-            files, cfg = self.ckpt.transformer_files, self.ckpt.dit
+            files, cfg, tier = self.ckpt.transformer_files, self.ckpt.dit, self._host_tier
             try:
-                self.runtime = build_dit(files, cfg, self.device, self.dtype, **self._dit_args)
+                self.runtime = build_dit(files, cfg, self.device, self.dtype, host_tier=tier, **self._dit_args)
             except ResidencyError as exc:
                 # The base geometry does not fit this budget: plan for the smallest request instead, so that what
                 # does fit can run; `resolve` refuses the rest, naming what fits.
                 logger.warning("%s; planning residency for the smallest request instead", exc)
                 self._dit_args["tokens"] = dit_tokens(SPATIAL_MULTIPLE, SPATIAL_MULTIPLE, 1, self.audio_rate)
-                self.runtime = build_dit(files, cfg, self.device, self.dtype, **self._dit_args)
+                self.runtime = build_dit(files, cfg, self.device, self.dtype, host_tier=tier, **self._dit_args)
+            self._host_tier = None  # the runtime's now
             self.dit = self.runtime.dit
             self.runtime_plan = self.runtime.plan  # kept when the DiT leaves the device (the plan does not change)
             self._dit_planner = self.runtime.planner
@@ -182,6 +184,7 @@ class Pipeline:
     def drop_dit(self) -> None:
         """Send the DiT off the device (its runtime closed, its memory given back); the next request reloads it."""
         if self.runtime is not None:
+            self._host_tier = self.runtime.take_host_tier()  # host memory: the next load serves from it again
             self.runtime.close()
             self.runtime = self.dit = None
             if self.device.type == "cuda":
@@ -253,6 +256,9 @@ class Pipeline:
 
     def close(self) -> None:
         self.drop_dit()
+        if self._host_tier is not None:
+            self._host_tier.close()
+            self._host_tier = None
         self.text.close()
 
     @property

@@ -247,6 +247,46 @@ def test_the_tier_outlives_a_refit_for_a_larger_request(tiny_distill) -> None:
         reference.close()
 
 
+def test_the_tier_outlives_the_dit_leaving_the_device(tiny_distill) -> None:
+    """The DiT leaves the device for a video decode (`Pipeline.drop_dit`): its host tier stays, read, and the next
+    runtime serves from it without planning it again (MemAvailable no longer counts its memory in) or rereading it."""
+    from k6fast.pipeline import Pipeline, Request
+    from k6fast.switches import Options
+
+    ckpt = open_checkpoint(tiny_distill)
+    first = tiny_dit(ckpt, max_resident=0, host_cache=1.0, host=ROOMY)
+    reference = tiny_dit(ckpt)
+    kwargs = dit_inputs(ckpt.dit, 4)
+    first.dit(**kwargs)
+    tier = first.take_host_tier()
+    first.close()
+    try:
+        assert tier.blocks == (0, 1) and all(tier.filled(b) for b in tier.blocks)  # read: never read again
+        # A host with no room at all: planned again, a 1 GiB tier would be refused.
+        second = tiny_dit(ckpt, max_resident=0, host_cache=1.0, host=HostMemory(0, 0), host_tier=tier)
+        assert second.host_cache is tier and second.plan.host_blocks == 2
+        got, want = second.dit(**kwargs), reference.dit(**kwargs)
+        assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+        second.close()
+        assert tier.blocks == ()  # the runtime that holds it gives it back
+    finally:
+        reference.close()
+    request = Request(prompt="A kettle whistles", width=32, height=32, frames=5, steps=2)
+    options = Options().replace(host_cache_gb=0.01, max_resident_blocks=0)
+    pipe = Pipeline(tiny_distill, options, device="cpu", plan_geometry=(32, 32, 5))
+    try:
+        held = pipe.runtime.host_cache
+        assert held is not None and held.blocks == (0, 1)
+        before = pipe.generate(request)
+        pipe.drop_dit()
+        after = pipe.generate(request)  # reloads the DiT, with the same tier
+        assert pipe.runtime.host_cache is held and "dit_load" in after.telemetry.phases
+        assert (before.frames == after.frames).all()
+    finally:
+        pipe.close()
+    assert held.blocks == ()
+
+
 def test_auto_pins_nothing_when_the_streamed_blocks_fit_the_page_cache(tiny_distill) -> None:
     streamed = [(b, GiB) for b in range(17, 60)]  # 43 streamed blocks of 1 GiB
     assert plan_host_cache("auto", streamed, _host_with_room(43 * GiB)) == ()

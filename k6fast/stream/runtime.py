@@ -87,6 +87,13 @@ class DiTRuntime:
         self.plan = plan
         return plan
 
+    def take_host_tier(self) -> HostBlockCache | None:
+        """The host tier, handed to the caller (who passes it to the next `build_dit` or closes it), so that `close`
+        keeps it: the DiT leaves the device for a video decode, and its blocks need not leave the host and be read
+        from disk again for that."""
+        cache, self.host_cache = self.host_cache, None
+        return cache
+
     def close(self) -> None:
         if self.streamer is not None:
             self.streamer.close()  # waits for the copies out of the host tier too
@@ -127,11 +134,13 @@ def build_dit(
     text_bytes: int = 0,
     host_cache: str | float = AUTO,
     host: HostMemory | None = None,
+    host_tier: HostBlockCache | None = None,
 ) -> DiTRuntime:
     """The DiT of the checkpoint whose transformer weights are `files` (its shards) and config `cfg`, on `device`
     computing in `dtype`. tokens: (video, audio) token counts of the largest geometry this runtime must serve
     (sizes activations); text_bytes: the text phase's peak, planned in the activations' room; host_cache:
-    K6_HOST_CACHE_GB, planned against `host` (default: this host and process now, from /proc)."""
+    K6_HOST_CACHE_GB, planned against `host` (default: this host and process now, from /proc); host_tier: the tier
+    of an earlier runtime of these files (`DiTRuntime.take_host_tier`), kept where this plan streams its blocks."""
     start = time.perf_counter()
     device = resolve_device(device)
     index = index_safetensors(files)
@@ -163,7 +172,7 @@ def build_dit(
     laps.append(("resident_upload", _synced(device)))
     # Planned after the upload: MemAvailable then counts this process's memory out and the resident blocks' pages
     # (cached, reclaimable) in.
-    cache = _host_tier(index, cfg.num_visual_blocks, plan, host_cache, host, device)
+    cache = _host_tier(index, cfg.num_visual_blocks, plan, host_cache, host, device, host_tier)
     if cache is not None:
         # Every plan of this runtime streams the tier's blocks (see `plan_host_cache`), so every plan reports it.
         tier = {"host_blocks": len(cache.blocks), "host_bytes": cache.nbytes}
@@ -193,10 +202,16 @@ def _host_tier(
     setting: str | float,
     host: HostMemory | None,
     device: torch.device,
+    kept: HostBlockCache | None,
 ) -> HostBlockCache | None:
     """The host tier for `plan`'s streamed blocks under K6_HOST_CACHE_GB (`setting`), or None when it holds none.
     A size this host cannot spare is refused even when nothing streams: the same setting would fail on the next
     larger request or budget, and should fail where it was set."""
+    if kept is not None:
+        if kept.blocks and min(kept.blocks) >= plan.resident_blocks:
+            # Kept whole, not planned again: MemAvailable no longer counts its own memory in.
+            return kept
+        kept.close()
     if setting == 0:
         return None
     sizes = {b: BlockLayout.of(index, block_prefix(b)).nbytes for b in range(plan.resident_blocks, num_blocks)}
