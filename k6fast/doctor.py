@@ -19,7 +19,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from .fit import largest_frames
-from .memory import PROCESS_HOST_BYTES, HostMemory, meminfo
+from .memory import PROCESS_HOST_BYTES, CgroupLimit, HostMemory, cgroup_limit, meminfo
 from .request import W1, dit_tokens
 from .stream.plan import (
     GiB,
@@ -69,6 +69,7 @@ class Report:
     advice: list[str] = field(default_factory=list)
     plan: dict | None = None
     disk_per_step: dict | None = None  # `predict_disk_per_step`: what a later run's disk_read_bytes is held against
+    cgroup: CgroupLimit | None = None  # the memory limit of the cgroup doctor runs in, where one applies
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -245,15 +246,17 @@ def _streamed_sizes(plan: dict) -> list[int]:
     return [plan["block_bytes"]] * (plan["num_blocks"] - plan["resident_blocks"])
 
 
-def predict_disk_per_step(plan: dict, available_bytes: int, read_gb_s: float | None) -> dict | None:
+def predict_disk_per_step(
+    plan: dict, available_bytes: int, read_gb_s: float | None, cgroup: CgroupLimit | None = None
+) -> dict | None:
     """Bytes a steady denoising step reads from disk (at W1, under `plan`) on a host with `available_bytes`
     MemAvailable before k6fast starts, without the host tier and with K6_HOST_CACHE_GB=auto, and the step time
     their reading alone takes at `read_gb_s`: a lower bound, what a run's disk_read_bytes per step is held against.
-    None when nothing streams."""
+    `cgroup`: the limit the run will be under, when tighter than the host. None when nothing streams."""
     sizes = _streamed_sizes(plan)
     if not sizes:
         return None
-    host = HostMemory(0, available_bytes)  # the process not started yet: its whole size is still to come
+    host = HostMemory(0, available_bytes, cgroup=cgroup)  # the process not started yet: its whole size is to come
     streamed = list(enumerate(sizes))
     blocks = plan_host_cache(AUTO, streamed, host)
     tier = sum(sizes[i] for i in blocks)
@@ -293,7 +296,7 @@ def run_doctor(
     total, available = meminfo()
     where = Path(model) if model and Path(model).exists() else Path.cwd()
     available = available if available_bytes is None else available_bytes
-    report = Report(read_gpus(), total, available, shutil.disk_usage(where).free, str(where))
+    report = Report(read_gpus(), total, available, shutil.disk_usage(where).free, str(where), cgroup=cgroup_limit())
     dit_bytes = PRO_DIT_BF16_BYTES
     if model and Path(model).is_dir():
         budget = int(budget_gb * GiB) if budget_gb > 0 else (report.gpus[0].memory_bytes if report.gpus else 32 * GiB)
@@ -307,7 +310,9 @@ def run_doctor(
             largest = max(open_checkpoint(model).transformer_files, key=lambda f: f.stat().st_size)
             report.read_gb_s, report.read_note = measure_read(largest)
         if "resident_blocks" in report.plan:
-            report.disk_per_step = predict_disk_per_step(report.plan, report.host_available_bytes, report.read_gb_s)
+            cgroup = report.cgroup if available_bytes is None else None  # --available-gb: another host's figure
+            report.disk_per_step = predict_disk_per_step(report.plan, report.host_available_bytes, report.read_gb_s,
+                                                         cgroup)  # fmt: skip
     compressed = bool(report.plan and report.plan.get("stored_as"))
     report.advice = advise(report, dit_bytes, report.plan, compressed)
     return report
@@ -321,6 +326,9 @@ def render(report: Report) -> str:
     if not report.gpus:
         lines.append("GPU: none found")
     lines.append(f"host RAM: {report.host_ram_bytes / GB:.1f} GB ({report.host_available_bytes / GB:.1f} GB available)")
+    if (c := report.cgroup) is not None:
+        lines.append(f"cgroup memory limit: {c.limit_bytes / GB:.1f} GB at {c.path} ({c.available_bytes / GB:.1f} GB "
+                     "available in it): host memory is planned within it; past it the kernel kills")  # fmt: skip
     lines.append(f"free disk at {report.disk_path}: {report.disk_free_bytes / GB:.1f} GB")
     if report.read_gb_s is not None:
         lines.append(f"checkpoint read speed: {report.read_gb_s:.2f} GB/s ({report.read_note})")

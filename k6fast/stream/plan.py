@@ -236,7 +236,7 @@ def plan_host_cache(setting: str | float, streamed: Sequence[tuple[int, int]], h
         if want > room:
             raise HostCacheError(
                 f"K6_HOST_CACHE_GB={float(setting):g} is more than this host can spare for it: "
-                f"{room / GiB:.1f} GiB (MemAvailable {host.available_bytes / GiB:.1f} GiB less the reserve for the "
+                f"{room / GiB:.1f} GiB ({host.room_source} less the reserve for the "
                 f"OS and this process, k6fast/memory.py); expected at most {room / GiB:.1f}, 0 (off) or auto"
             )
     chosen, used = [], 0
