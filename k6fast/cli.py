@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
+import gc
 import importlib
 import math
 import os
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 from . import __version__
@@ -110,6 +113,22 @@ def prompt_cache_dir(args: argparse.Namespace, options: Options) -> Path | None:
 LIBRARY_MODULES = ("diffusers.utils.torch_utils", "transformers.modeling_utils")
 
 
+@contextlib.contextmanager
+def collector_paused() -> Iterator[None]:
+    """Python's cyclic garbage collector paused inside, then one full collection. For the imports: they create
+    hundreds of thousands of objects that live as long as the process, which the collector would scan again and
+    again as they pile up, finding almost nothing to free (measurements/sessions/2026-12-02_imports-cpu). A caller's
+    process gets its collector back as it found it."""
+    collecting = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if collecting:
+            gc.enable()
+        gc.collect()
+
+
 def startup_clock(args: argparse.Namespace):
     """The `StartupClock` `main` started for this command; a fresh one where a caller runs the command itself."""
     if getattr(args, "startup", None) is None:
@@ -128,22 +147,24 @@ def cmd_generate(args: argparse.Namespace) -> int:
     # k6fast's own and the model classes they import), and between the first two the CUDA context, which needs only
     # PyTorch: on a GPU machine torchao, which transformers imports where it is installed, asks for the GPU's
     # capability on import, which would start CUDA inside the libraries' lap.
-    import torch
+    with collector_paused():
+        import torch
 
-    clock.lap("imports_torch")
-    clock.facts["cuda_initialized_before_context"] = torch.cuda.is_initialized()
-    prepare_pipeline_process(options, args.device)  # this process's allocator cap and compile caches
-    clock.lap("cuda_context")  # the CUDA context and the allocator's cap at the budget
-    for name in LIBRARY_MODULES:
-        importlib.import_module(name)
-    clock.lap("imports_libraries")
-    from tqdm import tqdm
+        clock.lap("imports_torch")
+        clock.facts["cuda_initialized_before_context"] = torch.cuda.is_initialized()
+        prepare_pipeline_process(options, args.device)  # this process's allocator cap and compile caches
+        clock.lap("cuda_context")  # the CUDA context and the allocator's cap at the budget
+        for name in LIBRARY_MODULES:
+            importlib.import_module(name)
+        clock.lap("imports_libraries")
+        from tqdm import tqdm
 
-    from .output import generate_to_mp4, sidecar_path
-    from .pipeline import Pipeline
-    from .telemetry import bytecode_compiled
+        from .output import generate_to_mp4, sidecar_path
+        from .pipeline import Pipeline
+        from .telemetry import bytecode_compiled
 
-    clock.lap("imports_k6fast")
+        clock.lap("imports_k6fast")
+    clock.lap("imports_collect")  # the one garbage collection after them
     width, height = args.size
     dtype, cache_dir = torch_dtype_of(args.dtype), prompt_cache_dir(args, options)
     pipe = Pipeline(ckpt, options, device=args.device, dtype=dtype, plan_geometry=(width, height, args.frames),

@@ -7,16 +7,18 @@ account) to its end, each second in one part, and ends without the interpreter's
 
 from __future__ import annotations
 
+import gc
 import json
 import os
 import subprocess
 import sys
 import time
+import weakref
 from pathlib import Path
 
 from safetensors.torch import load_file
 
-from k6fast.cli import main
+from k6fast.cli import collector_paused, main
 from k6fast.media import probe_mp4
 from k6fast.telemetry import StartupClock, process_age_s
 
@@ -24,7 +26,8 @@ GEN = ["generate", "--prompt", "A fox runs through snow", "--size", "32x32", "--
 # What the load of a tiny checkpoint is made of, each timed on its own (README "Start-up profile").
 STARTUP_PARTS = {
     "interpreter", "checks", "checkpoint", "imports_torch", "cuda_context", "imports_libraries", "imports_k6fast",
-    "text_setup", "plan", "resident_upload", "staging", "dit_build", "decoders", "load_other", "before_request",
+    "imports_collect", "text_setup", "plan", "resident_upload", "staging", "dit_build", "decoders", "load_other",
+    "before_request",
 }  # fmt: skip
 # The parts timed inside the pipeline's load, which have no processor time of their own.
 LOAD_PARTS = {"text_setup", "plan", "resident_upload", "staging", "dit_build", "decoders", "load_other"}
@@ -77,10 +80,34 @@ def test_the_command_profiles_its_start_up_and_ends_once_its_files_are_written(t
 def test_a_caller_of_main_keeps_its_process_and_no_teardown_is_timed(tiny_distill: Path, tmp_path) -> None:
     out = tmp_path / "fox.mp4"
     assert main([*GEN, "--model", str(tiny_distill), "--out", str(out)]) == 0
+    assert gc.isenabled()  # the garbage collector, paused for the imports, is back
     process = json.loads((tmp_path / "fox.mp4.json").read_text())["process"]
     assert process["origin"] == "clock"  # timed from the call, not from the start of the test's process
     assert process["teardown_s"] is None and process["ended_at_s"] is None and "latents_s" not in process
     assert set(process["startup_s"]) == STARTUP_PARTS and process["request_s"] > 0
+
+
+class _Node:
+    next: _Node | None = None
+
+
+def test_the_collector_is_paused_inside_and_left_as_it_was_found() -> None:
+    assert gc.isenabled()
+    with collector_paused():
+        assert not gc.isenabled()
+        cycle = _Node()
+        cycle.next = cycle
+        freed = weakref.finalize(cycle, lambda: None)  # alive while the cycle is
+        del cycle
+        assert freed.alive  # paused: nothing collects the cycle inside
+    assert gc.isenabled() and not freed.alive  # collected on the way out
+    gc.disable()
+    try:
+        with collector_paused():
+            pass
+        assert not gc.isenabled()  # a caller that had it off keeps it off
+    finally:
+        gc.enable()
 
 
 def test_laps_split_a_span_into_its_own_parts_and_the_rest() -> None:
