@@ -26,6 +26,7 @@ from torch import Tensor, nn
 
 from .prompt_cache import Encoded, PromptCache, PromptKey
 from .safetensors_index import CheckpointError, TensorLocation
+from .stream.page_locked import staging_buffers
 from .stream.reader import FileReader, torch_dtype
 from .text import (
     CLIP_MAX_LENGTH,
@@ -148,9 +149,8 @@ class TextPhase:
         self._bind(self._norm, self._read_resident({"weight": self.weights.norm}))
         self._bound.clear()  # the final norm stays bound while the phase lives
         self._staging = None
-        if device.type == "cuda":
-            size = max(layout.nbytes for layout in self.layouts)
-            self._staging = [torch.empty(size, dtype=torch.uint8, pin_memory=True) for _ in range(2)]
+        if device.type == "cuda":  # locked at exactly the largest unit's size, as the DiT stream's (`page_locked`)
+            self._staging = staging_buffers(max(layout.nbytes for layout in self.layouts), 2, device)
         limits = [PROMPT_TEMPLATE, str(QWEN_CROP_START), str(MAX_PROMPT_TOKENS), str(CLIP_MAX_LENGTH)]
         self.identity = hashlib.sha256("\n".join([text_identity(self.root), *limits]).encode()).hexdigest()
         self.last: TextStats | None = None
@@ -206,7 +206,8 @@ class TextPhase:
         prompts = [prompt] if negative is None else [prompt, negative]
         qwen_in = [qwen_inputs(self.processor, p, pad_to, self.device) for p in prompts]
         clip_in = [clip_inputs(self.clip_tokenizer, p, self.device) for p in prompts]
-        stream = UnitStream(self.layouts, self._reader, self.slots, self.device, self.dtype, self._staging)
+        staging = self._staging.buffers if self._staging is not None else None
+        stream = UnitStream(self.layouts, self._reader, self.slots, self.device, self.dtype, staging)
         try:
             states = [self._first_layer_inputs(inputs) for inputs in qwen_in]
             for i, layer in enumerate(self._layers):
@@ -260,6 +261,8 @@ class TextPhase:
     def close(self) -> None:
         self._reader.close()
         self._embedding.close()
+        if self._staging is not None:
+            self._staging.close()  # each encode's stream waited for its copies out of the staging
         self._staging = None
 
 

@@ -6,6 +6,7 @@ and numeric settings' arithmetic, and cancellation mid-cycle. On CPU the tier's 
 from __future__ import annotations
 
 import dataclasses
+import gc
 import threading
 from collections import Counter
 from pathlib import Path
@@ -20,6 +21,7 @@ from k6fast.dit.config import block_prefix
 from k6fast.memory import HOST_OS_BYTES, PROCESS_HOST_BYTES, HostMemory
 from k6fast.safetensors_index import index_safetensors
 from k6fast.stream.host_cache import HostBlockCache
+from k6fast.stream.page_locked import LockedBuffers, staging_buffers
 from k6fast.stream.plan import GiB, HostCacheError, block_of, disk_bytes_per_step, plan_host_cache
 from k6fast.stream.reader import FileReader
 from k6fast.stream.streamer import BlockLayout, BlockStreamer
@@ -178,6 +180,38 @@ def test_a_refused_lock_shortens_the_tier_from_its_start_with_one_warning(caplog
         assert HostBlockCache(sizes, torch.device("cpu"), lambda t: t.numel() != sizes[7], lambda t: None).blocks == ()
         assert HostBlockCache(sizes, torch.device("cpu"), lambda t: True, lambda t: None).blocks == tuple(sizes)
     assert len(caplog.records) == 1  # the refused one only
+
+
+def test_staging_and_locked_buffers_are_exactly_the_size_asked_and_given_back() -> None:
+    """The staging of every stream and the tier's buffers come from one helper: exactly the bytes asked (PyTorch's
+    pinned allocator would round each up to a power of two), plain on a CPU device, page-aligned where they are
+    locked, unlocked by `close`, by `drop`, or when their owner is collected without closing them."""
+    cpu = torch.device("cpu")
+    staging = staging_buffers(3 * 4096 + 5, 2, cpu)
+    assert [b.numel() for b in staging.buffers] == [3 * 4096 + 5] * 2
+    assert all(b.dtype == torch.uint8 and b.device == cpu and not b.is_pinned() for b in staging.buffers)
+    staging.close()
+    assert staging.buffers == []
+    unlocked = []
+
+    def unlock(t: torch.Tensor) -> None:
+        unlocked.append(t.numel())
+
+    memory = LockedBuffers([4097, 8191, 3], cpu, lambda t: t.numel() != 8191, unlock)
+    assert [b.numel() for b in memory.buffers] == [4097, 8191, 3] and memory.refused == [1]
+    assert all(b.data_ptr() % 4096 == 0 for b in memory.buffers)
+    memory.drop([0, 1])  # a locked one and the refused one: only the locked one is unlocked
+    assert unlocked == [4097] and [b.numel() for b in memory.buffers] == [3] and memory.nbytes == 3
+    memory.close()
+    memory.close()
+    assert unlocked == [4097, 3]
+    forgotten = LockedBuffers([11], cpu, lambda t: True, unlock)
+    del forgotten
+    gc.collect()
+    assert unlocked == [4097, 3, 11]  # never closed: unlocked when collected, no freed memory stays registered
+    with pytest.raises(RuntimeError, match=r"could not page-lock 2 staging buffers of 0\.0 MiB"):
+        staging_buffers(100, 2, cpu, lambda t: False, unlock)  # every lock refused
+    assert unlocked == [4097, 3, 11]
 
 
 def test_the_dit_with_a_host_tier_is_bit_identical_to_without(tiny_distill) -> None:
@@ -389,3 +423,25 @@ def test_the_dit_with_a_host_tier_matches_resident_on_the_gpu(tiny_distill) -> N
     finally:
         resident.close()
         tiered.close()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_staging_is_page_locked_at_its_exact_size_until_close_gpu(blocks_file) -> None:
+    device = torch.device("cuda", torch.cuda.current_device())
+    before = torch.cuda.host_memory_stats()["num_host_alloc"]
+    staging = staging_buffers(int(1.1 * 2**20) + 7, 2, device)
+    buffers = list(staging.buffers)
+    assert [b.numel() for b in buffers] == [int(1.1 * 2**20) + 7] * 2
+    assert all(b.is_pinned() and b.data_ptr() % 4096 == 0 for b in buffers)
+    staging.close()
+    assert not any(b.is_pinned() for b in buffers)  # unregistered: the view's memory is plain again
+    path, _ = blocks_file
+    streamer, reader, _ = _streamer(path, device, ())
+    held = list(streamer._staging)
+    assert len(held) == 2 and all(b.is_pinned() for b in held)
+    assert all(b.numel() == max(layout.nbytes for layout in streamer.layouts.values()) for b in held)
+    streamer.close()
+    reader.close()
+    assert not any(b.is_pinned() for b in held)
+    assert torch.cuda.host_memory_stats()["num_host_alloc"] == before  # none from PyTorch's pinned allocator

@@ -10,71 +10,39 @@ page-locked, so that the copy engine reads them while the host runs ahead; on a 
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Mapping
-from concurrent.futures import ThreadPoolExecutor
-from functools import partial
+from collections.abc import Mapping
 
 import torch
 from torch import Tensor
 
-logger = logging.getLogger(__name__)
+from .page_locked import Lock, LockedBuffers, Unlock
 
-PAGE = 4096
-# cudaHostRegisterPortable: the pages are locked for every CUDA context of the process, not only the current one.
-_REGISTER_PORTABLE = 1
-# Locking touches every page (the kernel zero-fills them first): a few threads spread the work of tens of GB.
-_PIN_THREADS = 4
+logger = logging.getLogger(__name__)
 
 
 class HostBlockCache:
     """Host buffers for `sizes` ({block: stored bytes}, blocks in streaming order), filled lazily by the streamer.
 
-    On CUDA each buffer is plain host memory registered with the driver (cudaHostRegister) rather than taken from
-    PyTorch's pinned allocator, which rounds every allocation up to a power of two (a 1.1 GB block would lock
-    2 GiB) and keeps freed memory for reuse (the tier's memory would outlive the tier). A registration that fails
-    (a locked-memory limit, a cgroup) leaves out that block and every earlier one, with one warning naming the sizes:
-    the tier stays a run at the end of the cycle, as planned, only shorter.
+    On CUDA each buffer is page-locked plain memory of exactly the block's size (`page_locked.LockedBuffers`: not
+    PyTorch's pinned allocator, which would round a 1.1 GB block up to 2 GiB and keep freed memory). A lock that
+    fails (a locked-memory limit, a cgroup) leaves out that block and every earlier one, with one warning naming the
+    sizes: the tier stays a run at the end of the cycle, as planned, only shorter.
 
     Bounded: the buffers are allocated here once and only ever refilled by the first forward; nothing grows per
     request. The reader thread is the only writer and the filled set only grows, so it needs no lock.
     """
 
-    def __init__(
-        self,
-        sizes: Mapping[int, int],
-        device: torch.device,
-        lock: Callable[[Tensor], bool] | None = None,
-        unlock: Callable[[Tensor], None] | None = None,
-    ):
+    def __init__(self, sizes: Mapping[int, int], device: torch.device, lock: Lock | None = None,
+                 unlock: Unlock | None = None):  # fmt: skip
         """lock/unlock: page-lock a buffer (True when it worked) and undo it; by default cudaHostRegister and
         cudaHostUnregister on CUDA, nothing on a CPU device (tests pass their own to take the fallback path)."""
         self.device = device
-        self._buffers: dict[int, Tensor] = {}
-        self._locked: list[Tensor] = []
         self._filled: set[int] = set()
-        if device.type == "cuda" and lock is None:
-            lock, unlock = partial(_register, device=device), _unregister
-        self._unlock = unlock
         order = list(sizes)
-        if lock is None:
-            self._buffers = {b: torch.empty(sizes[b], dtype=torch.uint8) for b in order}
-            return
-        raw = {b: torch.empty(sizes[b] + PAGE, dtype=torch.uint8) for b in order}
-        # Page-aligned views: the driver locks whole pages, and no page is then shared with another allocation.
-        views = {b: t[-t.data_ptr() % PAGE :][: sizes[b]] for b, t in raw.items()}
-        with ThreadPoolExecutor(_PIN_THREADS, thread_name_prefix="k6-pin") as pool:
-            # Registered on the pool's threads: a failed CUDA runtime call sets its thread's last error, which the
-            # next kernel launch on that thread would raise; these threads launch nothing and end here.
-            ok = dict(zip(order, pool.map(lambda b: lock(views[b]), order), strict=True))
-        first = len(order)  # order[first:]: the run at the end of the cycle whose every registration succeeded
-        while first and ok[order[first - 1]]:
-            first -= 1
-        for b in order[:first]:
-            if ok[b]:
-                unlock(views[b])
-        for b in order[first:]:
-            self._buffers[b] = views[b]
-            self._locked.append(views[b])
+        self._memory = LockedBuffers([sizes[b] for b in order], device, lock, unlock)
+        first = max(self._memory.refused, default=-1) + 1  # order[first:]: the run at the end every lock took
+        self._memory.drop(range(first))
+        self._buffers = dict(zip(order[first:], self._memory.buffers, strict=True))
         if first:
             asked = sum(sizes.values())
             logger.warning(
@@ -103,19 +71,6 @@ class HostBlockCache:
 
     def close(self) -> None:
         """Give the memory back. Every copy out of the buffers must have finished (the streamer's `close` waits)."""
-        for view in self._locked:
-            self._unlock(view)
-        self._locked.clear()
+        self._memory.close()
         self._buffers.clear()
         self._filled.clear()
-
-
-def _register(view: Tensor, device: torch.device) -> bool:
-    with torch.cuda.device(device):  # this thread's current device: no context is made on another GPU
-        return int(torch.cuda.cudart().cudaHostRegister(view.data_ptr(), view.numel(), _REGISTER_PORTABLE)) == 0
-
-
-def _unregister(view: Tensor) -> None:
-    err = int(torch.cuda.cudart().cudaHostUnregister(view.data_ptr()))
-    if err != 0:
-        raise RuntimeError(f"cudaHostUnregister of a {view.numel()}-byte host-tier buffer failed with CUDA error {err}")

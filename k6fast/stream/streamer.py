@@ -21,6 +21,7 @@ from ..dit.config import block_prefix
 from ..dit.linear import bind_quantized
 from ..safetensors_index import DF11Location, TensorLocation
 from .host_cache import HostBlockCache
+from .page_locked import staging_buffers
 from .reader import FileReader, as_tensor
 
 ALIGN = 256  # device slot offsets: every tensor view starts on a 256-byte boundary
@@ -123,10 +124,10 @@ class BlockStreamer:
         self.cuda = device.type == "cuda"
         n_slots = min(slots, len(self.streamed))
         self._slots = [torch.empty(self.slot_bytes, dtype=torch.uint8, device=device) for _ in range(n_slots)]
-        # Two staging buffers: the reader fills one while the copy engine drains the other.
-        self._staging = [
-            torch.empty(stored_bytes, dtype=torch.uint8, pin_memory=self.cuda) for _ in range(2 if self.cuda else 1)
-        ]
+        # Two staging buffers: the reader fills one while the copy engine drains the other. Locked at exactly the
+        # largest block's size (`page_locked`: PyTorch's pinned allocator would round each up to a power of two).
+        self._staging_memory = staging_buffers(stored_bytes, 2 if self.cuda else 1, device)
+        self._staging = self._staging_memory.buffers
         # DF11 blocks: the stored bytes land here and are decoded into the slot on the copy stream (the next block's
         # copy lands after this block's decode, in stream order), overlapping the previous block's compute.
         compressed = self.cuda and any(layout.held is not None for layout in self.layouts.values())
@@ -294,8 +295,10 @@ class BlockStreamer:
             self._cond.notify_all()
         self._thread.join(timeout=30)
         if self.cuda:
-            # Copies already queued into the slots must finish before their memory can go back to the allocator.
+            # Copies already queued into the slots and out of the staging buffers must finish before their memory
+            # can go back to the allocator and the staging's lock to the driver.
             self._copy_stream.synchronize()
+        self._staging_memory.close()
 
 
 class MixedBlocks:
