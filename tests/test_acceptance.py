@@ -294,3 +294,21 @@ def test_a_peer_only_part_reads_its_defaults_from_the_peer_copy(tiny_distill, tm
     # A k6fast arm still needs the main checkpoint whole: refused, naming what is missing.
     assert main([*argv, "final-32-cold", "--peer-model", str(tiny_distill)]) == 2
     assert "text_encoder" in capsys.readouterr().err and len(seen) == 1
+
+
+def test_the_host_tier_column_only_where_the_rows_have_it() -> None:
+    plan = {"model": "m", "geometry": "864x480x121", "steps": 10, "argv": ["k6fast"]}
+    old = {"run": "final @ 32 GiB, warm", "arm": "final", "passed": True, "request_s": 50.0, "disk_read_bytes": 0,
+           "residency": {"num_blocks": 60, "resident_blocks": 17}}  # fmt: skip
+    before = render_table([old], plan)
+    assert "host tier" not in before  # older records render as they did, residency or none
+    assert before == render_table([{k: v for k, v in old.items() if k != "residency"}], plan)
+    tiered = {**old, "residency": {**old["residency"], "host_blocks": 22, "host_bytes": 26_400_000_000}}
+    untiered = {**old, "residency": {**old["residency"], "host_blocks": 0, "host_bytes": 0}}
+    peer = {"run": "diffusers peer", "arm": "diffusers-offload", "passed": True, "request_s": 90.0}
+    table = render_table([old, tiered, untiered, peer], plan)
+    assert "| " + " | ".join(COLUMNS + EXTRA_COLUMNS + ("host tier GB (blocks)",)) + " |" in table
+    rows = [line for line in table.splitlines() if line.startswith(("| final", "| diffusers"))]
+    assert [r.rsplit(" | ", 1)[1] for r in rows] == ["— |", "26.40 (22) |", "none |", "— |"]
+    assert len({r.count(" | ") for r in rows}) == 1  # every row has every column
+    assert "locked host memory (K6_HOST_CACHE_GB)" in table

@@ -140,8 +140,30 @@ EXTRA_NOTES = (
 )
 
 
+# Shown where a record's residency plan has the host tier's figures (rows measured since K6_HOST_CACHE_GB): the
+# streamed blocks the process held in locked host memory, each read from disk once.
+TIER_COLUMNS = ("host tier GB (blocks)",)
+TIER_NOTES = (
+    "host tier = the streamed DiT blocks the process held in locked host memory (K6_HOST_CACHE_GB), read from disk "
+    "once and copied to the GPU from there every step: their stored GB and how many; none = it held none."
+)
+
+
 def has_extra_columns(rows: list[dict[str, Any]]) -> bool:
     return any("disk_read_bytes" in row for row in rows)
+
+
+def has_tier_columns(rows: list[dict[str, Any]]) -> bool:
+    return any("host_blocks" in (row.get("residency") or {}) for row in rows)
+
+
+def _host_tier(row: dict[str, Any]) -> str:
+    residency = row.get("residency") or {}
+    if "host_blocks" not in residency:
+        return "—"
+    if not residency["host_blocks"]:
+        return "none"
+    return f"{residency.get('host_bytes', 0) / 1e9:.2f} ({residency['host_blocks']})"
 
 
 def peer_request_s(rows: list[dict[str, Any]]) -> tuple[str, float] | None:
@@ -160,7 +182,9 @@ def _vs_peer(row: dict[str, Any], peer: tuple[str, float] | None) -> str:
     return f"{peer[1] / row['request_s']:.2f}×"
 
 
-def table_row(row: dict[str, Any], peer: tuple[str, float] | None = None, extra: bool = False) -> str:
+def table_row(
+    row: dict[str, Any], peer: tuple[str, float] | None = None, extra: bool = False, tier: bool = False
+) -> str:
     phases = row.get("phases_s") or {}
     split = " / ".join(_s(phases.get(k)) for k in ("text_encode", "denoise", "video_decode", "mux"))
     denoise_peak = (row.get("phase_peaks") or {}).get("denoise", {}).get("reserved")
@@ -183,6 +207,8 @@ def table_row(row: dict[str, Any], peer: tuple[str, float] | None = None, extra:
     ]
     if extra:
         cells += [row.get("text_source") or "—", _gb(row.get("disk_read_bytes")), _reuploads(row)]
+    if tier:
+        cells.append(_host_tier(row))
     return "| " + " | ".join(str(c) for c in cells) + " |"
 
 
@@ -195,11 +221,12 @@ def _reuploads(row: dict[str, Any]) -> str:
 
 def table_lines(rows: list[dict[str, Any]]) -> list[str]:
     """The Markdown table of an acceptance run: a header and a row per run, each row's request against the peer's
-    (with EXTRA_COLUMNS where the rows have them)."""
+    (with EXTRA_COLUMNS and TIER_COLUMNS where the rows have them)."""
     peer = peer_request_s(rows)
-    extra = has_extra_columns(rows)
-    columns = COLUMNS + EXTRA_COLUMNS if extra else COLUMNS
-    return ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns), *(table_row(r, peer, extra) for r in rows)]
+    extra, tier = has_extra_columns(rows), has_tier_columns(rows)
+    columns = COLUMNS + (EXTRA_COLUMNS if extra else ()) + (TIER_COLUMNS if tier else ())
+    header = ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
+    return [*header, *(table_row(r, peer, extra, tier) for r in rows)]
 
 
 def _text_encoders(plan: dict[str, Any]) -> list[str]:
@@ -299,6 +326,7 @@ def render_table(rows: list[dict[str, Any]], plan: dict[str, Any], serve: list[d
         "",
         COLUMN_NOTES,
         *(["", EXTRA_NOTES] if has_extra_columns(rows) else []),
+        *(["", TIER_NOTES] if has_tier_columns(rows) else []),
         "",
         *(serve_lines(list(serve)) if serve else []),
     ]
