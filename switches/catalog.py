@@ -127,7 +127,8 @@ HOST_CACHE_GB = Switch(
     default="auto",
     doc="host memory in GiB pinned for the streamed DiT blocks at the end of the cycle, each read from disk once and "
     "copied to the GPU from there every step; auto = only when the streamed blocks do not fit the page cache, as much "
-    "as MemAvailable at load leaves beyond a reserve for the OS and the process (k6fast/memory.py); 0 = off",
+    "as MemAvailable at load (and the process's cgroup memory limit, where one is tighter) leaves beyond a reserve "
+    "for the OS and the process (k6fast/memory.py); 0 = off",
     min=0.0,
     affects_output=False,
 )

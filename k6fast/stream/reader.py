@@ -20,6 +20,7 @@ from ..df11 import decode_blob
 from ..dit.config import is_fp32_tensor, stays_as_stored
 from ..dit.linear import bind_quantized
 from ..safetensors_index import DF11Location, TensorLocation
+from .page_locked import staging_buffers
 
 TORCH_DTYPES = {
     "BF16": torch.bfloat16,
@@ -107,25 +108,30 @@ def upload(
     read (no full host copy of the weights ever exists). Quantized weights come back as QuantizedWeights (see
     `bind_quantized`)."""
     out: dict[str, Tensor] = {}
-    cuda = device.type == "cuda"
+    cuda = device.type == "cuda" and bool(locations)
     if cuda:
-        # Two staging buffers: the next tensor is read from the file while the previous one crosses PCIe.
-        size = max((loc.nbytes for loc in locations), default=0)
-        staging = [torch.empty(size, dtype=torch.uint8, pin_memory=True) for _ in range(2)]
+        # Two staging buffers: the next tensor is read from the file while the previous one crosses PCIe. Locked at
+        # exactly the largest tensor's size and given back on return (`page_locked`: PyTorch's pinned allocator would
+        # round each up to a power of two and keep it cached for the life of the process).
+        memory = staging_buffers(max(loc.nbytes for loc in locations), 2, device)
+        staging = memory.buffers
         copied = [torch.cuda.Event(), torch.cuda.Event()]
         stream = torch.cuda.current_stream(device)
-    for i, loc in enumerate(locations):
+    try:
+        for i, loc in enumerate(locations):
+            if cuda:
+                buf = staging[i % 2]
+                copied[i % 2].synchronize()  # the copy that last read this buffer has finished
+                reader.read_into(buf, [(loc, 0)])
+                dev = torch.empty(loc.nbytes, dtype=torch.uint8, device=device)
+                dev.copy_(buf[: loc.nbytes], non_blocking=True)
+                copied[i % 2].record(stream)
+            else:
+                dev = torch.empty(loc.nbytes, dtype=torch.uint8)
+                reader.read_into(dev, [(loc, 0)])
+            out[loc.name] = as_tensor(dev, loc, compute)
+    finally:
         if cuda:
-            buf = staging[i % 2]
-            copied[i % 2].synchronize()  # the copy that last read this buffer has finished
-            reader.read_into(buf, [(loc, 0)])
-            dev = torch.empty(loc.nbytes, dtype=torch.uint8, device=device)
-            dev.copy_(buf[: loc.nbytes], non_blocking=True)
-            copied[i % 2].record(stream)
-        else:
-            dev = torch.empty(loc.nbytes, dtype=torch.uint8)
-            reader.read_into(dev, [(loc, 0)])
-        out[loc.name] = as_tensor(dev, loc, compute)
-    if cuda:
-        stream.synchronize()  # the staging buffers are freed on return
+            stream.synchronize()  # no copy still reads the staging buffers when they are unlocked
+            memory.close()
     return bind_quantized(out, compute)
