@@ -108,9 +108,11 @@ def prompt_cache_dir(args: argparse.Namespace, options: Options) -> Path | None:
 
 
 # diffusers' and transformers' shared modules, which each of their model classes k6fast builds imports, and with them
-# Dynamo, Triton and sympy (diffusers.utils), scipy, torchvision and torchao (transformers' loss and quantizer modules):
-# `generate` imports them in a lap of their own in its start-up profile, before k6fast's modules.
-LIBRARY_MODULES = ("diffusers.utils.torch_utils", "transformers.modeling_utils")
+# Dynamo, Triton and sympy (diffusers.utils), scipy, torchvision and torchao (transformers' loss and quantizer modules),
+# every diffusers autoencoder and, through them, its UNet and transformer modules and loaders (a VAE class's import):
+# `generate` imports them in a lap of their own in its start-up profile, before k6fast's modules, which import nothing
+# more from these libraries but a few model classes.
+LIBRARY_MODULES = ("diffusers.utils.torch_utils", "transformers.modeling_utils", "diffusers.models.autoencoders")
 
 
 @contextlib.contextmanager
