@@ -196,6 +196,11 @@ for path in (sys.argv[1], os.path.dirname(sys.argv[2]), "/tmp"):
     print(f"  {path}: {free / 1e9:.1f} GB free of {total / 1e9:.1f}")
 info = dict(line.split(":", 1) for line in open("/proc/meminfo"))
 print("  memory:", info["MemTotal"].strip(), "total,", info["MemAvailable"].strip(), "available")
+# Bytecode: a process that finds no .pyc and may not write one compiles every module it imports (seconds per process;
+# measurements/sessions/2026-12-02_imports-cpu). `install` compiles /tmp/site; this says what the environment has.
+torch_dir = os.path.dirname(importlib.import_module("torch").__file__)
+print("  PYTHONDONTWRITEBYTECODE:", os.environ.get("PYTHONDONTWRITEBYTECODE", "unset"),
+      "| torch has bytecode:", os.path.isdir(os.path.join(torch_dir, "__pycache__")))
 smi = shutil.which("nvidia-smi")
 query = [smi or "nvidia-smi", "--query-gpu=name,memory.used,memory.total", "--format=csv,noheader"]
 print("  GPU:", subprocess.run(query, capture_output=True, text=True).stdout.strip() if smi else "no nvidia-smi")
@@ -232,6 +237,9 @@ for wheel in sys.argv[2:]:
                 os.chmod(dest, mode)
     print("unpacked", os.path.basename(wheel))
 PY
+  # Bytecode, as `pip install` leaves it for a user: without it (`--no-compile`, unpacked wheels, and a machine where
+  # PYTHONDONTWRITEBYTECODE is set) every process compiles what it imports from source. Up-to-date files are skipped.
+  python3 -m compileall -q -j 0 $SITE > /dev/null 2>&1 || echo "compileall: some files did not compile (exit $?)"
   ;;
 join)
   name=${2:?wheel name}
