@@ -12,8 +12,12 @@
 set -uo pipefail
 W=${LEASE_DIR:-/tmp/lease}
 WHEELS=${WHEELS:?the folder of wheels (a/, a/srv/)}
-STEPS=${STEPS:-gpu-tests peer-checkpoint text-phase acceptance:final-32-cold,fast-32-cold serve:final:31 \
-acceptance:final-32-warm-host60 df11 drop-text acceptance:diffusers-offload-32-cold}
+# What the envelope record of 2026-12-02 (measurements/sessions/2026-12-02_acceptance-envelope) left open, most
+# important first: the GPU tests of the host tier and the page-locked staging, `final` warm on a free host, `final`
+# beside the 60 GB ballast with the host tier (K6_HOST_CACHE_GB=auto) and doctor's prediction beside it, `fast` cold,
+# `serve --arm fast` at its defaults, the peer last (it needs the tmpfs text encoders gone).
+STEPS=${STEPS:-gpu-tests peer-checkpoint acceptance:final-32-cold,final-32-warm acceptance:final-32-warm-host60 \
+acceptance:fast-32-cold serve:fast:31 drop-text acceptance:diffusers-offload-32-cold}
 case "${1:?expected start}" in
 start)
   mkdir -p $W
