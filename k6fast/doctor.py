@@ -113,14 +113,30 @@ def measure_read(path: Path, nbytes: int = 512 << 20) -> tuple[float, str]:
     return done / seconds / GB, f"{done / 2**20:.0f} MiB of {path.name}, cached pages dropped first"
 
 
+def checkpoint_read_speed(model: str | Path) -> tuple[float, str]:
+    """`measure_read` of the checkpoint's largest transformer file: (GB/s, what was read)."""
+    from .checkpoint import open_checkpoint
+
+    largest = max(open_checkpoint(model).transformer_files, key=lambda f: f.stat().st_size)
+    return measure_read(largest)
+
+
 # The sizes whose longest clip `k6fast doctor` reports per arm: the headline size and the largest the server takes.
 CAPACITY_SIZES = ((864, 480), (1280, 720))
 
 
-def dit_plan(model: Path, budget_bytes: int, gpu: Gpu | None = None) -> dict:
-    """The residency plan the runtime would make at W1 for this checkpoint and budget (bf16 compute, exact arm), and
-    per arm the longest clip whose DiT phase fits at each of CAPACITY_SIZES (the runtime's own check; the exact video
-    decode is checked per request on top)."""
+def dit_plan(
+    model: Path,
+    budget_bytes: int,
+    gpu: Gpu | None = None,
+    *,
+    arm: str | None = None,
+    geometry: tuple[int, int, int] = W1,
+) -> dict:
+    """The residency plan the runtime would make at `geometry` (W1) for this checkpoint and budget (bf16 compute; the
+    exact arm's activations, or `arm`'s kernels as resolved for `gpu`), and per arm the longest clip whose DiT phase
+    fits at each of CAPACITY_SIZES (the runtime's own check; the exact video decode is checked per request on
+    top)."""
     from .checkpoint import open_checkpoint
     from .safetensors_index import index_safetensors
     from .text_plan import text_footprint, text_weights
@@ -139,14 +155,17 @@ def dit_plan(model: Path, budget_bytes: int, gpu: Gpu | None = None) -> dict:
                               text_bytes=text.device_bytes)  # fmt: skip
 
     stored_fp8 = any(loc.dtype == "F8_E4M3" for loc in index.values())
-    capacity = {arm: _arm_capacity(arm, planner, stored_fp8, gpu, rate) for arm in _arm_names()}
+    capacity = {name: _arm_capacity(name, planner, stored_fp8, gpu, rate) for name in _arm_names()}
     stored = sum(f.stat().st_size for f in ckpt.transformer_files)
     stored_as = ckpt.quantization or ckpt.compression  # None: BF16 as released
+    profile = None if arm is None else arm_profile(arm, stored_fp8, gpu)
     try:
-        plan = planner(dit_tokens(*W1, rate))
+        plan = planner(dit_tokens(*geometry, rate), profile)
     except ResidencyError as exc:
-        return {"variant": ckpt.variant, "dit_file_bytes": stored, "describe": f"at W1: {exc}", "capacity": capacity,
-                "text": text.as_dict(), "text_describe": text.describe(), "stored_as": stored_as}  # fmt: skip
+        where = "W1" if geometry == W1 else "x".join(map(str, geometry))
+        return {"variant": ckpt.variant, "dit_file_bytes": stored, "describe": f"at {where}: {exc}",
+                "capacity": capacity, "text": text.as_dict(), "text_describe": text.describe(),
+                "stored_as": stored_as}  # fmt: skip
     stored_blocks = [0] * cfg.num_visual_blocks  # what the reader reads per block: the files' bytes
     for name, loc in index.items():
         if (b := block_of(name)) is not None:
@@ -162,8 +181,9 @@ def _arm_names() -> list[str]:
     return list_arms()
 
 
-def _arm_capacity(arm: str, planner, stored_fp8: bool, gpu: Gpu | None, rate: AudioRate) -> dict[str, int | None]:
-    """{"WxH": the most frames of a clip at that size whose DiT phase fits, None when none does} for `arm` on `gpu`."""
+def arm_profile(arm: str, stored_fp8: bool, gpu: Gpu | None) -> dict[str, bool]:
+    """`activation_profile` of `arm`'s GEMM and attention as resolved for `gpu` (None: the CPU), with no K6_*
+    variable from the environment: what a `k6fast generate --arm ARM` process in a clean environment plans with."""
     from .dit.arch import Target, resolve_for
     from .switches import load_options
 
@@ -173,7 +193,12 @@ def _arm_capacity(arm: str, planner, stored_fp8: bool, gpu: Gpu | None, rate: Au
         major, _, minor = gpu.compute_capability.partition(".")
         target = Target(gpu.name, (int(major), int(minor or 0)), gpu.geforce)
     options = resolve_for(load_options({}, arm=arm), target)
-    profile = activation_profile(options.gemm, options.attn, stored_fp8)
+    return activation_profile(options.gemm, options.attn, stored_fp8)
+
+
+def _arm_capacity(arm: str, planner, stored_fp8: bool, gpu: Gpu | None, rate: AudioRate) -> dict[str, int | None]:
+    """{"WxH": the most frames of a clip at that size whose DiT phase fits, None when none does} for `arm` on `gpu`."""
+    profile = arm_profile(arm, stored_fp8, gpu)
 
     def fits(w: int, h: int, f: int) -> bool:
         try:
@@ -305,10 +330,7 @@ def run_doctor(
         if read_gb_s is not None:
             report.read_gb_s, report.read_note = read_gb_s, "given with --read-gb-s"
         elif measure:
-            from .checkpoint import open_checkpoint
-
-            largest = max(open_checkpoint(model).transformer_files, key=lambda f: f.stat().st_size)
-            report.read_gb_s, report.read_note = measure_read(largest)
+            report.read_gb_s, report.read_note = checkpoint_read_speed(model)
         if "resident_blocks" in report.plan:
             cgroup = report.cgroup if available_bytes is None else None  # --available-gb: another host's figure
             report.disk_per_step = predict_disk_per_step(report.plan, report.host_available_bytes, report.read_gb_s,
