@@ -35,6 +35,7 @@ from .acceptance_report import (
     render_table,
     request_summary,
 )
+from .disk_prediction import StepReads, disk_per_step, predict, read_speed
 from .records import append_jsonl, read_jsonl, write_json
 
 REFERENCE_ARM = "reference"
@@ -93,16 +94,16 @@ class ProcessWatch:
     storage (read_bytes of /proc/PID/io: page-cache misses, which a host short of memory pays on every run; None where
     the file cannot be read) and the GPU memory nvidia-smi reports in use above what it showed before the child
     started (the CUDA context and everything outside the allocator). `mark()` splits the run into windows (a server's
-    jobs)."""
+    jobs). `steps`: where to note read_bytes at the child's denoising step boundaries (its log's progress bar)."""
 
-    def __init__(self, pid: int, interval_s: float = 0.25, smi: str | None = None):
-        self.pid, self.interval_s = pid, interval_s
+    def __init__(self, pid: int, interval_s: float = 0.25, smi: str | None = None, steps: StepReads | None = None):
+        self.pid, self.interval_s, self.steps = pid, interval_s, steps
         self.smi = smi if smi is not None else shutil.which("nvidia-smi")
         self.peak_rss = self.peak_anon = self.peak_smi_mib = self.window_rss = 0
         self.read_bytes: int | None = None
         self._read_at_mark = 0
         self.baseline_smi_mib = self._smi_used()
-        self._lock = threading.Lock()
+        self._lock, self._sampling = threading.Lock(), threading.Lock()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="k6fast-acceptance-watch", daemon=True)
         self._thread.start()
@@ -118,14 +119,23 @@ class ProcessWatch:
             return 0
 
     def _sample(self) -> None:
+        with self._sampling:  # the watcher's thread and mark() both sample; StepReads reads its log in order
+            done = None if self.steps is None else self.steps.poll()  # before read_bytes: see StepReads
+            read = self._read_proc()
+            if self.steps is not None:
+                self.steps.record(done, read)
+
+    def _read_proc(self) -> int | None:
+        """Sample /proc/PID: the peaks, and the read_bytes it shows now (None where it could not be read)."""
         try:
             status = Path(f"/proc/{self.pid}/status").read_text()
         except OSError:
-            return
+            return None
         try:
             io = Path(f"/proc/{self.pid}/io").read_text()
         except OSError:
             io = ""
+        read = None
         with self._lock:
             for line in status.splitlines():
                 if line.startswith("VmRSS:"):
@@ -135,7 +145,9 @@ class ProcessWatch:
                     self.peak_anon = max(self.peak_anon, int(line.split()[1]) * 1024)
             for line in io.splitlines():
                 if line.startswith("read_bytes:"):
-                    self.read_bytes = max(self.read_bytes or 0, int(line.split()[1]))
+                    read = int(line.split()[1])
+                    self.read_bytes = max(self.read_bytes or 0, read)
+        return read
 
     def mark(self) -> tuple[int, int | None]:
         """(peak RSS, bytes read) since the last mark, or since the start; the next window starts now."""
@@ -233,8 +245,10 @@ def peer_command(run: Run, w: Workload, run_dir: Path, python: str) -> list[str]
 
 
 def execute(run: Run, w: Workload, *, work: Path, timeout_s: float, python: str = sys.executable,
-            reference_latents: Path | None = None) -> dict[str, Any]:  # fmt: skip
-    """Run one fresh process and return its row."""
+            reference_latents: Path | None = None, read_gb_s: float | None = None) -> dict[str, Any]:  # fmt: skip
+    """Run one fresh process and return its row. Beside a ballast, a k6fast arm's row also carries doctor's
+    prediction of its disk reads per step, made once the ballast holds its memory, at `read_gb_s` (`disk_prediction`),
+    and the measured counterpart."""
     run_dir = work / "runs" / run.slug
     shutil.rmtree(run_dir, ignore_errors=True)
     run_dir.mkdir(parents=True)
@@ -245,11 +259,15 @@ def execute(run: Run, w: Workload, *, work: Path, timeout_s: float, python: str 
     ballast = Ballast(run.host_ram_gb, python) if run.host_ram_gb else None
     row: dict[str, Any] = {"run": run.name, "slug": run.slug, **asdict(run), "command": cmd,
                            "ballast": ballast.description if ballast else None}  # fmt: skip
-    start = time.perf_counter()
+    predicted = ballast is not None and not run.peer
+    steps = StepReads(run_dir / "stderr.log") if predicted else None
     try:
+        if predicted:
+            row["disk_prediction"] = _prediction(run, w, read_gb_s)
+        start = time.perf_counter()
         with open(run_dir / "stderr.log", "w") as log:
             proc = subprocess.Popen(cmd, env=child_env(run, work, dict(os.environ)), stdout=log, stderr=log)
-            watch = ProcessWatch(proc.pid)
+            watch = ProcessWatch(proc.pid, steps=steps)
             try:
                 row["returncode"] = proc.wait(timeout=timeout_s)
             except subprocess.TimeoutExpired:
@@ -262,6 +280,8 @@ def execute(run: Run, w: Workload, *, work: Path, timeout_s: float, python: str 
             ballast.close()
     row["process_s"] = round(time.perf_counter() - start, 3)
     row.update(request_summary(run_dir, peer=run.peer))
+    if steps is not None:
+        row["disk_per_step"] = disk_per_step(row["disk_prediction"], steps, run_dir / "clip.mp4.json", run.arm)
     tail = (run_dir / "stderr.log").read_text(errors="replace").splitlines()[-15:]
     if row["returncode"] != 0:
         why = f"timed out after {timeout_s:.0f} s" if row["returncode"] is None else f"exit {row['returncode']}"
@@ -277,6 +297,16 @@ def execute(run: Run, w: Workload, *, work: Path, timeout_s: float, python: str 
         row["clip_bytes"] = clip.stat().st_size
         clip.unlink()
     return row
+
+
+def _prediction(run: Run, w: Workload, read_gb_s: float | None) -> dict[str, Any]:
+    """`disk_prediction.predict` for the run; a prediction that fails is recorded as such rather than costing the
+    run its measurement (a lease cannot run it again)."""
+    geometry = tuple(int(v) for v in w.geometry.split("x"))
+    try:
+        return predict(w.model, run.arm, run.budget_gb, geometry, read_gb_s)
+    except Exception as exc:  # whatever doctor raises, the run goes on
+        return {"error": f"{type(exc).__name__}: {exc}", "step_bytes": None, "step_min_s": None}
 
 
 def run_acceptance(
@@ -306,8 +336,14 @@ def run_acceptance(
     reference = next((work / "runs" / row["slug"] / "latents.safetensors" for row in rows
                       if row.get("arm") == REFERENCE_ARM and row.get("passed")), None)  # fmt: skip
     for i, run in enumerate(runs, 1):
+        if run.host_ram_gb and not run.peer and "disk_read_test" not in plan:
+            # Once per session, before its first ballast run (the test drops cached pages the runs before it read).
+            plan["disk_read_test"] = read_speed(w.model)
+            write_json(out / PLAN_FILE, plan)
+            log(f"acceptance: checkpoint read speed {plan['disk_read_test']['read_gb_s']:.2f} GB/s (doctor's test)")
         log(f"acceptance: run {i}/{len(runs)}: {run.name}")
-        row = execute(run, w, work=work, timeout_s=timeout_s, reference_latents=reference)
+        read_gb_s = plan.get("disk_read_test", {}).get("read_gb_s")
+        row = execute(run, w, work=work, timeout_s=timeout_s, reference_latents=reference, read_gb_s=read_gb_s)
         latents = work / "runs" / run.slug / "latents.safetensors"
         first_reference = run.arm == REFERENCE_ARM and reference is None and row["passed"] and latents.is_file()
         if first_reference:

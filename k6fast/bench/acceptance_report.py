@@ -149,12 +149,39 @@ TIER_NOTES = (
 )
 
 
+# Shown where a row ran beside the host-memory ballast with doctor's prediction (`disk_prediction.py`): rows since
+# then; older tables stay as they were.
+PREDICTION_COLUMNS = ("disk GB/step predicted / measured", "s/step floor / measured")
+PREDICTION_NOTES = (
+    "disk GB/step: doctor's prediction (`k6fast doctor`'s predict_disk_per_step for the row's arm, budget and "
+    "geometry, with the host's MemAvailable once the ballast held its memory, the host tier the run's "
+    "K6_HOST_CACHE_GB gives, and the session's disk read speed by doctor's read test) of the bytes one scan of the "
+    "streamed blocks reads from disk, against the run's: (read_bytes when step k1 had ended − when step k0 had ended) "
+    "/ DiT forwards in steps k0+1..k1, k0 the first step boundary the watcher saw at or after the first step (which "
+    "fills the host tier; before it come the load and the text phase), k1 the last (read_bytes of /proc/PID/io, read "
+    "just after the step count in the process's progress bar); s/step: the reading's floor at that speed against the "
+    "run's seconds per DiT forward over the same steps. No run passes or fails on them."
+)
+
+
 def has_extra_columns(rows: list[dict[str, Any]]) -> bool:
     return any("disk_read_bytes" in row for row in rows)
 
 
 def has_tier_columns(rows: list[dict[str, Any]]) -> bool:
     return any("host_blocks" in (row.get("residency") or {}) for row in rows)
+
+
+def has_prediction_columns(rows: list[dict[str, Any]]) -> bool:
+    return any("disk_per_step" in row for row in rows)
+
+
+def _predicted_vs_measured(row: dict[str, Any]) -> list[str]:
+    d = row.get("disk_per_step")
+    if d is None:
+        return ["—", "—"]
+    return [f"{_gb(d.get('predicted_bytes'))} / {_gb(d.get('measured_bytes'))}",
+            f"{_s(d.get('predicted_min_s'))} / {_s(d.get('measured_s'))}"]  # fmt: skip
 
 
 def _host_tier(row: dict[str, Any]) -> str:
@@ -183,7 +210,11 @@ def _vs_peer(row: dict[str, Any], peer: tuple[str, float] | None) -> str:
 
 
 def table_row(
-    row: dict[str, Any], peer: tuple[str, float] | None = None, extra: bool = False, tier: bool = False
+    row: dict[str, Any],
+    peer: tuple[str, float] | None = None,
+    extra: bool = False,
+    tier: bool = False,
+    prediction: bool = False,
 ) -> str:
     phases = row.get("phases_s") or {}
     split = " / ".join(_s(phases.get(k)) for k in ("text_encode", "denoise", "video_decode", "mux"))
@@ -209,6 +240,8 @@ def table_row(
         cells += [row.get("text_source") or "—", _gb(row.get("disk_read_bytes")), _reuploads(row)]
     if tier:
         cells.append(_host_tier(row))
+    if prediction:
+        cells += _predicted_vs_measured(row)
     return "| " + " | ".join(str(c) for c in cells) + " |"
 
 
@@ -221,12 +254,13 @@ def _reuploads(row: dict[str, Any]) -> str:
 
 def table_lines(rows: list[dict[str, Any]]) -> list[str]:
     """The Markdown table of an acceptance run: a header and a row per run, each row's request against the peer's
-    (with EXTRA_COLUMNS and TIER_COLUMNS where the rows have them)."""
+    (with EXTRA_COLUMNS, TIER_COLUMNS and PREDICTION_COLUMNS where the rows have them)."""
     peer = peer_request_s(rows)
-    extra, tier = has_extra_columns(rows), has_tier_columns(rows)
+    extra, tier, prediction = has_extra_columns(rows), has_tier_columns(rows), has_prediction_columns(rows)
     columns = COLUMNS + (EXTRA_COLUMNS if extra else ()) + (TIER_COLUMNS if tier else ())
+    columns += PREDICTION_COLUMNS if prediction else ()
     header = ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
-    return [*header, *(table_row(r, peer, extra, tier) for r in rows)]
+    return [*header, *(table_row(r, peer, extra, tier, prediction) for r in rows)]
 
 
 def _text_encoders(plan: dict[str, Any]) -> list[str]:
@@ -243,6 +277,14 @@ def _text_encoders(plan: dict[str, Any]) -> list[str]:
         lines.append(f"- the peer read {plan.get('peer_model', '?')}: text encoders {peer.get('synthetic') or '?'}, "
                      f"{_gb(peer.get('bytes'))} GB (it holds them and the DiT in host memory)")  # fmt: skip
     return lines
+
+
+def _read_test(plan: dict[str, Any]) -> list[str]:
+    test = plan.get("disk_read_test")
+    if not test:
+        return []
+    return [f"- checkpoint read speed before the ballast runs: {test['read_gb_s']:.2f} GB/s (`k6fast doctor`'s read "
+            f"test: {test.get('note', '')}); the disk GB/step column's predictions use it"]  # fmt: skip
 
 
 SERVE_COLUMNS = ("serve run", "job", "size", "outcome", "submit → done s", "run s", "text / denoise / decode / mux s",
@@ -317,6 +359,7 @@ def render_table(rows: list[dict[str, Any]], plan: dict[str, Any], serve: list[d
         f"- commit(s): {', '.join(commits) or 'unknown'}",
         f"- checkpoint: {plan.get('checkpoint_note', plan.get('model'))}",
         *_text_encoders(plan),
+        *_read_test(plan),
         f"- each run a fresh process: `k6fast generate --arm ARM` under `K6_VRAM_BUDGET_GB`; cold = empty Inductor and "
         "Triton caches, warm = the caches a cold run of the same arm left; seed "
         f"{plan.get('seed')}, prompt: {plan.get('prompt')!r}",
@@ -327,6 +370,7 @@ def render_table(rows: list[dict[str, Any]], plan: dict[str, Any], serve: list[d
         COLUMN_NOTES,
         *(["", EXTRA_NOTES] if has_extra_columns(rows) else []),
         *(["", TIER_NOTES] if has_tier_columns(rows) else []),
+        *(["", PREDICTION_NOTES] if has_prediction_columns(rows) else []),
         "",
         *(serve_lines(list(serve)) if serve else []),
     ]
