@@ -141,7 +141,9 @@ serve_bench() {  # ARM BUDGET
   local slug=$1-$2 limit=${SERVE_TIMEOUT:-1200}
   # The script's own deadline ends it first, with its record; `timeout` (SIGTERM: the script stops the server and
   # writes what it measured) is the backstop.
-  (cd "$repo" && timeout "$limit" python3 measurements/bench_serve_defaults.py --model $W/syn --arm "$1" --budget-gb "$2" \
+  # TORCH_LOGS=recompiles: the server log names the guard behind each recompile (2026-12-02: every job compiled one
+  # graph, a repeated geometry too; measurements/sessions/2026-12-02_acceptance-envelope).
+  (cd "$repo" && TORCH_LOGS=recompiles timeout "$limit" python3 measurements/bench_serve_defaults.py --model $W/syn --arm "$1" --budget-gb "$2" \
     --set K6_INDUCTOR_CACHE_DIR=$W/work/cache/$1 --record $REC --work $W/work/serve-$slug --timeout-s $((limit - 60)) \
     ${SERVE_ARGS:-} > $W/serve_$slug.log 2>&1)
   echo "serve $1 $2 exit $?"; tail -12 $W/serve_$slug.log
