@@ -18,6 +18,7 @@ import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from . import bytecode
 from .fit import largest_frames
 from .memory import PROCESS_HOST_BYTES, CgroupLimit, HostMemory, cgroup_limit, meminfo
 from .request import W1, dit_tokens
@@ -337,6 +338,9 @@ def run_doctor(
                                                          cgroup)  # fmt: skip
     compressed = bool(report.plan and report.plan.get("stored_as"))
     report.advice = advise(report, dit_bytes, report.plan, compressed)
+    slow_start = bytecode.check()  # this interpreter's packages: the start-up every command pays
+    if slow_start:
+        report.advice.append(slow_start)
     return report
 
 
