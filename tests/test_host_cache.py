@@ -438,7 +438,7 @@ def test_staging_is_page_locked_at_its_exact_size_until_close_gpu(blocks_file) -
     assert not any(b.is_pinned() for b in buffers)  # unregistered: the view's memory is plain again
     path, _ = blocks_file
     streamer, reader, _ = _streamer(path, device, ())
-    held = list(streamer._staging)
+    held = streamer.staging
     assert len(held) == 2 and all(b.is_pinned() for b in held)
     assert all(b.numel() == max(layout.nbytes for layout in streamer.layouts.values()) for b in held)
     streamer.close()

@@ -149,6 +149,11 @@ class BlockStreamer:
         self._thread = threading.Thread(target=self._run, name="k6-stream", daemon=True)
         self._thread.start()
 
+    @property
+    def staging(self) -> list[Tensor]:
+        """The host buffers the reader fills (page-locked on CUDA, at the largest block's exact size)."""
+        return list(self._staging)
+
     # -- reader side ---------------------------------------------------------------------------------------------
     def _run(self) -> None:
         try:
