@@ -166,3 +166,14 @@ def test_replace_results_needs_one_pair_of_markers_in_order() -> None:
     for broken in ("no markers", f"{end}\n{start}\n", f"{start}\n{start}\n{end}\n"):
         with pytest.raises(ValueError, match="must hold the results"):
             replace_results(broken, "new")
+
+
+def test_the_readme_explains_every_column_group_its_headline_table_shows(tmp_path: Path) -> None:
+    from k6fast.bench.acceptance_report import TIER_NOTES
+
+    root = tmp_path / "measurements" / "sessions"
+    tiered = _row("final", 80.0) | {"residency": {"host_blocks": 22, "host_bytes": 26_400_000_000}}
+    rows = [_row("reference", 100.0), tiered, _row("diffusers-offload", 120.0)]
+    _acceptance(root, "2026-01-01_acceptance", "2026-01-01T10:00", "864x480x121", _note(60, 60), rows)
+    block = results_block(root, root.parent.parent)
+    assert "| 26.40 (22) |" in block and TIER_NOTES in block  # the column and what it means, as the record says

@@ -343,6 +343,17 @@ def serve_lines(records: list[dict[str, Any]], heading: str = "##") -> list[str]
     return [*lines, ""]
 
 
+def column_notes(rows: list[dict[str, Any]]) -> list[str]:
+    """What the table's columns mean: the base columns' notes, then those of each optional column group the rows
+    have (a record's README and the project README's results say the same)."""
+    return [
+        COLUMN_NOTES,
+        *(["", EXTRA_NOTES] if has_extra_columns(rows) else []),
+        *(["", TIER_NOTES] if has_tier_columns(rows) else []),
+        *(["", PREDICTION_NOTES] if has_prediction_columns(rows) else []),
+    ]
+
+
 def render_table(rows: list[dict[str, Any]], plan: dict[str, Any], serve: list[dict[str, Any]] = ()) -> str:
     """The session's README: what ran, on what, a row per run, and the `serve` records of the session."""
     commits = sorted({str(r.get("commit")) + (" (dirty)" if r.get("dirty") else "") for r in rows if r.get("commit")})
@@ -367,10 +378,7 @@ def render_table(rows: list[dict[str, Any]], plan: dict[str, Any], serve: list[d
         "",
         *table_lines(rows),
         "",
-        COLUMN_NOTES,
-        *(["", EXTRA_NOTES] if has_extra_columns(rows) else []),
-        *(["", TIER_NOTES] if has_tier_columns(rows) else []),
-        *(["", PREDICTION_NOTES] if has_prediction_columns(rows) else []),
+        *column_notes(rows),
         "",
         *(serve_lines(list(serve)) if serve else []),
     ]

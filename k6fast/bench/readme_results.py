@@ -20,12 +20,10 @@ from typing import Any
 
 from ..switches.table import marked_span
 from .acceptance_report import (
-    COLUMN_NOTES,
-    EXTRA_NOTES,
     PLAN_FILE,
     ROWS_FILE,
     SERVE_DIR,
-    has_extra_columns,
+    column_notes,
     is_peer_arm,
     serve_lines,
     table_lines,
@@ -127,8 +125,7 @@ def acceptance_section(record: AcceptanceRecord, link_prefix: str, later: bool =
         "",
         *table_lines(rows),
         "",
-        COLUMN_NOTES,
-        *(["", EXTRA_NOTES] if has_extra_columns(rows) else []),
+        *column_notes(rows),
         *(["", *serve_lines(serve, heading="####")] if (serve := _serve_records(record)) else []),
     ]
 
