@@ -49,7 +49,9 @@ def bytecode_advice(states: list[Bytecode]) -> str | None:
         return None
     names = ", ".join(s.package for s in missing)
     folders = " ".join(sorted({str(s.folder.parent) for s in missing}))
-    fix = f"`{Path(sys.executable).name} -m compileall -q -j 0 {folders}`"
+    # This interpreter by its path: a bare `python3` outside the venv may be another Python, whose bytecode (its own
+    # cpython-3XY tag) this one never reads.
+    fix = f"`{sys.executable} -m compileall -q -j 0 {folders}`"
     if all(s.writable for s in missing):
         return f"bytecode: {names} not compiled yet; the first process compiles and writes it, or run {fix} now"
     return (f"bytecode: {names} not compiled, and this environment cannot write it (PYTHONDONTWRITEBYTECODE or a "

@@ -23,7 +23,7 @@ def test_a_package_without_bytecode_is_found_and_compileall_fixes_it(tmp_path, m
     assert package_bytecode("k6_probe_pkg", dont_write=False).writable  # tmp_path is writable
     line = bytecode_advice([state])
     assert "k6_probe_pkg not compiled" in line and "every process compiles it again" in line
-    assert f"-m compileall -q -j 0 {tmp_path}`" in line
+    assert f"`{sys.executable} -m compileall -q -j 0 {tmp_path}`" in line  # this interpreter, not a bare python3
     assert compileall.compile_dir(tmp_path / "k6_probe_pkg", quiet=1)
     assert package_bytecode("k6_probe_pkg", dont_write=True).compiled
     assert "k6_probe_pkg" not in sys.modules  # looked at, never imported
