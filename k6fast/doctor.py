@@ -386,7 +386,8 @@ def register(subparsers):
 def cmd_doctor(args) -> int:
     problem = None
     if args.model and not Path(args.model).is_dir():  # run_doctor would report the machine alone, silently
-        problem = f"--model {args.model}: no such directory; expected a local checkpoint directory (download a Hub id)"
+        problem = (f"--model {args.model}: no such directory; expected a local checkpoint directory (doctor downloads "
+                   "nothing: fetch a Hub id first, `hf download ID --local-dir DIR`)")  # fmt: skip
     elif not (math.isfinite(args.budget_gb) and args.budget_gb >= 0):
         problem = f"--budget-gb: expected a number of GiB >= 0 (0 = the whole card), found {args.budget_gb}"
     elif args.available_gb is not None and not (math.isfinite(args.available_gb) and args.available_gb >= 0):

@@ -161,7 +161,7 @@ CASES = {
         "add --text-encoders full",
     ),
     "acceptance-only": (["acceptance", "--model", "{tiny}", "--only", "nope"], {}, "--only ['nope']: expected run"),
-    "doctor-model": (["doctor", "--model", "{here}/nowhere"], {}, "no such directory; expected a local checkpoint"),
+    "doctor-model": (["doctor", "--model", "{here}/nowhere"], {}, "fetch a Hub id first, `hf download ID"),
     "doctor-model-not-a-checkpoint": (["doctor", "--model", "{here}"], {}, "missing file {here}/model_index.json"),
     "doctor-budget": (["doctor", "--budget-gb", "nan"], {}, "--budget-gb: expected a number of GiB >= 0"),
     "quantize-src": (["quantize", "--format", "fp8", "{here}/nowhere", "{out}"], {}, "is not a checkpoint directory"),
