@@ -111,7 +111,7 @@ def measure_read(path: Path, nbytes: int = 512 << 20) -> tuple[float, str]:
         seconds = time.perf_counter() - start
     finally:
         os.close(fd)
-    return done / seconds / GB, f"{done / 2**20:.0f} MiB of {path.name}, cached pages dropped first"
+    return done / seconds / GB, f"{done / 2**20:.3g} MiB of {path.name}, cached pages dropped first"
 
 
 def checkpoint_read_speed(model: str | Path) -> tuple[float, str]:

@@ -82,6 +82,8 @@ def test_read_speed_and_a_whole_report(tiny_distill, tmp_path) -> None:
     data.write_bytes(b"\0" * (4 << 20))
     speed, note = measure_read(data)
     assert speed > 0 and "4 MiB of blob" in note
+    (tmp_path / "small").write_bytes(b"\0" * (300 << 10))  # a tiny checkpoint's file: not "0 MiB"
+    assert "0.293 MiB of small" in measure_read(tmp_path / "small")[1]
     report = run_doctor(str(tiny_distill))
     text = render(report)
     assert report.plan is not None and report.read_gb_s is not None and report.host_ram_bytes > GB
