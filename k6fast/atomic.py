@@ -76,3 +76,8 @@ def build_dir_atomically(out_dir: str | Path, build: Callable[[Path], None], wha
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     return out_dir
+
+
+def sidecar_path(out: Path) -> Path:
+    """The JSON record written beside a clip: `clip.mp4` → `clip.mp4.json`."""
+    return out.with_name(out.name + ".json")

@@ -13,6 +13,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 from . import __version__
+from .atomic import sidecar_path
 from .checkpoint import Checkpoint, CheckpointError, open_checkpoint
 from .cli_args import DTYPES, device_problem, seed_problem, size_arg, torch_dtype_of
 from .entry import configure_allocator_environment, prepare_pipeline_process, quiet_warnings
@@ -31,8 +32,9 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", choices=DTYPES, help="compute dtype (default: bf16 GPU, fp32 CPU)")
 
 
-def _check_out(out: Path) -> None:
-    """`--out` must be a new or existing file ending in .mp4 in a directory this user can write."""
+def _check_out(out: Path, overwrite: bool = False) -> None:
+    """`--out` must be a new file ending in .mp4 in a directory this user can write; with `overwrite`, an existing
+    clip and its sidecar may be replaced. Nothing a user made is replaced without their word."""
     if out.suffix.lower() != ".mp4":
         raise CliError(f"--out {out}: expected a path ending in .mp4")
     if out.is_dir():
@@ -42,11 +44,15 @@ def _check_out(out: Path) -> None:
     # The clip is written beside `out` and renamed over it, so the directory must be writable, not only the file.
     if not os.access(out.parent, os.W_OK | os.X_OK):
         raise CliError(f"--out {out}: the directory {out.parent} is not writable by this user")
+    existing = [p for p in (out, sidecar_path(out)) if p.exists()]
+    if existing and not overwrite:
+        raise CliError(f"--out {out}: {' and '.join(str(p) for p in existing)} already exist(s); expected a new path, "
+                       "or --overwrite to replace the clip and its sidecar")  # fmt: skip
 
 
 def _check_generate_args(args: argparse.Namespace) -> None:
     """The arguments on their own: the output path, the geometry and the numbers."""
-    _check_out(Path(args.out))
+    _check_out(Path(args.out), args.overwrite)
     width, height = args.size
     validate_geometry(width, height, args.frames)
     problem = seed_problem(args.seed)
@@ -161,7 +167,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
         clock.lap("imports_libraries")
         from tqdm import tqdm
 
-        from .output import generate_to_mp4, sidecar_path
+        from .output import generate_to_mp4
         from .pipeline import Pipeline
         from .telemetry import bytecode_compiled
 
@@ -301,7 +307,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=42)
     p.add_argument("--negative-prompt", help="negative prompt for CFG (base checkpoints)")
     p.add_argument("--no-audio", action="store_true", help="denoise video only")
-    p.add_argument("--out", required=True, help="output .mp4 path")
+    p.add_argument("--out", required=True, help="output .mp4 path (a new file unless --overwrite)")
+    p.add_argument("--overwrite", action="store_true", help="replace --out and its .json sidecar if they exist")
     p.add_argument("--save-latents", help="also write the denoised latents (video, audio) to this .safetensors file")
     p.add_argument("--prompt-cache", help="folder of encoded prompts reused by later runs (default: prompts/ in "
                    "K6_INDUCTOR_CACHE_DIR, else ~/.cache/k6fast/prompts; 'none' = do not keep them)")  # fmt: skip

@@ -18,7 +18,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from .atomic import write_json_atomic
+from .atomic import sidecar_path, write_json_atomic
 from .cancel import StopCheck
 from .media import Mp4Writer, prepare_audio, write_mp4
 from .pipeline import Pipeline, Request, Result
@@ -47,10 +47,6 @@ def mp4_metadata(options: Options) -> dict[str, str]:
         "k6fast_arm_hash": str(prov["arm_hash"]),
         "k6fast_switches": json.dumps(prov["switches"], sort_keys=True),
     }
-
-
-def sidecar_path(out: Path) -> Path:
-    return out.with_name(out.name + ".json")
 
 
 def write_result(

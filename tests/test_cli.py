@@ -221,3 +221,20 @@ def test_a_repeated_prompt_comes_from_the_prompt_cache_in_a_later_run(tiny_disti
     assert second["text_source"] == "disk" and second["text_bytes_streamed"] == 0
     assert run("c", "--prompt-cache", "none")["text_source"] == "encoded"
     assert (tmp_path / "a.mp4").read_bytes() == (tmp_path / "b.mp4").read_bytes()
+
+
+def test_generate_replaces_an_existing_clip_only_when_told(tiny_distill, tmp_path, capsys) -> None:
+    out = tmp_path / "p.mp4"
+    out.write_text("precious")
+    sidecar = tmp_path / "p.mp4.json"
+    argv = ["generate", "--model", str(tiny_distill), "--prompt", "a fox", "--size", "32x32", "--frames", "5",
+            "--steps", "2", "--no-audio", "--out", str(out)]  # fmt: skip
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert "already exist" in err and "--overwrite" in err
+    assert out.read_text() == "precious" and not sidecar.exists()  # nothing written, nothing replaced
+    out.unlink()
+    sidecar.write_text("{}")  # a sidecar alone is the user's file too
+    assert main(argv) == 2 and sidecar.read_text() == "{}"
+    assert main([*argv, "--overwrite"]) == 0
+    assert probe_mp4(out).frame_count == 5 and json.loads(sidecar.read_text())["request"]["prompt"] == "a fox"

@@ -253,7 +253,7 @@ class RayDispatcher(JobLoop):
         return Finished(run.replica, 0.0, error=_REPLICA_ERROR)
 
     def _complete(self, run: _Run, job: Job, finished: Finished, lost: list[dict[str, Any]], started: float) -> None:
-        from ..output import sidecar_path
+        from ..atomic import sidecar_path
 
         if finished.files is not None:
             try:

@@ -206,7 +206,7 @@ class Generator:
             self._write_files(video, thumbnail, request, result, should_stop)
             self._files.make_private(job_id)
             return None
-        from ..output import sidecar_path
+        from ..atomic import sidecar_path
 
         with tempfile.TemporaryDirectory(prefix="k6fast-clip-") as tmp:
             video, thumbnail = Path(tmp) / "video.mp4", Path(tmp) / "thumbnail.jpg"
