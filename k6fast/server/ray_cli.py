@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import logging
+import os
 import signal
 import threading
 
@@ -65,6 +66,17 @@ def ray_settings_from_args(args: argparse.Namespace) -> RaySettings | None:
         raise RayServeError(str(exc)) from None
 
 
+def check_local_gpus(settings: RaySettings, gpus: float) -> None:
+    """Refuse a deployment whose replicas need more GPUs than the local cluster has (`gpus`, Ray's count)."""
+    needed = settings.replicas * settings.gpus_per_replica
+    if needed > gpus + 1e-9:
+        raise RayServeError(
+            f"--replicas {settings.replicas} at --gpus-per-replica {settings.gpus_per_replica:g} need {needed:g} "
+            f"GPU(s); the Ray cluster on this machine has {gpus:g}: expected fewer replicas, --gpus-per-replica 0 "
+            "(CPU replicas, for tests), or --address of a cluster with the GPUs"
+        )
+
+
 def serve_on_ray(config: ServerConfig, options, settings: RaySettings, address: str | None) -> int:
     """Deploy and serve until a signal; returns the exit status."""
     try:
@@ -83,6 +95,9 @@ def serve_on_ray(config: ServerConfig, options, settings: RaySettings, address: 
     except (ConnectionError, ValueError, RuntimeError) as exc:
         raise RayServeError(f"cannot join the Ray cluster at {address or 'RAY_ADDRESS'} ({exc})") from None
     try:
+        if address is None and not os.environ.get("RAY_ADDRESS"):
+            # A cluster on this machine alone gains no GPUs later: replicas it cannot place would wait forever.
+            check_local_gpus(settings, ray.cluster_resources().get("GPU", 0.0))
         # The ingress owns --data-dir (the job store's lock and files), so it runs on this machine.
         settings = dataclasses.replace(settings, ingress_node_ip=ray.util.get_node_ip_address())
         serve.start(http_options={"host": config.host, "port": config.port})
