@@ -27,11 +27,11 @@ from .stream.plan import (
     ResidencyError,
     activation_estimate,
     activation_profile,
-    block_of,
     disk_bytes_per_step,
     index_footprint,
     plan_host_cache,
     plan_residency,
+    stored_block_bytes,
 )
 from .switches.registry import AUTO
 from .vae_geometry import AudioRate, audio_rate
@@ -167,10 +167,7 @@ def dit_plan(
         return {"variant": ckpt.variant, "dit_file_bytes": stored, "describe": f"at {where}: {exc}",
                 "capacity": capacity, "text": text.as_dict(), "text_describe": text.describe(),
                 "stored_as": stored_as}  # fmt: skip
-    stored_blocks = [0] * cfg.num_visual_blocks  # what the reader reads per block: the files' bytes
-    for name, loc in index.items():
-        if (b := block_of(name)) is not None:
-            stored_blocks[b] += loc.nbytes
+    stored_blocks = stored_block_bytes(index, cfg.num_visual_blocks)  # what one read of each block takes
     return {"variant": ckpt.variant, "dit_file_bytes": stored, **plan.as_dict(), "describe": plan.describe(),
             "capacity": capacity, "text": text.as_dict(), "text_describe": text.describe(), "stored_as": stored_as,
             "streamed_stored_bytes": stored_blocks[plan.resident_blocks :]}  # fmt: skip

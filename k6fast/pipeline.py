@@ -44,6 +44,7 @@ from .text_phase import TextPhase
 from .vae import decode_audio, decode_video, encode_image, load_audio_decoder, load_video_vae
 from .vae_geometry import AudioRate, audio_length, audio_rate, latent_frames, latent_size
 from .video_decode import VideoDecodePlan, decode_video_fast, plan_video_decode
+from .video_decode.plan import exact_decode_fits
 
 logger = logging.getLogger(__name__)
 
@@ -162,8 +163,6 @@ class Pipeline:
     def _exact_decode_fits(self, width: int, height: int, frames: int) -> bool:
         """Whether the decode of this geometry would be exact (`plan_video_decode(...).exact`), from the whole-clip
         decode's estimate alone: a fit table asks this thousands of times."""
-        from .video_decode.plan import exact_decode_fits
-
         if self.options.video_decode != "exact":
             return True
         shape = (latent_frames(frames), *latent_size(height, width))

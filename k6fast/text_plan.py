@@ -24,7 +24,7 @@ MAX_PROMPT_TOKENS = 1024
 # so this module needs neither PyTorch nor diffusers (tests/test_text_phase.py holds the two equal).
 TEMPLATE_TOKENS = 129
 CLIP_TOKENS = 77
-# Device slot offsets, as `k6fast.stream.streamer.BlockLayout` aligns them (a test holds the two equal).
+# Device slot offsets, as `k6fast.stream.plan.SLOT_ALIGN` aligns a streamed block's (a test holds the two equal).
 ALIGN = 256
 
 # Checkpoint names of the language model: the release's (`model.layers.N.`, as transformers writes them) or the

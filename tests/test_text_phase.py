@@ -226,7 +226,7 @@ def test_the_plan_at_the_release_shapes() -> None:
 def test_the_plan_restates_the_constants_it_shares() -> None:
     from diffusers.pipelines.kandinsky6.pipeline_kandinsky6_ti2va import _QWEN_CROP_START
 
-    from k6fast.stream.streamer import ALIGN as BLOCK_ALIGN
+    from k6fast.stream.plan import SLOT_ALIGN as BLOCK_ALIGN
 
     assert TEMPLATE_TOKENS == _QWEN_CROP_START and ALIGN == BLOCK_ALIGN
     locs = {

@@ -130,17 +130,33 @@ def index_footprint(index: Mapping[str, TensorLocation], num_blocks: int, comput
     return weight_footprint(entries, num_blocks, compute_itemsize)
 
 
-def landing_bytes(index: Mapping[str, TensorLocation], num_blocks: int) -> int:
-    """The device buffer a checkpoint with DF11 blobs streams through (`BlockStreamer`: a block's stored bytes land
-    there and are decoded into its slot): its largest block as stored, with the slot's 256-byte alignment; 0 without
-    blobs. Counted with the fixed weights, whether or not a block ends up streamed."""
-    if not any(isinstance(loc, DF11Location) for loc in index.values()):
-        return 0
+# Device slot offsets: every tensor of a streamed block starts on a 256-byte boundary in its slot, and so in the
+# host buffers its stored bytes are read into (`streamer.BlockLayout`).
+SLOT_ALIGN = 256
+
+
+def slot_aligned(nbytes: int) -> int:
+    return (nbytes + SLOT_ALIGN - 1) // SLOT_ALIGN * SLOT_ALIGN
+
+
+def stored_block_bytes(index: Mapping[str, TensorLocation], num_blocks: int) -> list[int]:
+    """Each fused block's stored bytes as one read of it lays them out (`streamer.BlockLayout.nbytes`: each tensor at
+    a 256-byte boundary): what a staging buffer, the landing buffer and the host tier hold per block, and what the
+    disk gives when the block is not in the page cache."""
     blocks = [0] * num_blocks
     for name, loc in index.items():
         if (b := block_of(name)) is not None:
-            blocks[b] += (loc.nbytes + 255) // 256 * 256
-    return max(blocks)
+            blocks[b] += slot_aligned(loc.nbytes)
+    return blocks
+
+
+def landing_bytes(index: Mapping[str, TensorLocation], num_blocks: int) -> int:
+    """The device buffer a checkpoint with DF11 blobs streams through (`BlockStreamer`: a block's stored bytes land
+    there and are decoded into its slot): its largest block as stored; 0 without blobs. Counted with the fixed
+    weights, whether or not a block ends up streamed."""
+    if not any(isinstance(loc, DF11Location) for loc in index.values()):
+        return 0
+    return max(stored_block_bytes(index, num_blocks))
 
 
 def activation_estimate(

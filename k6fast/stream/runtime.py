@@ -29,9 +29,10 @@ from .plan import (
     landing_bytes,
     plan_host_cache,
     plan_residency,
+    stored_block_bytes,
 )
 from .reader import FileReader, upload
-from .streamer import BlockLayout, BlockStreamer, MixedBlocks
+from .streamer import BlockStreamer, MixedBlocks
 
 
 @dataclass
@@ -214,7 +215,8 @@ def _host_tier(
         kept.close()
     if setting == 0:
         return None
-    sizes = {b: BlockLayout.of(index, block_prefix(b)).nbytes for b in range(plan.resident_blocks, num_blocks)}
+    stored = stored_block_bytes(index, num_blocks)
+    sizes = {b: stored[b] for b in range(plan.resident_blocks, num_blocks)}
     blocks = plan_host_cache(setting, list(sizes.items()), host if host is not None else host_memory())
     if not blocks:
         return None

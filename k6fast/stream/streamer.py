@@ -22,13 +22,8 @@ from ..dit.linear import bind_quantized
 from ..safetensors_index import DF11Location, TensorLocation
 from .host_cache import HostBlockCache
 from .page_locked import staging_buffers
+from .plan import slot_aligned
 from .reader import FileReader, as_tensor
-
-ALIGN = 256  # device slot offsets: every tensor view starts on a 256-byte boundary
-
-
-def _aligned(n: int) -> int:
-    return (n + ALIGN - 1) // ALIGN * ALIGN
 
 
 @dataclass(frozen=True)
@@ -48,8 +43,8 @@ class BlockLayout:
             loc = index[name]
             pieces.append((name[len(prefix) :], loc, at))
             held.append(held_at)
-            at += _aligned(loc.nbytes)
-            held_at += _aligned(loc.elements * loc.itemsize)  # a blob's decoded bytes, else its stored ones
+            at += slot_aligned(loc.nbytes)
+            held_at += slot_aligned(loc.elements * loc.itemsize)  # a blob's decoded bytes, else its stored ones
         if not pieces:
             raise ValueError(f"no tensors under {prefix!r} in the checkpoint")
         if not any(isinstance(loc, DF11Location) for _, loc, _ in pieces):
