@@ -200,6 +200,10 @@ def test_staging_and_locked_buffers_are_exactly_the_size_asked_and_given_back() 
     memory = LockedBuffers([4097, 8191, 3], cpu, lambda t: t.numel() != 8191, unlock)
     assert [b.numel() for b in memory.buffers] == [4097, 8191, 3] and memory.refused == [1]
     assert all(b.data_ptr() % 4096 == 0 for b in memory.buffers)
+    # The storage is the buffer itself, so `is_pinned()`, which asks about the storage's first byte, tells the
+    # truth about a locked buffer (for a view into a larger allocation it answered False: the H200 found it).
+    assert all(b.untyped_storage().data_ptr() == b.data_ptr() for b in memory.buffers)
+    assert all(b.untyped_storage().nbytes() == b.numel() for b in memory.buffers)
     memory.drop([0, 1])  # a locked one and the refused one: only the locked one is unlocked
     assert unlocked == [4097] and [b.numel() for b in memory.buffers] == [3] and memory.nbytes == 3
     memory.close()

@@ -11,6 +11,7 @@ Registered memory is exactly the bytes asked, and `close` gives it back.
 
 from __future__ import annotations
 
+import mmap
 import weakref
 from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -19,7 +20,6 @@ from functools import partial
 import torch
 from torch import Tensor
 
-PAGE = 4096
 # cudaHostRegisterPortable: the pages are locked for every CUDA context of the process, not only the current one.
 _REGISTER_PORTABLE = 1
 # Locking touches every page (the kernel zero-fills them first): a few threads spread the work of tens of GB.
@@ -95,10 +95,13 @@ def staging_buffers(nbytes: int, count: int, device: torch.device, lock: Lock | 
 
 
 def _page_aligned(nbytes: int) -> Tensor:
-    """A plain uint8 host buffer of exactly `nbytes` starting on a page boundary: the driver locks whole pages, and
-    no page of it is then shared with an allocation before it."""
-    raw = torch.empty(nbytes + PAGE, dtype=torch.uint8)
-    return raw[-raw.data_ptr() % PAGE :][:nbytes]
+    """A plain uint8 host buffer of exactly `nbytes` whose storage starts on a page boundary (an anonymous mapping):
+    the driver locks whole pages, no page of it is shared with another allocation, and, the storage being the buffer
+    itself, `Tensor.is_pinned()` (which asks about the storage's first byte) tells the truth once it is locked. A
+    view into a larger tensor was locked just as well, but is_pinned answered False for it."""
+    if nbytes == 0:
+        return torch.empty(0, dtype=torch.uint8)
+    return torch.frombuffer(mmap.mmap(-1, nbytes), dtype=torch.uint8)
 
 
 def _unlock_all(views: list[Tensor], unlock: Unlock | None) -> None:
