@@ -1,8 +1,8 @@
 """What the entry points (`k6fast ...`, `python -m k6fast.server`, the server's start-up and a bench visit) set for
 their whole process: which warnings reach the terminal, and in what form; the CUDA allocator's settings and its cap at
-the VRAM budget; where the kernel compilers keep their caches; how cuDNN picks its convolution algorithms. Only the
-entry points call these (a test holds it), so importing k6fast as a library, or building two pipelines in one
-process, changes no filter, no logger, no environment variable, no allocator setting and no `torch.backends` flag.
+the VRAM budget; where the kernel compilers keep their caches. Only the entry points call these (a test holds it), so
+importing k6fast as a library, or building two pipelines in one process, changes no filter, no logger, no environment
+variable, no allocator setting and no `torch.backends` flag.
 
 Deprecation warnings are about the libraries' own code (k6fast issues none), which a user of the command line cannot
 act on; an unknown `K6_*` variable is one line naming the switch that was probably meant.
@@ -95,29 +95,16 @@ def expandable_segments_now() -> None:
         log.warning("could not switch the CUDA allocator to expandable segments (%s); set %s=%s", exc, ENV, SETTING)
 
 
-def time_convolutions(device) -> None:
-    """On CUDA (`device`; None: CUDA where there is a GPU): cuDNN times its convolution algorithms for each new shape
-    and keeps the fastest (`torch.backends.cudnn.benchmark`) instead of taking its heuristics' first guess. The video
-    decode's 3-D convolutions were measured with it, and `generate` and `serve` decode with it
-    (measurements/sessions/2026-11-29_vae-decode, variant `ndhwc+bench+triton`). PyTorch keeps the choice for the
-    whole process, not per call or per thread, so it is the process's: the other convolutions (the audio VAE and
-    vocoder, the image encoder's patches, the gate's LPIPS network) are timed too, once per shape. Nothing on the
-    CPU."""
-    if resolve_device(device).type == "cuda":
-        import torch
-
-        torch.backends.cudnn.benchmark = True
-
-
 def prepare_pipeline_process(options, device) -> None:
     """Before an entry point builds its `Pipeline` (or a `SwitchedBackend`) with `options` on `device`: the compile
-    caches the options name, expandable segments from now on, the allocator capped at the options' VRAM budget
-    (the budget the pipeline plans for), and cuDNN's timed convolution algorithms."""
+    caches the options name, expandable segments from now on, and the allocator capped at the options' VRAM budget
+    (the budget the pipeline plans for). cuDNN keeps its heuristics' algorithms (`torch.backends.cudnn.benchmark`
+    off): timing them gained the W1 video decode nothing (4.49 s against 4.50 s a call) and cost a process's first
+    audio decode 3-5 s (measurements/sessions/2026-12-02_envelope-lease2)."""
     configure_compile_caches(options.inductor_cache_dir)
     if resolve_device(device).type == "cuda":
         expandable_segments_now()
     cap_device_memory(device, options.vram_budget_gb)
-    time_convolutions(device)
 
 
 def end_process(code: int) -> NoReturn:

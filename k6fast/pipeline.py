@@ -240,8 +240,7 @@ class Pipeline:
             )
         cuda = latents.is_cuda
         telemetry.video_decode = plan.describe(peak=cuda)
-        # Channels-last activations and the fused GroupNorm+SiLU kernel, under the cuDNN algorithm timing the entry
-        # points set for their process (k6fast.entry.time_convolutions): the fastest variant measured on an H200
+        # Channels-last activations and the fused GroupNorm+SiLU kernel: the fastest variant measured on an H200
         # (measurements/sessions/2026-11-29_vae-decode); plain PyTorch on the CPU.
         return decode_video_fast(
             self.vae,

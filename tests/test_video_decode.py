@@ -388,7 +388,7 @@ def test_w1_plan_prefers_whole_clip_statistics_to_large_slabs(real_vae) -> None:
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("timed", [False, True])
 def test_gpu_the_decode_runs_under_the_process_cudnn_choice(tiny_distill, monkeypatch, timed: bool) -> None:
-    # The process owns cuDNN's algorithm timing (k6fast.entry.time_convolutions); the decode neither sets nor
+    # The process owns cuDNN's algorithm timing (`torch.backends.cudnn.benchmark`); the decode neither sets nor
     # resets it, not even for the length of the decode (another thread's convolutions would see it).
     monkeypatch.setattr(torch.backends.cudnn, "benchmark", timed)
     seen: list[bool] = []
@@ -409,7 +409,7 @@ def test_gpu_the_decode_runs_under_the_process_cudnn_choice(tiny_distill, monkey
 def test_gpu_bf16_decodes_within_twice_diffusers_bf16_error(monkeypatch) -> None:
     # Exact plans in every layout/kernel combination, the lean ones (fused upsamplers) too, and slabs of 2 with
     # whole-clip statistics, against the fp32 untiled decode: each within 2x the error of diffusers' own bf16
-    # untiled decode + 0.5 px. Under cuDNN's timed algorithms, as the entry points run the decode.
+    # untiled decode + 0.5 px. Under cuDNN's timed algorithms too, which a caller's process may set.
     from diffusers import AutoencoderKLHunyuanVideo
 
     monkeypatch.setattr(torch.backends.cudnn, "benchmark", True)

@@ -3,7 +3,6 @@ each spatial tile, blended into the fp32 output; `decode_video_fast` plans and d
 
 from __future__ import annotations
 
-import functools
 import logging
 from collections.abc import Callable, Mapping
 
@@ -47,14 +46,6 @@ def _ramp(pos: Tensor, lo: float, hi: float) -> Tensor:
     if hi <= lo:  # an overlap narrower than both halos: switch in its middle
         return (pos >= (lo + hi) / 2).to(pos.dtype)
     return ((pos - lo) / (hi - lo)).clamp(0, 1)
-
-
-@functools.cache
-def _note_heuristic_algorithms() -> None:
-    logger.info(
-        "video decode: cuDNN picks its convolution algorithms by heuristics (torch.backends.cudnn.benchmark is off in "
-        "this process); k6fast's entry points turn timing on (k6fast.entry.time_convolutions), the measured setting"
-    )
 
 
 def _decode_sample(
@@ -173,8 +164,6 @@ def decode_with_plan(
     s = vae.config.spatial_compression_ratio
     out = torch.zeros((b, frames, h * s, w * s, 3), dtype=torch.float32, device=device)
     moments: dict[str, _Moments] = {}
-    if device.type == "cuda" and not torch.backends.cudnn.benchmark:
-        _note_heuristic_algorithms()
     for i in range(b):
         zi = vae.post_quant_conv(z[i : i + 1]).contiguous(memory_format=ctx.memory_format)
         finished = _Finisher(out[i], frames, raw, on_frames)
@@ -231,8 +220,8 @@ def decode_video_fast(
     (instead of `budget_bytes`), so that the caller decodes with the plan it decided on.
     `layout` "ndhwc" keeps activations channels-last (cuDNN's native 3D layout); `triton_norm` runs GroupNorm+SiLU
     as one Triton kernel (kernels/groupnorm_silu.py) instead of PyTorch's three passes through fp32. cuDNN picks its
-    convolution algorithms as the process has it set (`torch.backends.cudnn.benchmark`, which the decode reads and
-    never changes: the entry points turn timing on with `k6fast.entry.time_convolutions`). Samples of a batch are
+    convolution algorithms as the process has it set (`torch.backends.cudnn.benchmark`, which the decode never
+    changes; k6fast leaves it off, see `k6fast.entry.prepare_pipeline_process`). Samples of a batch are
     decoded one after another. `should_stop` (k6fast.cancel) is checked before every op of every slab and tile: when
     it says stop, `Cancelled` is raised and the decode's buffers are dropped with it.
     `on_frames(f0, f1, frames)` (a batch of 1 only) is handed frames [f0, f1) of the output as soon as they are final
