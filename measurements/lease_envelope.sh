@@ -12,12 +12,13 @@
 set -uo pipefail
 W=${LEASE_DIR:-/tmp/lease}
 WHEELS=${WHEELS:?the folder of wheels (a/, a/srv/)}
-# What the envelope record of 2026-12-02 (measurements/sessions/2026-12-02_acceptance-envelope) left open, most
-# important first: the GPU tests of the host tier and the page-locked staging, `final` warm on a free host, `final`
-# beside the 60 GB ballast with the host tier (K6_HOST_CACHE_GB=auto) and doctor's prediction beside it, `fast` cold,
-# `serve --arm fast` at its defaults, the peer last (it needs the tmpfs text encoders gone).
-STEPS=${STEPS:-gpu-tests peer-checkpoint acceptance:final-32-cold,final-32-warm acceptance:final-32-warm-host60 \
-acceptance:fast-32-cold serve:fast:31 drop-text acceptance:diffusers-offload-32-cold}
+# What the second envelope lease (measurements/sessions/2026-12-02_envelope-lease2) left open, most important first:
+# the GPU suite at the fix of its 3 failures, both arms cold and warm on a free host (before any ballast run evicts
+# the checkpoint from the page cache; that lease's `fast` cold row ran after one) with the audio decode's fix,
+# `serve --arm final` under 32 GiB with the recompile log, `final` beside the 60 GB ballast, the peer last (it needs
+# the tmpfs text encoders gone).
+STEPS=${STEPS:-gpu-tests peer-checkpoint acceptance:final-32-cold,final-32-warm,fast-32-cold,fast-32-warm \
+serve:final:32 acceptance:final-32-warm-host60 drop-text acceptance:diffusers-offload-32-cold}
 case "${1:?expected start}" in
 start)
   mkdir -p $W
