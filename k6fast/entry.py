@@ -100,7 +100,7 @@ def prepare_pipeline_process(options, device) -> None:
     caches the options name, expandable segments from now on, and the allocator capped at the options' VRAM budget
     (the budget the pipeline plans for). cuDNN keeps its heuristics' algorithms (`torch.backends.cudnn.benchmark`
     off): timing them gained the W1 video decode nothing (4.49 s against 4.50 s a call) and cost a process's first
-    audio decode 3-5 s (measurements/sessions/2026-12-02_envelope-lease2)."""
+    audio decode 3-5 s (measurements/sessions/2026-12-02_acceptance-envelope2)."""
     configure_compile_caches(options.inductor_cache_dir)
     if resolve_device(device).type == "cuda":
         expandable_segments_now()

@@ -12,7 +12,7 @@
 set -uo pipefail
 W=${LEASE_DIR:-/tmp/lease}
 WHEELS=${WHEELS:?the folder of wheels (a/, a/srv/)}
-# What the second envelope lease (measurements/sessions/2026-12-02_envelope-lease2) left open, most important first:
+# What the second envelope lease (measurements/sessions/2026-12-02_acceptance-envelope2) left open, most important first:
 # the GPU suite at the fix of its 3 failures, both arms cold and warm on a free host (before any ballast run evicts
 # the checkpoint from the page cache; that lease's `fast` cold row ran after one) with the audio decode's fix,
 # `serve --arm final` under 32 GiB with the recompile log, `final` beside the 60 GB ballast, the peer last (it needs

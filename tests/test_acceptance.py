@@ -210,8 +210,8 @@ def _serve_record() -> dict:
         return {"name": name, "geometry": "864x480x121", "plan": plan, "outcome": outcome, "done_after_s": 80.0,
                 "run_s": 75.0, **more}  # fmt: skip
 
-    telemetry = {"phases_s": {"text_encode": 1.2, "denoise": 60.0, "video_decode": 8.0, "mux": 0.5},
-                 "text_source": "encoded"}  # fmt: skip
+    phases = {"text_encode": 1.2, "denoise": 60.0, "audio_decode": 0.4, "video_decode": 8.0, "mux": 0.5}
+    telemetry = {"phases_s": phases, "text_source": "encoded"}
     return {
         "arm": "final", "budget_gb": 32.0, "client": "openai 2.8.0 SDK", "passed": True, "problems": [],
         "startup": {"ready_s": 41.5, "disk_read_bytes": 3_000_000_000}, "peak_rss_bytes": 9 * 2**30,
@@ -253,7 +253,7 @@ def test_serve_records_of_a_session_show_in_its_readme_and_the_projects(tmp_path
         assert "DELETE at 36 % took effect in 0.42 s (denoise)" in text
         assert "oversize 1280x720x241: 400, not queued: '1280x720 with 241 frames does not fit" in text
         assert ("| final @ 32 GiB | large-first-prompt | 864x480x121 | completed | 80.0 | 75.0 | "
-                "1.2 / 60.0 / 8.0 / 0.5 | encoded | 1.00 | 8.00 |") in text  # fmt: skip
+                "1.2 / 60.0 / 0.4 / 8.0 / 0.5 | encoded | 1.00 | 8.00 |") in text  # fmt: skip
         assert "| final @ 32 GiB | large-deleted | 864x480x121 | deleted |" in text
         assert "disk read GB = bytes the process caused to be read" in text  # the extra columns' notes
 

@@ -274,7 +274,7 @@ def test_a_library_module_calling_an_entry_function_is_refused() -> None:
 
 def test_the_entry_points_leave_cudnn_algorithm_timing_as_it_was(monkeypatch) -> None:
     # cuDNN's timing (torch.backends.cudnn.benchmark) gained the W1 video decode nothing and cost a process's first
-    # audio decode 3-5 s on the H200 (measurements/sessions/2026-12-02_envelope-lease2): the entry points leave it.
+    # audio decode 3-5 s on the H200 (measurements/sessions/2026-12-02_acceptance-envelope2): the entry points leave it.
     from k6fast import entry
 
     for name in ("configure_compile_caches", "expandable_segments_now", "cap_device_memory"):

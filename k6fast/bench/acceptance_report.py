@@ -117,8 +117,12 @@ def _result(row: dict[str, Any]) -> str:
     return "**FAIL**: " + str(row.get("error", "")).replace("|", "/")[:160]
 
 
+# A request's phases in the order they run (the audio decode precedes the video decode: a streamed mux needs the
+# whole waveform before the first frame).
+PHASES = ("text_encode", "denoise", "audio_decode", "video_decode", "mux")
+PHASES_HEADER = "text / denoise / audio / video decode / mux s"
 COLUMNS = (
-    "run", "result", "request vs peer", "process s", "request s", "text / denoise / decode / mux s",
+    "run", "result", "request vs peer", "process s", "request s", PHASES_HEADER,
     "compile s (graphs)", "peak VRAM alloc / reserved GiB", "denoise peak GiB", "nvidia-smi peak GiB",
     "peak host RSS GiB", "copies hidden", "final latents vs reference (rel. L2, cosine)",
 )  # fmt: skip
@@ -217,7 +221,7 @@ def table_row(
     prediction: bool = False,
 ) -> str:
     phases = row.get("phases_s") or {}
-    split = " / ".join(_s(phases.get(k)) for k in ("text_encode", "denoise", "video_decode", "mux"))
+    split = " / ".join(_s(phases.get(k)) for k in PHASES)
     denoise_peak = (row.get("phase_peaks") or {}).get("denoise", {}).get("reserved")
     smi = row.get("peak_smi_used_mib")
     hidden = row.get("hidden_share")
@@ -287,7 +291,7 @@ def _read_test(plan: dict[str, Any]) -> list[str]:
             f"test: {test.get('note', '')}); the disk GB/step column's predictions use it"]  # fmt: skip
 
 
-SERVE_COLUMNS = ("serve run", "job", "size", "outcome", "submit → done s", "run s", "text / denoise / decode / mux s",
+SERVE_COLUMNS = ("serve run", "job", "size", "outcome", "submit → done s", "run s", PHASES_HEADER,
                  "text source", "disk read GB", "peak RSS GiB")  # fmt: skip
 
 
@@ -334,7 +338,7 @@ def serve_lines(records: list[dict[str, Any]], heading: str = "##") -> list[str]
         for job in record.get("jobs", []):
             telemetry = job.get("telemetry") or {}
             phases = telemetry.get("phases_s") or {}
-            split = " / ".join(_s(phases.get(k)) for k in ("text_encode", "denoise", "video_decode", "mux"))
+            split = " / ".join(_s(phases.get(k)) for k in PHASES)
             cells = [_serve_name(record), job.get("name"), job.get("geometry"), job.get("outcome"),
                      _s(job.get("done_after_s")), _s(job.get("run_s")), split if phases else "—",
                      telemetry.get("text_source") or "—", _gb(job.get("disk_read_bytes")),
