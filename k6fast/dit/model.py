@@ -189,6 +189,13 @@ class K6DiT:
             rope_a = rope_1d(positions, cfg.head_dim_a, cfg.audio_freqs_scaling)
 
         inputs = FusedBlockInputs(text_v, text_a, temb_v, temb_a, rope_v, rope_a, encoder_attention_mask)
+        if self.fused_block is not fused_block:
+            # Compiled: the prompt's token count changes with every prompt, so the compiled block takes it as a
+            # symbol. Specialised, each new length compiled the block again (seconds each, with a warm cache too)
+            # and past Dynamo's recompile limit a server's block would have run uncompiled.
+            for tensor in (text_v, text_a, encoder_attention_mask):
+                if tensor is not None:
+                    torch._dynamo.maybe_mark_dynamic(tensor, 1)
         self.blocks.begin_forward()
         try:
             for i in range(cfg.num_visual_blocks):
