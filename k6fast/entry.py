@@ -95,16 +95,32 @@ def expandable_segments_now() -> None:
         log.warning("could not switch the CUDA allocator to expandable segments (%s); set %s=%s", exc, ENV, SETTING)
 
 
+# Compiled graphs of the fused block one process may keep: one per geometry it is asked for (Dynamo's default, 8 per
+# function, would leave a server's block uncompiled after its eighth size). The prompt's length is a symbol, not a
+# graph (k6fast.dit.model).
+RECOMPILE_LIMIT = 64
+
+
+def allow_recompiles_per_geometry(options) -> None:
+    """With K6_COMPILE: let Dynamo keep RECOMPILE_LIMIT graphs of a function (the fused block), not its default 8."""
+    if options.compile:
+        import torch._dynamo.config
+
+        torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, RECOMPILE_LIMIT)
+
+
 def prepare_pipeline_process(options, device) -> None:
     """Before an entry point builds its `Pipeline` (or a `SwitchedBackend`) with `options` on `device`: the compile
-    caches the options name, expandable segments from now on, and the allocator capped at the options' VRAM budget
-    (the budget the pipeline plans for). cuDNN keeps its heuristics' algorithms (`torch.backends.cudnn.benchmark`
-    off): timing them gained the W1 video decode nothing (4.49 s against 4.50 s a call) and cost a process's first
-    audio decode 3-5 s (measurements/sessions/2026-12-02_acceptance-envelope2)."""
+    caches the options name, expandable segments from now on, the allocator capped at the options' VRAM budget
+    (the budget the pipeline plans for), and room for a compiled block per geometry. cuDNN keeps its heuristics'
+    algorithms (`torch.backends.cudnn.benchmark` off): timing them gained the W1 video decode nothing (4.49 s
+    against 4.50 s a call) and cost a process's first audio decode 3-5 s
+    (measurements/sessions/2026-12-02_acceptance-envelope2)."""
     configure_compile_caches(options.inductor_cache_dir)
     if resolve_device(device).type == "cuda":
         expandable_segments_now()
     cap_device_memory(device, options.vram_budget_gb)
+    allow_recompiles_per_geometry(options)
 
 
 def end_process(code: int) -> NoReturn:

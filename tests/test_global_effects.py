@@ -39,6 +39,7 @@ PROCESS_FUNCTIONS = {
         "cap_device_memory",
         "expandable_segments_now",
         "prepare_pipeline_process",
+        "allow_recompiles_per_geometry",
     },
 }
 WATCHED_CALLS = {"set_per_process_memory_fraction", "_set_allocator_settings", "putenv", "unsetenv"}
@@ -279,8 +280,22 @@ def test_the_entry_points_leave_cudnn_algorithm_timing_as_it_was(monkeypatch) ->
 
     for name in ("configure_compile_caches", "expandable_segments_now", "cap_device_memory"):
         monkeypatch.setattr(entry, name, lambda *args: None)  # their CUDA calls; only the cuDNN flag is asked here
-    options = SimpleNamespace(inductor_cache_dir=None, vram_budget_gb=32.0)
+    options = SimpleNamespace(inductor_cache_dir=None, vram_budget_gb=32.0, compile=False)
     for before in (False, True):
         monkeypatch.setattr(torch.backends.cudnn, "benchmark", before)
         entry.prepare_pipeline_process(options, "cuda:0")
         assert torch.backends.cudnn.benchmark is before
+
+
+def test_a_compiling_process_keeps_a_graph_per_geometry(monkeypatch) -> None:
+    import torch._dynamo.config
+
+    from k6fast import entry
+
+    for name in ("configure_compile_caches", "expandable_segments_now", "cap_device_memory"):
+        monkeypatch.setattr(entry, name, lambda *args: None)
+    monkeypatch.setattr(torch._dynamo.config, "recompile_limit", 8)
+    entry.prepare_pipeline_process(SimpleNamespace(inductor_cache_dir=None, vram_budget_gb=32.0, compile=False), "cpu")
+    assert torch._dynamo.config.recompile_limit == 8  # nothing compiles: Dynamo's setting stays the user's
+    entry.prepare_pipeline_process(SimpleNamespace(inductor_cache_dir=None, vram_budget_gb=32.0, compile=True), "cpu")
+    assert torch._dynamo.config.recompile_limit == entry.RECOMPILE_LIMIT
