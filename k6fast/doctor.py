@@ -24,6 +24,7 @@ from .memory import PROCESS_HOST_BYTES, CgroupLimit, HostMemory, cgroup_limit, m
 from .request import W1, dit_tokens
 from .stream.plan import (
     GiB,
+    HostCacheError,
     ResidencyError,
     activation_estimate,
     activation_profile,
@@ -33,7 +34,7 @@ from .stream.plan import (
     plan_residency,
     stored_block_bytes,
 )
-from .switches.registry import AUTO
+from .switches.registry import AUTO, SwitchError
 from .vae_geometry import AudioRate, audio_rate
 
 GB = 1e9
@@ -71,6 +72,7 @@ class Report:
     plan: dict | None = None
     disk_per_step: dict | None = None  # `predict_disk_per_step`: what a later run's disk_read_bytes is held against
     cgroup: CgroupLimit | None = None  # the memory limit of the cgroup doctor runs in, where one applies
+    switches: dict[str, str] = field(default_factory=dict)  # the K6_* variables set where doctor ran, which it used
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -133,11 +135,12 @@ def dit_plan(
     *,
     arm: str | None = None,
     geometry: tuple[int, int, int] = W1,
+    environ: dict[str, str] | None = None,
 ) -> dict:
     """The residency plan the runtime would make at `geometry` (W1) for this checkpoint and budget (bf16 compute; the
     exact arm's activations, or `arm`'s kernels as resolved for `gpu`), and per arm the longest clip whose DiT phase
     fits at each of CAPACITY_SIZES (the runtime's own check; the exact video decode is checked per request on
-    top)."""
+    top). `environ`: K6_* variables over each arm's file, as `generate` applies them (default none)."""
     from .checkpoint import open_checkpoint
     from .safetensors_index import index_safetensors
     from .text_plan import text_footprint, text_weights
@@ -156,10 +159,10 @@ def dit_plan(
                               text_bytes=text.device_bytes)  # fmt: skip
 
     stored_fp8 = any(loc.dtype == "F8_E4M3" for loc in index.values())
-    capacity = {name: _arm_capacity(name, planner, stored_fp8, gpu, rate) for name in _arm_names()}
+    capacity = {name: _arm_capacity(name, planner, stored_fp8, gpu, rate, environ) for name in _arm_names()}
     stored = sum(f.stat().st_size for f in ckpt.transformer_files)
     stored_as = ckpt.quantization or ckpt.compression  # None: BF16 as released
-    profile = None if arm is None else arm_profile(arm, stored_fp8, gpu)
+    profile = None if arm is None else arm_profile(arm, stored_fp8, gpu, environ)
     try:
         plan = planner(dit_tokens(*geometry, rate), profile)
     except ResidencyError as exc:
@@ -179,9 +182,9 @@ def _arm_names() -> list[str]:
     return list_arms()
 
 
-def arm_profile(arm: str, stored_fp8: bool, gpu: Gpu | None) -> dict[str, bool]:
-    """`activation_profile` of `arm`'s GEMM and attention as resolved for `gpu` (None: the CPU), with no K6_*
-    variable from the environment: what a `k6fast generate --arm ARM` process in a clean environment plans with."""
+def arm_profile(arm: str, stored_fp8: bool, gpu: Gpu | None, environ: dict[str, str] | None = None) -> dict[str, bool]:
+    """`activation_profile` of `arm`'s GEMM and attention as resolved for `gpu` (None: the CPU), with the K6_*
+    variables of `environ` over the arm's file (default none): what `k6fast generate --arm ARM` plans with there."""
     from .dit.arch import Target, resolve_for
     from .switches import load_options
 
@@ -190,13 +193,14 @@ def arm_profile(arm: str, stored_fp8: bool, gpu: Gpu | None) -> dict[str, bool]:
     else:
         major, _, minor = gpu.compute_capability.partition(".")
         target = Target(gpu.name, (int(major), int(minor or 0)), gpu.geforce)
-    options = resolve_for(load_options({}, arm=arm), target)
+    options = resolve_for(load_options(environ or {}, arm=arm), target)
     return activation_profile(options.gemm, options.attn, stored_fp8)
 
 
-def _arm_capacity(arm: str, planner, stored_fp8: bool, gpu: Gpu | None, rate: AudioRate) -> dict[str, int | None]:
+def _arm_capacity(arm: str, planner, stored_fp8: bool, gpu: Gpu | None, rate: AudioRate,
+                  environ: dict[str, str] | None) -> dict[str, int | None]:  # fmt: skip
     """{"WxH": the most frames of a clip at that size whose DiT phase fits, None when none does} for `arm` on `gpu`."""
-    profile = arm_profile(arm, stored_fp8, gpu)
+    profile = arm_profile(arm, stored_fp8, gpu, environ)
 
     def fits(w: int, h: int, f: int) -> bool:
         try:
@@ -270,26 +274,37 @@ def _streamed_sizes(plan: dict) -> list[int]:
 
 
 def predict_disk_per_step(
-    plan: dict, available_bytes: int, read_gb_s: float | None, cgroup: CgroupLimit | None = None
+    plan: dict,
+    available_bytes: int,
+    read_gb_s: float | None,
+    cgroup: CgroupLimit | None = None,
+    setting: str | float = AUTO,
 ) -> dict | None:
     """Bytes a steady denoising step reads from disk (at W1, under `plan`) on a host with `available_bytes`
-    MemAvailable before k6fast starts, without the host tier and with K6_HOST_CACHE_GB=auto, and the step time
-    their reading alone takes at `read_gb_s`: a lower bound, what a run's disk_read_bytes per step is held against.
-    `cgroup`: the limit the run will be under, when tighter than the host. None when nothing streams."""
+    MemAvailable before k6fast starts, without the host tier and with it as K6_HOST_CACHE_GB `setting` gives it
+    (auto, 0 or GiB), and the step time their reading alone takes at `read_gb_s`: a lower bound, what a run's
+    disk_read_bytes per step is held against. `cgroup`: the limit the run will be under, when tighter than the host.
+    None when nothing streams. A size the host cannot spare leaves the tier's figures None and says why
+    (`tier_refused`): the run would refuse to start."""
     sizes = _streamed_sizes(plan)
     if not sizes:
         return None
     host = HostMemory(0, available_bytes, cgroup=cgroup)  # the process not started yet: its whole size is to come
     streamed = list(enumerate(sizes))
-    blocks = plan_host_cache(AUTO, streamed, host)
-    tier = sum(sizes[i] for i in blocks)
-    without, with_tier = disk_bytes_per_step(sum(sizes), 0, host), disk_bytes_per_step(sum(sizes), tier, host)
     seconds = (lambda n: n / GB / read_gb_s) if read_gb_s else (lambda n: None)  # noqa: E731
-    return {"streamed_blocks": len(sizes), "streamed_bytes": sum(sizes), "available_bytes": available_bytes,
-            "cache_room_bytes": host.cache_room_bytes, "read_gb_s": read_gb_s,
-            "host_blocks": len(blocks), "host_bytes": tier,
-            "without_tier_bytes": without, "without_tier_min_s": seconds(without),
-            "with_tier_bytes": with_tier, "with_tier_min_s": seconds(with_tier)}  # fmt: skip
+    without = disk_bytes_per_step(sum(sizes), 0, host)
+    out = {"streamed_blocks": len(sizes), "streamed_bytes": sum(sizes), "available_bytes": available_bytes,
+           "cache_room_bytes": host.cache_room_bytes, "read_gb_s": read_gb_s, "host_cache_setting": setting,
+           "without_tier_bytes": without, "without_tier_min_s": seconds(without), "tier_refused": None}  # fmt: skip
+    try:
+        blocks = plan_host_cache(setting, streamed, host)
+    except HostCacheError as exc:
+        return {**out, "host_blocks": None, "host_bytes": None, "with_tier_bytes": None, "with_tier_min_s": None,
+                "tier_refused": str(exc)}  # fmt: skip
+    tier = sum(sizes[i] for i in blocks)
+    with_tier = disk_bytes_per_step(sum(sizes), tier, host)
+    return {**out, "host_blocks": len(blocks), "host_bytes": tier, "with_tier_bytes": with_tier,
+            "with_tier_min_s": seconds(with_tier)}  # fmt: skip
 
 
 def _disk_per_step_line(p: dict) -> str:
@@ -299,10 +314,23 @@ def _disk_per_step_line(p: dict) -> str:
     head = (f"disk reads per denoising step, {p['streamed_blocks']} streamed blocks of {p['streamed_bytes'] / GB:.1f} "
             f"GB with {p['available_bytes'] / GB:.1f} GB available ({p['cache_room_bytes'] / GB:.1f} GB for the page "
             f"cache and the host tier beside the process and the OS): ")  # fmt: skip
+    setting = p.get("host_cache_setting", AUTO)
+    named = f"K6_HOST_CACHE_GB={setting if setting == AUTO else f'{float(setting):g}'}"
+    if p.get("tier_refused"):
+        return (
+            head + f"without the host tier {part(p['without_tier_bytes'], p['without_tier_min_s'])}; {named} "
+            f"would be refused at start: {p['tier_refused']}"
+        )
     if not p["without_tier_bytes"]:
-        return head + "none after the first step, the page cache holds them all (K6_HOST_CACHE_GB=auto pins nothing)"
+        pins = "pins nothing" if setting == AUTO else "is not needed"
+        return head + f"none after the first step, the page cache holds them all ({named} {pins})"
+    if setting != AUTO and float(setting) == 0:
+        return (
+            head + f"{part(p['without_tier_bytes'], p['without_tier_min_s'])} ({named}: the host tier is off; "
+            "auto would keep part of them in host memory)"
+        )
     return (head + f"without the host tier {part(p['without_tier_bytes'], p['without_tier_min_s'])}; with "
-            f"K6_HOST_CACHE_GB=auto {p['host_blocks']} blocks ({p['host_bytes'] / GB:.1f} GB) in host memory, "
+            f"{named} {p['host_blocks']} blocks ({p['host_bytes'] / GB:.1f} GB) in host memory, "
             f"{part(p['with_tier_bytes'], p['with_tier_min_s'])}")  # fmt: skip
 
 
@@ -313,17 +341,26 @@ def run_doctor(
     *,
     available_bytes: int | None = None,
     read_gb_s: float | None = None,
+    environ: dict[str, str] | None = None,
 ) -> Report:
     """The report for this machine; `available_bytes` and `read_gb_s` stand in for its MemAvailable and its measured
-    disk speed, to predict another host's disk reads per step."""
+    disk speed, to predict another host's disk reads per step. `environ`: the K6_* variables a `generate` here would
+    run with (default none): K6_VRAM_BUDGET_GB where `budget_gb` is 0, K6_HOST_CACHE_GB for the disk prediction, and
+    every switch over each arm's file for the largest clips. An invalid value raises SwitchError."""
+    from .switches import load_options
+
+    environ = {k: v for k, v in (environ or {}).items() if k.startswith("K6_")}
+    options = load_options(environ)
+    budget_gb = budget_gb if budget_gb > 0 else options.vram_budget_gb
     total, available = meminfo()
     where = Path(model) if model and Path(model).exists() else Path.cwd()
     available = available if available_bytes is None else available_bytes
-    report = Report(read_gpus(), total, available, shutil.disk_usage(where).free, str(where), cgroup=cgroup_limit())
+    report = Report(read_gpus(), total, available, shutil.disk_usage(where).free, str(where), cgroup=cgroup_limit(),
+                    switches=environ)  # fmt: skip
     dit_bytes = PRO_DIT_BF16_BYTES
     if model and Path(model).is_dir():
         budget = int(budget_gb * GiB) if budget_gb > 0 else (report.gpus[0].memory_bytes if report.gpus else 32 * GiB)
-        report.plan = dit_plan(Path(model), budget, report.gpus[0] if report.gpus else None)
+        report.plan = dit_plan(Path(model), budget, report.gpus[0] if report.gpus else None, environ=environ)
         dit_bytes = report.plan["dit_file_bytes"]
         if read_gb_s is not None:
             report.read_gb_s, report.read_note = read_gb_s, "given with --read-gb-s"
@@ -332,7 +369,7 @@ def run_doctor(
         if "resident_blocks" in report.plan:
             cgroup = report.cgroup if available_bytes is None else None  # --available-gb: another host's figure
             report.disk_per_step = predict_disk_per_step(report.plan, report.host_available_bytes, report.read_gb_s,
-                                                         cgroup)  # fmt: skip
+                                                         cgroup, options.host_cache_gb)  # fmt: skip
     compressed = bool(report.plan and report.plan.get("stored_as"))
     report.advice = advise(report, dit_bytes, report.plan, compressed)
     slow_start = bytecode.check()  # this interpreter's packages: the start-up every command pays
@@ -353,6 +390,10 @@ def render(report: Report) -> str:
         lines.append(f"cgroup memory limit: {c.limit_bytes / GB:.1f} GB at {c.path} ({c.available_bytes / GB:.1f} GB "
                      "available in it): host memory is planned within it; past it the kernel kills")  # fmt: skip
     lines.append(f"free disk at {report.disk_path}: {report.disk_free_bytes / GB:.1f} GB")
+    if report.switches:
+        named = ", ".join(f"{k}={v}" for k, v in sorted(report.switches.items()))
+        lines.append(f"switches from the environment: {named} (the plan, the largest clips and the disk reads below "
+                     "use them, as `k6fast generate` would; --budget-gb overrides K6_VRAM_BUDGET_GB)")  # fmt: skip
     if report.read_gb_s is not None:
         lines.append(f"checkpoint read speed: {report.read_gb_s:.2f} GB/s ({report.read_note})")
     if report.plan is not None:
@@ -395,7 +436,11 @@ def cmd_doctor(args) -> int:
         print(f"error: {problem}", file=sys.stderr)
         return 2
     available = None if args.available_gb is None else int(args.available_gb * GB)
-    report = run_doctor(args.model, args.budget_gb, measure=not args.no_read_test, available_bytes=available,
-                        read_gb_s=args.read_gb_s)  # fmt: skip
+    try:
+        report = run_doctor(args.model, args.budget_gb, measure=not args.no_read_test, available_bytes=available,
+                            read_gb_s=args.read_gb_s, environ=dict(os.environ))  # fmt: skip
+    except SwitchError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
     print(json.dumps(report.as_dict(), indent=2) if args.json else render(report))
     return 0

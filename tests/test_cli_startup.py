@@ -164,6 +164,7 @@ CASES = {
     "doctor-model": (["doctor", "--model", "{here}/nowhere"], {}, "fetch a Hub id first, `hf download ID"),
     "doctor-model-not-a-checkpoint": (["doctor", "--model", "{here}"], {}, "missing file {here}/model_index.json"),
     "doctor-budget": (["doctor", "--budget-gb", "nan"], {}, "--budget-gb: expected a number of GiB >= 0"),
+    "doctor-switch": (["doctor"], {"K6_HOST_CACHE_GB": "lots"}, "K6_HOST_CACHE_GB"),
     "quantize-src": (["quantize", "--format", "fp8", "{here}/nowhere", "{out}"], {}, "is not a checkpoint directory"),
     "quantize-src-broken": (["quantize", "--format", "fp8", "{broken}", "{out}"], {}, "missing component folder"),
     "quantize-src-truncated": (["quantize", "--format", "fp8", "{truncated}", "{out}"], {}, "truncated safetensors"),

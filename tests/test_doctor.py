@@ -119,3 +119,39 @@ def test_the_largest_clip_per_arm_is_what_the_runtime_accepts(tiny_distill) -> N
     finally:
         pipe.close()
     assert "largest clip, arm reference: 864x480 up to 41 frames" in render(report)
+
+
+def test_doctor_plans_with_the_switches_generate_would_use(tiny_distill) -> None:
+    """K6_VRAM_BUDGET_GB (where --budget-gb is not given) and K6_HOST_CACHE_GB from the environment: doctor planned
+    with the whole card and the tier at auto whatever the user had set (the newcomer pass found it)."""
+    plain = run_doctor(str(tiny_distill), measure=False)
+    assert plain.switches == {} and "switches from the environment" not in render(plain)
+    environ = {"K6_VRAM_BUDGET_GB": "4", "K6_HOST_CACHE_GB": "0", "HOME": "/elsewhere"}
+    report = run_doctor(str(tiny_distill), measure=False, environ=environ)
+    assert report.plan["budget_bytes"] == 4 * GiB
+    assert report.switches == {"K6_VRAM_BUDGET_GB": "4", "K6_HOST_CACHE_GB": "0"}
+    assert "switches from the environment: K6_HOST_CACHE_GB=0, K6_VRAM_BUDGET_GB=4" in render(report)
+    given = run_doctor(str(tiny_distill), 5.0, measure=False, environ=environ)
+    assert given.plan["budget_bytes"] == 5 * GiB  # --budget-gb over the variable
+
+
+def test_the_disk_prediction_follows_the_host_tier_setting() -> None:
+    from k6fast.doctor import predict_disk_per_step
+    from k6fast.memory import HOST_OS_BYTES, PROCESS_HOST_BYTES
+
+    plan = {"variant": "pro-distill", "dit_file_bytes": 60 * 10**9, "describe": "plan", "text_describe": "text",
+            "resident_blocks": 17, "num_blocks": 60, "block_bytes": int(1.2 * GB),
+            "streamed_stored_bytes": [10**9] * 43}  # fmt: skip
+    available = 30 * 10**9 + PROCESS_HOST_BYTES + HOST_OS_BYTES  # 30 GB for the page cache and the tier
+    off = predict_disk_per_step(plan, available, 2.0, setting=0.0)
+    assert off["host_blocks"] == 0 and off["with_tier_bytes"] == off["without_tier_bytes"] == 43 * 10**9
+    some = predict_disk_per_step(plan, available, 2.0, setting=10 * 10**9 / GiB)  # 10 GB of blocks
+    assert (some["host_blocks"], some["with_tier_bytes"]) == (10, 33 * 10**9)
+    too_much = predict_disk_per_step(plan, available, 2.0, setting=40.0)
+    assert (
+        too_much["with_tier_bytes"] is None and "K6_HOST_CACHE_GB=40 is more than this host" in too_much["tier_refused"]
+    )
+    report = Report([], 64 * 10**9, available, 10**12, "/", read_gb_s=2.0, plan=plan, disk_per_step=off)
+    assert "43.0 GB (>= 21.5 s a step at 2.00 GB/s) (K6_HOST_CACHE_GB=0: the host tier is off" in render(report)
+    report.disk_per_step = too_much
+    assert "K6_HOST_CACHE_GB=40 would be refused at start" in render(report)

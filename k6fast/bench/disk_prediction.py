@@ -26,7 +26,6 @@ from typing import Any
 
 from .. import memory
 from ..memory import GiB
-from ..switches.registry import AUTO
 
 # tqdm's `denoise` bar as `k6fast generate` writes it to its log: "denoise:  20%|██      | 2/10 [00:18<...]".
 _BAR = re.compile(r"denoise:[^\r\n|]*\|[^|\r\n]*\|\s*(\d+)/(\d+)")
@@ -48,7 +47,7 @@ def predict(
     resolved for this machine's first GPU) under `budget_gb` GiB at `geometry`, and `predict_disk_per_step` with the
     host's MemAvailable and cgroup limit now. step_bytes/step_min_s: the figures for the host tier the run's process
     will have (K6_HOST_CACHE_GB as the arm sets it, `auto` by default: the process inherits no K6_* variable); None
-    where the arm sets a number of GiB, which doctor does not plan."""
+    where the arm sets a number of GiB the host cannot spare (the run refuses to start)."""
     from ..doctor import dit_plan, predict_disk_per_step, read_gpus
     from ..switches import load_options
 
@@ -64,17 +63,12 @@ def predict(
     }  # fmt: skip
     if "resident_blocks" not in plan:  # the budget holds not even the streaming minimum: the run will say so too
         return {**out, "error": plan["describe"], "step_bytes": None, "step_min_s": None}
-    doctor = predict_disk_per_step(plan, host.available_bytes, read_gb_s, host.cgroup)
+    doctor = predict_disk_per_step(plan, host.available_bytes, read_gb_s, host.cgroup, setting)
     out["doctor"] = doctor
     if doctor is None:  # every block resident: nothing streams, nothing is read per step
         return {**out, "step_bytes": 0, "step_min_s": 0.0 if read_gb_s else None}
-    if setting == AUTO:
-        which = "with_tier"
-    elif float(setting) == 0:
-        which = "without_tier"
-    else:
-        return {**out, "step_bytes": None, "step_min_s": None}
-    return {**out, "step_bytes": doctor[f"{which}_bytes"], "step_min_s": doctor[f"{which}_min_s"]}
+    # The tier as set: auto or a size (None where the host cannot spare that size: the run refuses to start).
+    return {**out, "step_bytes": doctor["with_tier_bytes"], "step_min_s": doctor["with_tier_min_s"]}
 
 
 class StepReads:
