@@ -294,8 +294,12 @@ def test_a_compiling_process_keeps_a_graph_per_geometry(monkeypatch) -> None:
 
     for name in ("configure_compile_caches", "expandable_segments_now", "cap_device_memory"):
         monkeypatch.setattr(entry, name, lambda *args: None)
-    monkeypatch.setattr(torch._dynamo.config, "recompile_limit", 8)
-    entry.prepare_pipeline_process(SimpleNamespace(inductor_cache_dir=None, vram_budget_gb=32.0, compile=False), "cpu")
-    assert torch._dynamo.config.recompile_limit == 8  # nothing compiles: Dynamo's setting stays the user's
-    entry.prepare_pipeline_process(SimpleNamespace(inductor_cache_dir=None, vram_budget_gb=32.0, compile=True), "cpu")
-    assert torch._dynamo.config.recompile_limit == entry.RECOMPILE_LIMIT
+    with torch._dynamo.config.patch(recompile_limit=8):  # restored after (monkeypatch cannot undo a config entry)
+        entry.prepare_pipeline_process(
+            SimpleNamespace(inductor_cache_dir=None, vram_budget_gb=32.0, compile=False), "cpu"
+        )
+        assert torch._dynamo.config.recompile_limit == 8  # nothing compiles: Dynamo's setting stays the user's
+        entry.prepare_pipeline_process(
+            SimpleNamespace(inductor_cache_dir=None, vram_budget_gb=32.0, compile=True), "cpu"
+        )
+        assert torch._dynamo.config.recompile_limit == entry.RECOMPILE_LIMIT
