@@ -27,6 +27,12 @@
 #   text-phase         measurements/bench_text_phase.py --breakdown on $W/syn (real-size encoders with TEXT=full)
 #   drop-text          remove $TEXT_DIR (the RAM-backed real-size text encoders) once no later step reads them
 #   df11               measurements/bench_df11.py: the lossless compressed format's ratio, encode and decode GB/s
+#   df11-checkpoint    `k6fast quantize --format df11` of $W/syn into $DF11_DIR (default /dev/shm/syn-df11: the disk
+#                      holds the BF16 DiT only; the text encoders are hard links into $TEXT_DIR, no second copy); the
+#                      acceptance steps after it add --df11-model, which runs the `-df11` slugs on it
+#   df11-to-disk       make room for a ballast run on the compressed DiT: delete the BF16 DiT's shards (the BF16
+#                      checkpoint is unusable after this; run its rows and the peer first) and move the compressed
+#                      copy to $W/syn-df11, its text encoders linked from $TEXT_DIR as before
 #
 # Wheels the GPU machine lacks (python 3.12): diffusers, av, importlib_metadata, torchao (the block-scaled GEMM tests);
 # flash-attn-4 with nvidia-cutlass-dsl (+ -libs-base, -libs-core, -libs-cu13), apache-tvm-ffi, torch-c-dlpack-ext,
@@ -48,6 +54,7 @@ BLOCKS=${BLOCKS:-}
 GEOMETRY=${GEOMETRY:-w1}
 TEXT=${TEXT:-one-layer}
 TEXT_DIR=${TEXT_DIR:-/dev/shm/k6-text}
+DF11_DIR=${DF11_DIR:-/dev/shm/syn-df11}
 # Bytes free where TEXT_DIR goes: the full text encoders and their headers, with room to spare.
 TEXT_NEEDS=${TEXT_NEEDS:-18000000000}
 W=${LEASE_DIR:-/tmp/lease}
@@ -108,9 +115,11 @@ attention() {  # sparse first: its per-density record is what the sparse arm res
 acceptance() {  # the slugs to run, comma-separated
   checkpoint
   [ -f "$repo/LEASE_COMMIT" ] && mkdir -p $REC && cp "$repo/LEASE_COMMIT" $REC/commit.txt
-  local peer=()
+  local peer=() df11=()
   [ -f $W/syn-peer/model_index.json ] && peer=(--peer-model $W/syn-peer)
-  k6 acceptance --model $W/syn --geometry "$GEOMETRY" --out $REC --work $W/work --timeout 420 "${peer[@]}" --only "$1"
+  [ -f $W/df11.path ] && df11=(--df11-model "$(cat $W/df11.path)")
+  k6 acceptance --model $W/syn --geometry "$GEOMETRY" --out $REC --work $W/work --timeout 420 "${peer[@]}" \
+    "${df11[@]}" --only "$1"
 }
 
 peer_checkpoint() {  # the peer's copy: the same DiT, VAE and vocoder (links), one-layer text encoders
@@ -311,6 +320,22 @@ run)
         --prompts 3 --dit-resident-gb 17 --breakdown > $W/text_phase.log 2>&1); echo "text phase exit $?"
       tail -4 $W/text_phase.log ;;
     drop-text) rm -rf "$TEXT_DIR"; echo "removed $TEXT_DIR" ;;
+    df11-checkpoint)
+      checkpoint
+      rm -rf "$DF11_DIR"
+      (cd /tmp && time timeout 1200 python3 -m k6fast.cli quantize --format df11 $W/syn "$DF11_DIR") \
+        > $W/df11_checkpoint.log 2>&1; echo "df11 checkpoint exit $?"; tail -4 $W/df11_checkpoint.log
+      du -sh "$DF11_DIR/transformer"; echo "$DF11_DIR" > $W/df11.path ;;
+    df11-to-disk)
+      rm -f $W/syn/transformer/*.safetensors && rm -rf $W/syn-df11 && mkdir -p $W/syn-df11
+      for entry in "$DF11_DIR"/*; do
+        name=$(basename "$entry")
+        case "$name" in
+        text_encoder | text_encoder_2) ln -s "$(readlink -f $W/syn/$name)" $W/syn-df11/$name ;;
+        *) mv "$entry" $W/syn-df11/ ;;
+        esac
+      done
+      rm -rf "$DF11_DIR"; echo $W/syn-df11 > $W/df11.path; du -sh $W/syn-df11/transformer; df -h $W | tail -1 ;;
     df11)
       (cd "$repo" && timeout 240 python3 measurements/bench_df11.py ${DF11_ARGS:-} --out $W/df11.json \
         > $W/df11.log 2>&1); echo "df11 exit $?"; tail -20 $W/df11.log ;;
@@ -331,7 +356,7 @@ status)
   for f in $REC/serve/*.json; do [ -f "$f" ] && cp "$f" "$out/serve_$(basename "$f")"; done
   (cd $W && tar czf "$out/logs.tgz" $(ls run.log pytest_gpu*.log synthetic.log diag_compile.log *_attention.log \
     block_arms.log profile_*.log ray_*.log ray_*.json serve_*.log work/serve-*/server.log record/commit.txt \
-    text_phase.log df11.log peer_checkpoint.log \
+    text_phase.log df11.log df11_checkpoint.log peer_checkpoint.log \
     work/runs/*/stderr.log work/runs/*/*.json 2>/dev/null))
   ls $W/done 2>/dev/null && echo "session finished"
   ;;

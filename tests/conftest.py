@@ -69,3 +69,26 @@ def tiny_checkpoints(tmp_path_factory, request) -> dict[str, Path]:
 @pytest.fixture(scope="session")
 def tiny_distill(tiny_checkpoints) -> Path:
     return tiny_checkpoints["distill"]
+
+
+@pytest.fixture(scope="session")
+def tiny_bf16(tiny_distill, tmp_path_factory) -> Path:
+    """The tiny checkpoint (float32) with its transformer stored BF16, norms left F32: what `k6fast quantize --format
+    df11` compresses."""
+    import shutil
+
+    import torch
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    from k6fast.checkpoint import open_checkpoint
+
+    root = tmp_path_factory.mktemp("bf16") / "ckpt"
+    shutil.copytree(tiny_distill, root, copy_function=shutil.copy)
+    for file in open_checkpoint(root).transformer_files:
+        with safe_open(file, "pt") as f:
+            meta = f.metadata()
+            tensors = {k: f.get_tensor(k) for k in f.keys()}  # noqa: SIM118 (safe_open has no __iter__)
+        tensors = {k: t if "norm" in k else t.to(torch.bfloat16) for k, t in tensors.items()}
+        save_file(tensors, file, metadata=meta)
+    return root

@@ -14,7 +14,6 @@ import pytest
 import torch
 from dit_testing import tiny_dit
 from safetensors import safe_open
-from safetensors.torch import save_file
 
 from k6fast import df11
 from k6fast.checkpoint import CheckpointError, open_checkpoint
@@ -24,20 +23,6 @@ from k6fast.safetensors_index import DF11Location, index_safetensors
 from k6fast.stream.plan import index_footprint
 
 ROOMY = HostMemory(1 << 40, 1 << 40)  # a host with room for any host tier these tests ask for
-
-
-@pytest.fixture(scope="module")
-def tiny_bf16(tiny_distill, tmp_path_factory):
-    """The tiny checkpoint (float32) with its transformer stored BF16, norms left F32."""
-    root = tmp_path_factory.mktemp("bf16") / "ckpt"
-    shutil.copytree(tiny_distill, root, copy_function=shutil.copy)
-    for file in open_checkpoint(root).transformer_files:
-        with safe_open(file, "pt") as f:
-            meta = f.metadata()
-            tensors = {k: f.get_tensor(k) for k in f.keys()}  # noqa: SIM118 (safe_open has no __iter__)
-        tensors = {k: t if "norm" in k else t.to(torch.bfloat16) for k, t in tensors.items()}
-        save_file(tensors, file, metadata=meta)
-    return root
 
 
 @pytest.fixture(scope="module")

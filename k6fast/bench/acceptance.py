@@ -21,7 +21,7 @@ import subprocess
 import sys
 import threading
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -32,6 +32,7 @@ from .acceptance_report import (
     SERVE_DIR,
     is_peer_arm,
     latent_error,
+    latents_identical,
     render_table,
     request_summary,
 )
@@ -43,18 +44,22 @@ REFERENCE_ARM = "reference"
 
 @dataclass(frozen=True)
 class Run:
-    """One fresh process: an arm (or the peer) under a budget, with cold or warm compile caches, and optionally a
-    ballast that leaves `host_ram_gb` of the host's memory."""
+    """One fresh process: an arm (or the peer) under a budget, with cold or warm compile caches, optionally a
+    ballast that leaves `host_ram_gb` of the host's memory, and the checkpoint it reads: the session's own, or
+    (`checkpoint="df11"`) its lossless compressed copy (`k6fast quantize --format df11`), whose latents must equal
+    the same run's on the BF16 checkpoint bit for bit."""
 
     arm: str
     budget_gb: float
     cache: str  # "cold": caches emptied first; "warm": the caches a cold run of this arm left
     host_ram_gb: float | None = None
+    checkpoint: str = ""  # "": the workload's model; "df11": its compressed copy (Workload.df11_model)
 
     @property
     def name(self) -> str:
         ballast = f", {self.host_ram_gb:g} GB host" if self.host_ram_gb else ""
-        return f"{self.arm} @ {self.budget_gb:g} GiB, {self.cache}{ballast}"
+        stored = f", {self.checkpoint} checkpoint" if self.checkpoint else ""
+        return f"{self.arm} @ {self.budget_gb:g} GiB, {self.cache}{ballast}{stored}"
 
     @property
     def peer(self) -> bool:
@@ -63,7 +68,13 @@ class Run:
     @property
     def slug(self) -> str:
         ballast = f"-host{self.host_ram_gb:g}" if self.host_ram_gb else ""
-        return f"{self.arm}-{self.budget_gb:g}-{self.cache}{ballast}".replace("/", "_")
+        stored = f"-{self.checkpoint}" if self.checkpoint else ""
+        return f"{self.arm}-{self.budget_gb:g}-{self.cache}{ballast}{stored}".replace("/", "_")
+
+    @property
+    def bf16_twin(self) -> Run:
+        """The same run on the session's own (BF16) checkpoint."""
+        return replace(self, checkpoint="")
 
 
 def build_plan(
@@ -73,9 +84,12 @@ def build_plan(
     ballast_arms: list[str] = (),
     host_ram_gb: float | None = None,
     peer: str | None = None,
+    df11_arms: list[str] = (),
 ) -> list[Run]:
     """Most important first (a lease can end early): every arm cold at the first budget, then warm there, every arm
-    warm at the other budgets, the ballast runs, the peer last (it fills the host's memory and page cache)."""
+    warm at the other budgets, the ballast runs, the peer last (it fills the host's memory and page cache). With
+    `df11_arms`: each of them warm at the first budget on the compressed checkpoint, and beside the ballast where it
+    has a ballast run, after the BF16 runs (a lease writes the compressed copy from the BF16 one)."""
     if not arms or not budgets:
         raise ValueError("expected at least one arm and one budget")
     first, *others = budgets
@@ -84,6 +98,9 @@ def build_plan(
     runs += [Run(arm, budget, "warm") for budget in others for arm in arms]
     if host_ram_gb:
         runs += [Run(arm, first, "warm", host_ram_gb) for arm in ballast_arms]
+    runs += [Run(arm, first, "warm", checkpoint="df11") for arm in df11_arms]
+    if host_ram_gb:
+        runs += [Run(arm, first, "warm", host_ram_gb, "df11") for arm in df11_arms if arm in ballast_arms]
     if peer:
         runs.append(Run(peer, first, "cold"))
     return runs
@@ -216,6 +233,12 @@ class Workload:
     # memory, so beside real-size text encoders on a 128 GB host it reads a copy whose text encoders are one layer
     # (the record's plan says so). Not part of the request: a session's parts may differ in it.
     peer_model: str = ""
+    # The lossless compressed copy of `model` (`k6fast quantize --format df11`) the df11 runs read; not part of the
+    # request either.
+    df11_model: str = ""
+
+    def model_for(self, run: Run) -> str:
+        return self.df11_model if run.checkpoint == "df11" else self.model
 
 
 REQUEST_FIELDS = ("model", "geometry", "prompt", "seed", "steps", "guidance")
@@ -223,7 +246,7 @@ REQUEST_FIELDS = ("model", "geometry", "prompt", "seed", "steps", "guidance")
 
 def generate_command(run: Run, w: Workload, run_dir: Path, python: str) -> list[str]:
     width, height, frames = w.geometry.split("x")
-    return [python, "-m", "k6fast.cli", "generate", "--model", w.model, "--arm", run.arm, "--prompt", w.prompt,
+    return [python, "-m", "k6fast.cli", "generate", "--model", w.model_for(run), "--arm", run.arm, "--prompt", w.prompt,
             "--seed", str(w.seed), "--steps", str(w.steps), "--guidance", f"{w.guidance:g}",
             "--size", f"{width}x{height}", "--frames", frames,
             "--out", str(run_dir / "clip.mp4"), "--save-latents", str(run_dir / "latents.safetensors")]  # fmt: skip
@@ -304,7 +327,7 @@ def _prediction(run: Run, w: Workload, read_gb_s: float | None) -> dict[str, Any
     run its measurement (a lease cannot run it again)."""
     geometry = tuple(int(v) for v in w.geometry.split("x"))
     try:
-        return predict(w.model, run.arm, run.budget_gb, geometry, read_gb_s)
+        return predict(w.model_for(run), run.arm, run.budget_gb, geometry, read_gb_s)
     except Exception as exc:  # whatever doctor raises, the run goes on
         return {"error": f"{type(exc).__name__}: {exc}", "step_bytes": None, "step_min_s": None}
 
@@ -326,6 +349,8 @@ def run_acceptance(
         if {k: earlier.get(k) for k in REQUEST_FIELDS} != {k: getattr(w, k) for k in REQUEST_FIELDS}:
             raise ValueError(f"{out} holds a session of another workload; expected an empty folder or the same one")
         plan = {**earlier, "runs": earlier.get("runs", []), "parts": earlier.get("parts", 1) + 1}
+        if w.df11_model:  # the part that runs on the compressed copy says which
+            plan["df11_model"] = w.df11_model
         if w.peer_model:  # the part that runs the peer says what it read
             plan.update(
                 {"peer_model": w.peer_model, **{k: v for k, v in (header or {}).items() if k.startswith("peer_")}}
@@ -349,6 +374,8 @@ def run_acceptance(
         if first_reference:
             reference = latents  # the first reference run that passed is what every arm is held against
             row["vs_reference"] = latent_error(latents, latents)
+        if run.checkpoint == "df11":
+            hold_to_bf16_twin(row, latents, work / "runs" / run.bf16_twin.slug / "latents.safetensors")
         append_jsonl(out / ROWS_FILE, row)
         if first_reference:
             hold_earlier_rows(out / ROWS_FILE, work, reference)
@@ -359,6 +386,18 @@ def run_acceptance(
     write_json(out / PLAN_FILE, plan)
     write_readme(out, plan)
     return out
+
+
+def hold_to_bf16_twin(row: dict[str, Any], latents: Path, twin: Path) -> None:
+    """A run on the compressed checkpoint fails unless its latents equal the same run's on the BF16 checkpoint, bit
+    for bit (DF11 is lossless); not compared where that run's latents are not on disk."""
+    if not (row["passed"] and latents.is_file() and twin.is_file()):
+        return
+    row["vs_bf16"] = latents_identical(latents, twin)
+    differ = [key for key, same in row["vs_bf16"].items() if not same]
+    if differ:
+        row["passed"] = False
+        row["error"] = f"{', '.join(differ)} latents differ from the same run's on the BF16 checkpoint ({twin})"
 
 
 def write_readme(out: Path, plan: dict[str, Any] | None = None) -> bool:

@@ -54,6 +54,10 @@ def register(subparsers) -> argparse.ArgumentParser:
         help="the peer's checkpoint, where it cannot read --model (e.g. the same DiT linked "
         "with one-layer text encoders: the peer holds the DiT and its text encoders in host memory)",
     )
+    p.add_argument("--df11-model", help="the lossless compressed copy of --model (`k6fast quantize --format df11`): "
+                   "--df11-arms run on it too, each held to bit-identical latents with its BF16 run")  # fmt: skip
+    p.add_argument("--df11-arms", type=list_of, default=["reference", "final"], help="arms also run on --df11-model, "
+                   "warm, and beside the ballast where they have a ballast run (default reference,final)")  # fmt: skip
     p.add_argument("--geometry", default="w1", help="w1 (864x480x121) or WIDTHxHEIGHTxFRAMES")
     p.add_argument("--steps", type=int, help="denoising steps (default: the checkpoint's)")
     p.add_argument("--guidance", type=float, help="CFG scale (default: the checkpoint's)")
@@ -179,10 +183,20 @@ def cmd_acceptance(args: argparse.Namespace) -> int:
         print(f"error: --peer-model {args.peer_model}: expected a checkpoint folder with model_index.json",
               file=sys.stderr)  # fmt: skip
         return 2
+    if args.df11_model:
+        try:
+            compression = open_checkpoint(args.df11_model).compression
+        except (OSError, ValueError) as exc:
+            compression = f"unreadable ({exc})"
+        if compression != "df11":
+            print(f"error: --df11-model {args.df11_model}: expected a checkpoint written by `k6fast quantize --format "
+                  f"df11`, found {compression or 'a BF16 one'}", file=sys.stderr)  # fmt: skip
+            return 2
     arms = sorted(args.arms, key=lambda a: a != REFERENCE_ARM)  # the reference first: every arm is held against it
     peer = None if args.peer == "none" else args.peer
+    df11_arms = [arm for arm in arms if arm in args.df11_arms] if args.df11_model else []
     runs = build_plan(arms, args.budgets, ballast_arms=args.ballast_arms, host_ram_gb=args.host_ram_gb or None,
-                      peer=peer)  # fmt: skip
+                      peer=peer, df11_arms=df11_arms)  # fmt: skip
     if args.only:
         unknown = set(args.only) - {r.slug for r in runs}
         if unknown:
@@ -192,13 +206,18 @@ def cmd_acceptance(args: argparse.Namespace) -> int:
         runs = [r for r in runs if r.slug in args.only]
     # Only the peer runs: the checkpoint's defaults come from the copy it reads, so that the main checkpoint's large
     # text encoders may already be gone (a lease frees their RAM-backed folder before the peer, which needs the room).
-    peer_only = bool(args.peer_model) and all(r.peer for r in runs)
-    ckpt = open_checkpoint(str(args.peer_model if peer_only else model))
+    # Only compressed runs: from the compressed copy, so that the BF16 DiT may be gone (a lease makes room for it).
+    defaults_from = model
+    if args.peer_model and all(r.peer for r in runs):
+        defaults_from = args.peer_model
+    elif args.df11_model and all(r.checkpoint == "df11" for r in runs):
+        defaults_from = args.df11_model
+    ckpt = open_checkpoint(str(defaults_from))
     workload = Workload(
         model=str(model), geometry=geometry.label(), prompt=args.prompt or DEFAULT_PROMPT, seed=args.seed,
         steps=args.steps or ckpt.default_steps,
         guidance=args.guidance if args.guidance is not None else ckpt.default_guidance,
-        peer_model=args.peer_model or "",
+        peer_model=args.peer_model or "", df11_model=args.df11_model or "",
     )  # fmt: skip
     out = Path(args.out or f"measurements/sessions/{dt.date.today().isoformat()}_acceptance")
     header = _header(str(model)) | {"synthetic_write_s": made}

@@ -168,6 +168,38 @@ PREDICTION_NOTES = (
 )
 
 
+# Shown where a record has runs on the lossless compressed checkpoint (`Run.checkpoint == "df11"`).
+DF11_COLUMNS = ("latents vs the BF16 checkpoint's",)
+DF11_NOTES = (
+    "latents vs the BF16 checkpoint's: a run on the DF11 copy of the checkpoint (`k6fast quantize --format df11`, "
+    "lossless) against the same run on the BF16 checkpoint: bit-identical final latents, or the streams that differ "
+    "(the run then fails); — for runs on the BF16 checkpoint."
+)
+
+
+def latents_identical(latents: Path, other: Path) -> dict[str, bool]:
+    """Per stream (video, audio): whether the two runs' final latents are equal bit for bit."""
+    import torch
+    from safetensors.torch import load_file
+
+    a, b = load_file(str(latents)), load_file(str(other))
+    return {key: key in b and torch.equal(a[key], b[key]) for key in sorted(a)}
+
+
+def has_df11_columns(rows: list[dict[str, Any]]) -> bool:
+    return any(row.get("checkpoint") for row in rows)
+
+
+def _vs_bf16(row: dict[str, Any]) -> str:
+    if not row.get("checkpoint"):
+        return "—"
+    same = row.get("vs_bf16")
+    if same is None:
+        return "not compared (no BF16 run's latents)"
+    differ = [key for key, equal in same.items() if not equal]
+    return "bit-identical" if not differ else f"**differ**: {', '.join(differ)}"
+
+
 def has_extra_columns(rows: list[dict[str, Any]]) -> bool:
     return any("disk_read_bytes" in row for row in rows)
 
@@ -219,6 +251,7 @@ def table_row(
     extra: bool = False,
     tier: bool = False,
     prediction: bool = False,
+    df11: bool = False,
 ) -> str:
     phases = row.get("phases_s") or {}
     split = " / ".join(_s(phases.get(k)) for k in PHASES)
@@ -246,6 +279,8 @@ def table_row(
         cells.append(_host_tier(row))
     if prediction:
         cells += _predicted_vs_measured(row)
+    if df11:
+        cells.append(_vs_bf16(row))
     return "| " + " | ".join(str(c) for c in cells) + " |"
 
 
@@ -258,13 +293,14 @@ def _reuploads(row: dict[str, Any]) -> str:
 
 def table_lines(rows: list[dict[str, Any]]) -> list[str]:
     """The Markdown table of an acceptance run: a header and a row per run, each row's request against the peer's
-    (with EXTRA_COLUMNS, TIER_COLUMNS and PREDICTION_COLUMNS where the rows have them)."""
+    (with EXTRA_COLUMNS, TIER_COLUMNS, PREDICTION_COLUMNS and DF11_COLUMNS where the rows have them)."""
     peer = peer_request_s(rows)
     extra, tier, prediction = has_extra_columns(rows), has_tier_columns(rows), has_prediction_columns(rows)
+    df11 = has_df11_columns(rows)
     columns = COLUMNS + (EXTRA_COLUMNS if extra else ()) + (TIER_COLUMNS if tier else ())
-    columns += PREDICTION_COLUMNS if prediction else ()
+    columns += (PREDICTION_COLUMNS if prediction else ()) + (DF11_COLUMNS if df11 else ())
     header = ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
-    return [*header, *(table_row(r, peer, extra, tier, prediction) for r in rows)]
+    return [*header, *(table_row(r, peer, extra, tier, prediction, df11) for r in rows)]
 
 
 def _text_encoders(plan: dict[str, Any]) -> list[str]:
@@ -281,6 +317,11 @@ def _text_encoders(plan: dict[str, Any]) -> list[str]:
         lines.append(f"- the peer read {plan.get('peer_model', '?')}: text encoders {peer.get('synthetic') or '?'}, "
                      f"{_gb(peer.get('bytes'))} GB (it holds them and the DiT in host memory)")  # fmt: skip
     return lines
+
+
+def _df11_model(plan: dict[str, Any]) -> list[str]:
+    where = plan.get("df11_model")
+    return [f"- the df11 runs read {where}, the checkpoint's lossless compressed copy"] if where else []
 
 
 def _read_test(plan: dict[str, Any]) -> list[str]:
@@ -355,6 +396,7 @@ def column_notes(rows: list[dict[str, Any]]) -> list[str]:
         *(["", EXTRA_NOTES] if has_extra_columns(rows) else []),
         *(["", TIER_NOTES] if has_tier_columns(rows) else []),
         *(["", PREDICTION_NOTES] if has_prediction_columns(rows) else []),
+        *(["", DF11_NOTES] if has_df11_columns(rows) else []),
     ]
 
 
@@ -373,6 +415,11 @@ def render_table(rows: list[dict[str, Any]], plan: dict[str, Any], serve: list[d
         f"- GPU: {', '.join(gpus) or 'none'}; versions: {json.dumps(plan.get('versions', {}))}",
         f"- commit(s): {', '.join(commits) or 'unknown'}",
         f"- checkpoint: {plan.get('checkpoint_note', plan.get('model'))}",
+        *(
+            [f"- the df11 runs read {plan['df11_model']}, its lossless compressed copy"]
+            if plan.get("df11_model")
+            else []
+        ),
         *_text_encoders(plan),
         *_read_test(plan),
         f"- each run a fresh process: `k6fast generate --arm ARM` under `K6_VRAM_BUDGET_GB`; cold = empty Inductor and "
