@@ -19,6 +19,10 @@ WHEELS=${WHEELS:?the folder of wheels (a/, a/srv/)}
 # the tmpfs text encoders gone).
 STEPS=${STEPS:-gpu-tests peer-checkpoint acceptance:final-32-cold,final-32-warm,fast-32-cold,fast-32-warm \
 serve:final:32 acceptance:final-32-warm-host60 drop-text acceptance:diffusers-offload-32-cold}
+# The DF11 lease (issue #38; dry-run on a CPU with BLOCKS=2 PRESET=lite-distill GEOMETRY=64x64x5 DF11_DIR=... on
+# 2026-12-02): STEPS="gpu-tests acceptance:final-32-cold,reference-32-warm,final-32-warm \
+#   acceptance:final-32-warm-host60 df11-checkpoint acceptance:reference-32-warm-df11,final-32-warm-df11 df11-to-disk \
+#   acceptance:final-32-warm-host60-df11" (the BF16 rows first: df11-to-disk deletes the BF16 DiT to make room).
 case "${1:?expected start}" in
 start)
   mkdir -p $W
