@@ -89,6 +89,8 @@ def test_acceptance_session_on_the_tiny_checkpoint(tiny_distill, tmp_path) -> No
     assert ref["peak_rss_bytes"] > 0 and ref["request_s"] > 0 and ref["residency"]["num_blocks"] == 2
     assert all(isinstance(r["disk_read_bytes"], int) for r in rows)  # /proc/PID/io of each `k6fast generate`
     assert set(ref["phases_s"]) >= {"text_encode", "denoise", "video_decode", "mux"}
+    # Every row encodes the prompt, the warm one after a cold one too: the prompt cache is off in the runs.
+    assert [r["text_source"] for r in rows] == ["encoded"] * 3
     plan = json.loads((out / "acceptance.json").read_text())
     assert plan["finished"] and plan["steps"] == 10 and len(plan["runs"]) == 3 and plan["parts"] == 2
     table = (out / "README.md").read_text()

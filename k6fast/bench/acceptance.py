@@ -245,11 +245,15 @@ REQUEST_FIELDS = ("model", "geometry", "prompt", "seed", "steps", "guidance")
 
 
 def generate_command(run: Run, w: Workload, run_dir: Path, python: str) -> list[str]:
+    """`k6fast generate` for the run, without the prompt cache: a warm run is one with the compile caches a cold run
+    left, and it encodes the prompt as every other row and the peer do (with the cache, the cold run's encoding
+    made the warm row's text phase 0 s: the second 2026-12-02 envelope record's `final` warm row)."""
     width, height, frames = w.geometry.split("x")
     return [python, "-m", "k6fast.cli", "generate", "--model", w.model_for(run), "--arm", run.arm, "--prompt", w.prompt,
             "--seed", str(w.seed), "--steps", str(w.steps), "--guidance", f"{w.guidance:g}",
             "--size", f"{width}x{height}", "--frames", frames,
-            "--out", str(run_dir / "clip.mp4"), "--save-latents", str(run_dir / "latents.safetensors")]  # fmt: skip
+            "--out", str(run_dir / "clip.mp4"), "--save-latents", str(run_dir / "latents.safetensors"),
+            "--prompt-cache", "none"]  # fmt: skip
 
 
 def peer_command(run: Run, w: Workload, run_dir: Path, python: str) -> list[str]:
