@@ -60,6 +60,8 @@ def _check_generate_args(args: argparse.Namespace) -> None:
         raise CliError(f"--seed: {problem}")
     if args.steps is not None and args.steps < 1:
         raise CliError(f"--steps: expected an integer >= 1, found {args.steps}")
+    if args.stop_after_steps is not None and args.stop_after_steps < 1:
+        raise CliError(f"--stop-after-steps: expected an integer >= 1, found {args.stop_after_steps}")
     if args.guidance is not None and not (math.isfinite(args.guidance) and args.guidance >= 1.0):
         raise CliError(f"--guidance: expected a finite number >= 1.0 (1.0 = no CFG), found {args.guidance}")
     if not args.prompt.strip():
@@ -96,6 +98,9 @@ def _prepare_generate(args: argparse.Namespace) -> tuple[Options, Checkpoint, Re
     clock.lap("checkpoint")
     request = request_from_args(args, image)
     resolve_request(ckpt, options, request)
+    steps = request.steps or ckpt.default_steps
+    if args.stop_after_steps is not None and args.stop_after_steps > steps:
+        raise CliError(f"--stop-after-steps {args.stop_after_steps}: expected at most the request's {steps} steps")
     problem = device_problem(args.device)
     if problem:
         raise CliError(f"--device {args.device}: {problem}")
@@ -197,9 +202,10 @@ def cmd_generate(args: argparse.Namespace) -> int:
     clock.lap("before_request")
     extra["process"] = clock.as_dict()  # the start-up profile; `main` adds the request and the teardown at the end
     try:
-        with tqdm(total=steps, desc="denoise", unit="step", file=sys.stderr) as bar:
+        with tqdm(total=args.stop_after_steps or steps, desc="denoise", unit="step", file=sys.stderr) as bar:
             # The MP4 is encoded on its own thread while the video decodes (`generate_to_mp4`).
-            result = generate_to_mp4(pipe, request, out, args.model, on_step=lambda event: bar.update(1), extra=extra)
+            result = generate_to_mp4(pipe, request, out, args.model, on_step=lambda event: bar.update(1), extra=extra,
+                                     stop_after_steps=args.stop_after_steps)  # fmt: skip
     except OSError as exc:  # the disk filled up or the directory changed while the clip was generated
         raise CliError(f"--out {out}: could not write the clip ({exc.strerror or 'write failed'})") from None
     clock.lap("request")  # the request, its MP4 and the sidecar's first write
@@ -310,6 +316,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", required=True, help="output .mp4 path (a new file unless --overwrite)")
     p.add_argument("--overwrite", action="store_true", help="replace --out and its .json sidecar if they exist")
     p.add_argument("--save-latents", help="also write the denoised latents (video, audio) to this .safetensors file")
+    p.add_argument("--stop-after-steps", type=int, help="a measurement: denoise only the schedule's first N steps, "
+                   "then decode what they leave (a long schedule's per-step cost; not a finished clip)")  # fmt: skip
     p.add_argument("--prompt-cache", help="folder of encoded prompts reused by later runs (default: prompts/ in "
                    "K6_INDUCTOR_CACHE_DIR, else ~/.cache/k6fast/prompts; 'none' = do not keep them)")  # fmt: skip
     p.set_defaults(func=cmd_generate)

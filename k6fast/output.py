@@ -92,6 +92,7 @@ def generate_to_mp4(
     should_stop: StopCheck | None = None,
     initial_noise: tuple[torch.Tensor, torch.Tensor | None] | None = None,
     extra: dict[str, Any] | None = None,
+    stop_after_steps: int | None = None,
 ) -> Result:
     """`pipe.generate(request)` then `write_result(...)`, the MP4 encoded while the video decodes (`Mp4Sink`): the
     same files, bytes and Result (its frames included). The "mux" phase is the wait for the encoder after the
@@ -99,9 +100,8 @@ def generate_to_mp4(
     `should_stop` is checked by the request and between the MP4's frames; a stop or any error leaves neither file."""
     out = Path(out)
     with Mp4Sink(out, pipe.options, should_stop) as sink:
-        result = pipe.generate(
-            request, on_step=on_step, should_stop=should_stop, initial_noise=initial_noise, frame_sink=sink
-        )
+        result = pipe.generate(request, on_step=on_step, should_stop=should_stop, initial_noise=initial_noise,
+                               frame_sink=sink, stop_after_steps=stop_after_steps)  # fmt: skip
         with result.telemetry.phase("mux"):
             sink.finish()
     telemetry = result.telemetry

@@ -277,8 +277,11 @@ class Pipeline:
         should_stop: Callable[[], bool] | None = None,
         initial_noise: tuple[torch.Tensor, torch.Tensor | None] | None = None,
         frame_sink: FrameSink | None = None,
+        stop_after_steps: int | None = None,
     ) -> Result:
         """Run one request. `initial_noise` (video [1,T,H,W,C], audio [1,L,C]) replaces the seeded draw (tests).
+        `stop_after_steps`: denoise only the schedule's first steps, then decode what they leave (a measurement of a
+        long schedule's per-step cost, e.g. the 50-step base checkpoints'; not a finished clip).
         `should_stop` (k6fast.cancel) is checked before every phase, before every denoising step, between the DiT's
         fused blocks and between the video decode's ops; `Cancelled` says where it stopped. `frame_sink` (output.py's
         MP4 sink) is handed the audio, then the frames as the video decode finishes them."""
@@ -287,6 +290,10 @@ class Pipeline:
             step_cache = plan_run(self.ckpt, self.options, steps, guidance, request.audio)
         except StepCacheError as exc:  # `resolve` checked it, but a calibration file can go, or not be writable
             raise RequestError(str(exc)) from None
+        if stop_after_steps is not None and not 1 <= stop_after_steps <= steps:
+            raise RequestError(f"stop after {stop_after_steps} steps: expected 1..{steps} for a {steps}-step request")
+        if stop_after_steps is not None and step_cache.measure:
+            raise RequestError("a step-cache calibration needs every step to run: it cannot stop early")
         cfg, device, dtype = self.ckpt.dit, self.device, self.dtype
         telemetry = Telemetry(device=str(device))
         if device.type == "cuda":
@@ -363,11 +370,14 @@ class Pipeline:
                     measure_ratios=step_cache.measure,
                     on_step=step_hook,
                     should_stop=should_stop,
+                    stop_after=stop_after_steps,
                 )
         finally:
             if self.dit is not None:
                 self.dit.should_stop = None
         telemetry.dit_calls = out.dit_calls
+        if stop_after_steps is not None:
+            telemetry.stopped_after_steps = (stop_after_steps, steps)
         geometry = (request.width, request.height, request.frames)
         telemetry.step_cache = step_cache.finish(out.ratios, out.cosine, geometry, guidance)
         denoised = {"video": out.video.cpu()}  # before the decoders run (a few MB)

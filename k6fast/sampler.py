@@ -119,12 +119,18 @@ def sample(
     measure_ratios: bool = False,
     on_step: Callable[[StepEvent], None] | None = None,
     should_stop: Callable[[], bool] | None = None,
+    stop_after: int | None = None,
 ) -> SampleResult:
     """Run the schedule. latents: [B, T, H, W, C] noise; audio_latents: [B, L, Ca] noise or None (no audio);
     first_frame: [B, H, W, C] clean reference-frame latent or None. CFG runs when `guidance > 1` (needs `uncond`).
     A step in `cache_steps`, or one `magcache` skips, reuses the last called step's prediction (both CFG branches);
-    `measure_ratios` records every series' magnitude ratios (a calibration run: give it no cache)."""
+    `measure_ratios` records every series' magnitude ratios (a calibration run: give it no cache). `stop_after`: run
+    only the schedule's first steps (a measurement of a long schedule's per-step cost); the latents are those steps'."""
     validate_cache_steps(cache_steps, num_steps)
+    if stop_after is not None and not 1 <= stop_after <= num_steps:
+        raise ValueError(f"stop after {stop_after} steps: expected 1..{num_steps} for a {num_steps}-step schedule")
+    if stop_after is not None and measure_ratios:
+        raise ValueError("measuring the magnitude ratios (a calibration) needs every step to run: do not stop early")
     if magcache is not None and (cache_steps or magcache.num_steps != num_steps):
         raise ValueError(
             f"a MagCache for {magcache.num_steps} steps runs alone on its schedule, found {num_steps} steps"
@@ -216,6 +222,8 @@ def sample(
         result.step_seconds.append(seconds)
         if on_step is not None:
             on_step(StepEvent(i, num_steps, called, seconds))
+        if stop_after is not None and i + 1 == stop_after:
+            break
 
     result.video = latents[:, :-1] if first_frame is not None else latents
     result.audio = audio_latents

@@ -70,6 +70,8 @@ class Telemetry:
     mux_streamed: bool = False
     mux_encode_s: float | None = None  # seconds the encoder worked (frame conversion, encode, finishing the file)
     mux_exposed_s: float | None = None  # seconds from the last decoded frame to the finished MP4
+    # A measurement that ran only the schedule's first steps (`generate --stop-after-steps`): how many, of how many.
+    stopped_after_steps: tuple[int, int] | None = None
     # Restart CUDA's peak counters per phase. Off where work runs outside any phase (a peer's denoising loop, timed
     # between phases): there the caller reads the whole request's peak itself.
     per_phase_peaks: bool = True
@@ -148,6 +150,7 @@ class Telemetry:
             "mux_encode_s": None if self.mux_encode_s is None else round(self.mux_encode_s, 6),
             "mux_exposed_s": None if self.mux_exposed_s is None else round(self.mux_exposed_s, 6),
             "peak_host_rss_bytes": peak_host_rss_bytes(),
+            **({"stopped_after_steps": list(self.stopped_after_steps)} if self.stopped_after_steps else {}),
         }
 
     def summary(self) -> str:

@@ -12,7 +12,8 @@
 # Steps (each waits for what it needs; the 57 GB checkpoint is written in the background from the start):
 #   gpu-tests          `pytest -m gpu` in four concurrent shards, then the tests that read the card's free memory
 #   attention          exact attention kernels at W1 and the Lite shape, sparse attention per density
-#   acceptance:SLUGS   `k6fast acceptance --only SLUGS` (each part continues the same record)
+#   acceptance:SLUGS   `k6fast acceptance --only SLUGS` (each part continues the same record; ACCEPTANCE_ARGS adds
+#                      options, e.g. "--arms reference,final,fast-base --stop-after-steps 5" for the Pro base)
 #   serve:ARM:BUDGET   measurements/bench_serve_defaults.py: `k6fast serve --arm ARM` at its defaults under BUDGET GiB
 #                      with the arm's compile cache ($W/work/cache/ARM, what `acceptance:ARM-32-cold` left), four jobs
 #                      through the openai SDK, a DELETE, an oversize request; its record goes to $REC/serve/ and the
@@ -118,8 +119,9 @@ acceptance() {  # the slugs to run, comma-separated
   local peer=() df11=()
   [ -f $W/syn-peer/model_index.json ] && peer=(--peer-model $W/syn-peer)
   [ -f $W/df11.path ] && df11=(--df11-model "$(cat $W/df11.path)")
+  # shellcheck disable=SC2086  # ACCEPTANCE_ARGS: more options, split on spaces (e.g. the Pro base's arms)
   k6 acceptance --model $W/syn --geometry "$GEOMETRY" --out $REC --work $W/work --timeout 420 "${peer[@]}" \
-    "${df11[@]}" --only "$1"
+    "${df11[@]}" ${ACCEPTANCE_ARGS:-} --only "$1"
 }
 
 peer_checkpoint() {  # the peer's copy: the same DiT, VAE and vocoder (links), one-layer text encoders

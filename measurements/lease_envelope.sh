@@ -23,6 +23,10 @@ serve:final:32 acceptance:final-32-warm-host60 drop-text acceptance:diffusers-of
 # 2026-12-02): STEPS="gpu-tests acceptance:final-32-cold,reference-32-warm,final-32-warm \
 #   acceptance:final-32-warm-host60 df11-checkpoint acceptance:reference-32-warm-df11,final-32-warm-df11 df11-to-disk \
 #   acceptance:final-32-warm-host60-df11" (the BF16 rows first: df11-to-disk deletes the BF16 DiT to make room).
+# The Pro base lease (issue #36: the 50-step base checkpoint at full depth, 5 of its steps a run, per-step times side
+# by side with the peer's): PRESET=pro ACCEPTANCE_ARGS="--arms reference,final,fast-base --stop-after-steps 5" \
+#   STEPS="gpu-tests peer-checkpoint acceptance:reference-32-cold,final-32-cold,fast-base-32-cold,final-32-warm,\
+#   fast-base-32-warm drop-text acceptance:diffusers-offload-32-cold"
 case "${1:?expected start}" in
 start)
   mkdir -p $W

@@ -51,6 +51,12 @@ CASES = {
     "generate-out": ([*GEN, "--model", "x", "--out", "a.mkv"], {}, "expected a path ending in .mp4"),
     "generate-seed": ([*GEN, "--model", "x", "--seed", "-1"], {}, "--seed: expected an integer in [0, "),
     "generate-steps": ([*GEN, "--model", "x", "--steps", "0"], {}, "--steps: expected an integer >= 1, found 0"),
+    "generate-stop-after": ([*GEN, "--model", "x", "--stop-after-steps", "0"], {}, "--stop-after-steps: expected an"),
+    "generate-stop-after-long": (
+        [*GEN, "--model", "{tiny}", "--stop-after-steps", "11"],
+        {},
+        "--stop-after-steps 11: expected at most the request's 10 steps",
+    ),
     "generate-guidance-nan": ([*GEN, "--model", "x", "--guidance", "nan"], {}, "--guidance: expected a finite"),
     "generate-prompt": ([*GEN, "--model", "x", "--prompt", " "], {}, "--prompt is empty"),
     "generate-switch": ([*GEN, "--model", "{tiny}"], {"K6_GEMM": "bogus"}, "Unable to use K6_GEMM='bogus'"),

@@ -236,12 +236,15 @@ class Workload:
     # The lossless compressed copy of `model` (`k6fast quantize --format df11`) the df11 runs read; not part of the
     # request either.
     df11_model: str = ""
+    # Every run denoises only the schedule's first steps (`generate --stop-after-steps`): a long schedule's per-step
+    # cost (the 50-step base checkpoints), side by side with the peer's; None = the whole schedule.
+    stop_after_steps: int | None = None
 
     def model_for(self, run: Run) -> str:
         return self.df11_model if run.checkpoint == "df11" else self.model
 
 
-REQUEST_FIELDS = ("model", "geometry", "prompt", "seed", "steps", "guidance")
+REQUEST_FIELDS = ("model", "geometry", "prompt", "seed", "steps", "guidance", "stop_after_steps")
 
 
 def generate_command(run: Run, w: Workload, run_dir: Path, python: str) -> list[str]:
@@ -253,7 +256,8 @@ def generate_command(run: Run, w: Workload, run_dir: Path, python: str) -> list[
             "--seed", str(w.seed), "--steps", str(w.steps), "--guidance", f"{w.guidance:g}",
             "--size", f"{width}x{height}", "--frames", frames,
             "--out", str(run_dir / "clip.mp4"), "--save-latents", str(run_dir / "latents.safetensors"),
-            "--prompt-cache", "none"]  # fmt: skip
+            "--prompt-cache", "none",
+            *(["--stop-after-steps", str(w.stop_after_steps)] if w.stop_after_steps else [])]  # fmt: skip
 
 
 def peer_command(run: Run, w: Workload, run_dir: Path, python: str) -> list[str]:
@@ -265,7 +269,8 @@ def peer_command(run: Run, w: Workload, run_dir: Path, python: str) -> list[str]
     spec = VisitSpec(session="acceptance", visit=0, position=0, repeat=0, arm=run.arm, model=w.peer_model or w.model,
                      component="pipeline", width=width, height=height, frames=frames, steps=w.steps,
                      guidance=w.guidance, seed=w.seed, prompt=w.prompt, requests=1, warmup=0,
-                     switches={"K6_VRAM_BUDGET_GB": f"{run.budget_gb:g}"})  # fmt: skip
+                     switches={"K6_VRAM_BUDGET_GB": f"{run.budget_gb:g}"},
+                     stop_after_steps=w.stop_after_steps)  # fmt: skip
     (run_dir / "spec.json").write_text(json.dumps(spec.as_dict()))
     return [python, "-m", "k6fast.bench.visit", "--spec", str(run_dir / "spec.json"),
             "--out", str(run_dir / "peer.json")]  # fmt: skip

@@ -62,6 +62,8 @@ def register(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--steps", type=int, help="denoising steps (default: the checkpoint's)")
     p.add_argument("--guidance", type=float, help="CFG scale (default: the checkpoint's)")
     p.add_argument("--seed", type=int, default=42)
+    p.add_argument("--stop-after-steps", type=int, help="every run (the peer's too) denoises only the schedule's "
+                   "first N steps: a long schedule's per-step cost, e.g. the 50-step base checkpoints'")  # fmt: skip
     p.add_argument("--prompt", help="the request's prompt (default: a fixed rain-and-neon prompt)")
     p.add_argument("--out", help="record folder (default measurements/sessions/<date>_acceptance)")
     p.add_argument("--work", default="/tmp/k6fast-acceptance", help="clips, latents, logs, caches")
@@ -148,6 +150,8 @@ def check_arguments(args: argparse.Namespace) -> str | None:
             return f"--arms: {exc}"
     if args.steps is not None and args.steps < 1:
         return f"--steps: expected an integer >= 1, found {args.steps}"
+    if args.stop_after_steps is not None and args.stop_after_steps < 1:
+        return f"--stop-after-steps: expected an integer >= 1, found {args.stop_after_steps}"
     if args.guidance is not None and not (math.isfinite(args.guidance) and args.guidance >= 1.0):
         return f"--guidance: expected a finite number >= 1.0 (1.0 = no CFG), found {args.guidance}"
     problem = seed_problem(args.seed)
@@ -217,8 +221,12 @@ def cmd_acceptance(args: argparse.Namespace) -> int:
         model=str(model), geometry=geometry.label(), prompt=args.prompt or DEFAULT_PROMPT, seed=args.seed,
         steps=args.steps or ckpt.default_steps,
         guidance=args.guidance if args.guidance is not None else ckpt.default_guidance,
-        peer_model=args.peer_model or "", df11_model=args.df11_model or "",
+        peer_model=args.peer_model or "", df11_model=args.df11_model or "", stop_after_steps=args.stop_after_steps,
     )  # fmt: skip
+    if workload.stop_after_steps and workload.stop_after_steps > workload.steps:
+        print(f"error: --stop-after-steps {workload.stop_after_steps}: expected at most the {workload.steps} steps "
+              "the runs take", file=sys.stderr)  # fmt: skip
+        return 2
     out = Path(args.out or f"measurements/sessions/{dt.date.today().isoformat()}_acceptance")
     header = _header(str(model)) | {"synthetic_write_s": made}
     if args.peer_model:

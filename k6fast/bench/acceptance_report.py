@@ -319,6 +319,15 @@ def _text_encoders(plan: dict[str, Any]) -> list[str]:
     return lines
 
 
+def _stopped(plan: dict[str, Any]) -> list[str]:
+    k = plan.get("stop_after_steps")
+    if not k:
+        return []
+    return [f"- every run (the peer's too) denoised only the first {k} of its {plan.get('steps')} steps "
+            "(`--stop-after-steps`) and decoded what they left: the per-step times are the figures; the request's is "
+            "not a finished clip's"]  # fmt: skip
+
+
 def _df11_model(plan: dict[str, Any]) -> list[str]:
     where = plan.get("df11_model")
     return [f"- the df11 runs read {where}, the checkpoint's lossless compressed copy"] if where else []
@@ -415,11 +424,8 @@ def render_table(rows: list[dict[str, Any]], plan: dict[str, Any], serve: list[d
         f"- GPU: {', '.join(gpus) or 'none'}; versions: {json.dumps(plan.get('versions', {}))}",
         f"- commit(s): {', '.join(commits) or 'unknown'}",
         f"- checkpoint: {plan.get('checkpoint_note', plan.get('model'))}",
-        *(
-            [f"- the df11 runs read {plan['df11_model']}, its lossless compressed copy"]
-            if plan.get("df11_model")
-            else []
-        ),
+        *_df11_model(plan),
+        *_stopped(plan),
         *_text_encoders(plan),
         *_read_test(plan),
         f"- each run a fresh process: `k6fast generate --arm ARM` under `K6_VRAM_BUDGET_GB`; cold = empty Inductor and "

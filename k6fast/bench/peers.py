@@ -156,10 +156,10 @@ class _PhaseClock:
     """Times the phases inside diffusers' pipeline call by wrapping the methods it calls; per-step times come from
     `callback_on_step_end`."""
 
-    def __init__(self, device: torch.device):
+    def __init__(self, device: torch.device, stop_after: int | None = None):
         from ..telemetry import Telemetry
 
-        self.device = device
+        self.device, self.stop_after = device, stop_after
         # Denoising runs between the wrapped phases: the request's peak is read once at its end (see `run`).
         self.telemetry = Telemetry(device=str(device), per_phase_peaks=False)
         self.mark = 0.0
@@ -179,6 +179,8 @@ class _PhaseClock:
         now = time.perf_counter()
         self.telemetry.step_seconds.append(now - self.mark)
         self.mark = now
+        if self.stop_after is not None and len(self.telemetry.step_seconds) == self.stop_after:
+            pipe._interrupt = True  # diffusers' own stop: the loop skips the remaining steps, then decodes
         return {}
 
 
@@ -231,7 +233,7 @@ class PeerPipeline(_Peer):
         import torch
 
         spec = self.spec
-        self.clock = clock = _PhaseClock(self.device)
+        self.clock = clock = _PhaseClock(self.device, spec.stop_after_steps)
         reset_peak(self.device)
         start = time.perf_counter()
         out = self.pipe(
@@ -248,7 +250,10 @@ class PeerPipeline(_Peer):
         )
         telemetry = clock.telemetry
         telemetry.phases["denoise"] = sum(telemetry.step_seconds)
-        telemetry.dit_calls = spec.steps * (2 if spec.guidance > 1.0 else 1)
+        steps_run = spec.stop_after_steps or spec.steps
+        telemetry.dit_calls = steps_run * (2 if spec.guidance > 1.0 else 1)
+        if spec.stop_after_steps:
+            telemetry.stopped_after_steps = (spec.stop_after_steps, spec.steps)
         if spec.mux:
             from ..media import prepare_audio, write_mp4
             from ..output import frames_to_uint8

@@ -44,6 +44,7 @@ class VisitSpec:
     mux: bool = True
     command: str = ""
     switches: dict[str, str] = field(default_factory=dict)  # session-wide switches over the arm's (see SessionPlan)
+    stop_after_steps: int | None = None  # denoise only the schedule's first steps (a per-step measurement)
 
     @property
     def geometry(self) -> Geometry:

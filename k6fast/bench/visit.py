@@ -137,9 +137,9 @@ class K6Pipeline(_K6Runner):
 
             self._count += 1
             out = Path(self._tmp.name) / f"request{self._count}.mp4"
-            result = generate_to_mp4(self.pipe, request, out, spec.model)
+            result = generate_to_mp4(self.pipe, request, out, spec.model, stop_after_steps=spec.stop_after_steps)
         else:
-            result = self.pipe.generate(request)
+            result = self.pipe.generate(request, stop_after_steps=spec.stop_after_steps)
         sync(self.device)
         seconds = time.perf_counter() - start
         return {"seconds": seconds, "telemetry": result.telemetry.as_dict()}

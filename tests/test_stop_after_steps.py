@@ -1,0 +1,56 @@
+"""A measurement of a long schedule's per-step cost (`generate --stop-after-steps`, `acceptance --stop-after-steps`):
+the first steps of the schedule, then the decode, in k6fast and in the peer alike."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from k6fast.bench.acceptance import Run, Workload, generate_command, peer_command
+from k6fast.bench.acceptance_report import render_table
+from k6fast.bench.peers import _PhaseClock
+from k6fast.pipeline import Pipeline, Request, RequestError
+from k6fast.switches import load_options
+
+
+def test_a_request_runs_the_first_steps_of_its_schedule_then_decodes(tiny_distill) -> None:
+    pipe = Pipeline(tiny_distill, load_options(environ={}), device="cpu")
+    try:
+        request = Request(prompt="a lighthouse in fog", width=64, height=64, frames=9, steps=10)
+        full_steps = []
+        full = pipe.generate(request, on_step=lambda event: full_steps.append(event.index))
+        part = pipe.generate(request, stop_after_steps=3)
+        assert len(part.telemetry.step_seconds) == 3 and part.telemetry.dit_calls == 3
+        assert part.telemetry.as_dict()["stopped_after_steps"] == [3, 10]
+        assert "stopped_after_steps" not in full.telemetry.as_dict() and full_steps == list(range(10))
+        assert part.frames.shape == full.frames.shape  # decoded all the same: the decode's cost is in the request
+        assert not torch.equal(part.latents["video"], full.latents["video"])
+        for wrong in (0, 11):
+            with pytest.raises(RequestError, match=f"stop after {wrong} steps: expected 1..10"):
+                pipe.generate(request, stop_after_steps=wrong)
+    finally:
+        pipe.close()
+
+
+def test_the_peer_is_stopped_by_diffusers_own_interrupt_after_as_many_steps() -> None:
+    clock = _PhaseClock(torch.device("cpu"), stop_after=2)
+    pipe = SimpleNamespace(_interrupt=False)
+    clock.on_step(pipe, 0, None, {})
+    assert pipe._interrupt is False
+    clock.on_step(pipe, 1, None, {})
+    assert pipe._interrupt is True and len(clock.telemetry.step_seconds) == 2
+
+
+def test_the_acceptance_stops_every_run_and_says_so(tmp_path) -> None:
+    w = Workload(model="/m", geometry="64x64x5", prompt="p", seed=1, steps=50, guidance=5.0, stop_after_steps=4)
+    cmd = generate_command(Run("final", 32, "cold"), w, tmp_path, "python3")
+    assert cmd[cmd.index("--stop-after-steps") + 1] == "4"
+    peer_command(Run("diffusers-offload", 32, "cold"), w, tmp_path, "python3")
+    assert '"stop_after_steps": 4' in (tmp_path / "spec.json").read_text()
+    whole = Workload(model="/m", geometry="64x64x5", prompt="p", seed=1, steps=50, guidance=5.0)
+    assert "--stop-after-steps" not in generate_command(Run("final", 32, "cold"), whole, tmp_path, "python3")
+    table = render_table([], {"model": "/m", "steps": 50, "stop_after_steps": 4})
+    assert "denoised only the first 4 of its 50 steps" in table
+    assert "denoised only" not in render_table([], {"model": "/m", "steps": 50})
