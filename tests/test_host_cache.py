@@ -26,6 +26,7 @@ from k6fast.stream.plan import GiB, HostCacheError, block_of, disk_bytes_per_ste
 from k6fast.stream.reader import FileReader
 from k6fast.stream.streamer import BlockLayout, BlockStreamer
 from k6fast.switches import SWITCHES_BY_NAME, SwitchError
+from k6fast.telemetry import anon_rss_bytes
 
 NUM_BLOCKS = 6
 FIRST_STREAMED = 1  # blocks 1..5 stream
@@ -204,6 +205,14 @@ def test_staging_and_locked_buffers_are_exactly_the_size_asked_and_given_back() 
     # truth about a locked buffer (for a view into a larger allocation it answered False: the H200 found it).
     assert all(b.untyped_storage().data_ptr() == b.data_ptr() for b in memory.buffers)
     assert all(b.untyped_storage().nbytes() == b.numel() for b in memory.buffers)
+    memory.close()
+    # Their pages are the process's anonymous memory, what k6fast.memory counts (RssAnon), not shared memory.
+    before = anon_rss_bytes()
+    big = LockedBuffers([64 << 20], cpu, lambda t: t.fill_(1) is not None, unlock)
+    assert anon_rss_bytes() - before >= 60 << 20
+    big.close()
+    unlocked.clear()
+    memory = LockedBuffers([4097, 8191, 3], cpu, lambda t: t.numel() != 8191, unlock)
     memory.drop([0, 1])  # a locked one and the refused one: only the locked one is unlocked
     assert unlocked == [4097] and [b.numel() for b in memory.buffers] == [3] and memory.nbytes == 3
     memory.close()

@@ -101,7 +101,10 @@ def _page_aligned(nbytes: int) -> Tensor:
     view into a larger tensor was locked just as well, but is_pinned answered False for it."""
     if nbytes == 0:
         return torch.empty(0, dtype=torch.uint8)
-    return torch.frombuffer(mmap.mmap(-1, nbytes), dtype=torch.uint8)
+    # Private: the pages count as the process's own anonymous memory (RssAnon, what k6fast.memory plans the host
+    # with). mmap's default, MAP_SHARED, would make them shared memory (RssShmem), outside that count.
+    mapping = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    return torch.frombuffer(mapping, dtype=torch.uint8)
 
 
 def _unlock_all(views: list[Tensor], unlock: Unlock | None) -> None:
