@@ -34,7 +34,8 @@ from .stream.plan import (
     plan_residency,
     stored_block_bytes,
 )
-from .switches.registry import AUTO, SwitchError
+from .switches.catalog import SWITCHES_BY_NAME
+from .switches.registry import AUTO, SECRET_SET, SwitchError
 from .vae_geometry import AudioRate, audio_rate
 
 GB = 1e9
@@ -351,12 +352,14 @@ def run_doctor(
 
     environ = {k: v for k, v in (environ or {}).items() if k.startswith("K6_")}
     options = load_options(environ)
+    # What the report shows: the switches doctor knows (an unknown name has had its warning), a secret as "<set>".
+    known = {k: SECRET_SET if SWITCHES_BY_NAME[k].secret else v for k, v in environ.items() if k in SWITCHES_BY_NAME}
     budget_gb = budget_gb if budget_gb > 0 else options.vram_budget_gb
     total, available = meminfo()
     where = Path(model) if model and Path(model).exists() else Path.cwd()
     available = available if available_bytes is None else available_bytes
     report = Report(read_gpus(), total, available, shutil.disk_usage(where).free, str(where), cgroup=cgroup_limit(),
-                    switches=environ)  # fmt: skip
+                    switches=known)  # fmt: skip
     dit_bytes = PRO_DIT_BF16_BYTES
     if model and Path(model).is_dir():
         budget = int(budget_gb * GiB) if budget_gb > 0 else (report.gpus[0].memory_bytes if report.gpus else 32 * GiB)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import stat
 import subprocess
 import sys
@@ -126,11 +127,13 @@ def test_doctor_plans_with_the_switches_generate_would_use(tiny_distill) -> None
     with the whole card and the tier at auto whatever the user had set (the newcomer pass found it)."""
     plain = run_doctor(str(tiny_distill), measure=False)
     assert plain.switches == {} and "switches from the environment" not in render(plain)
-    environ = {"K6_VRAM_BUDGET_GB": "4", "K6_HOST_CACHE_GB": "0", "HOME": "/elsewhere"}
+    environ = {"K6_VRAM_BUDGET_GB": "4", "K6_HOST_CACHE_GB": "0", "HOME": "/elsewhere", "K6_API_KEY": "hunter2"}
     report = run_doctor(str(tiny_distill), measure=False, environ=environ)
     assert report.plan["budget_bytes"] == 4 * GiB
-    assert report.switches == {"K6_VRAM_BUDGET_GB": "4", "K6_HOST_CACHE_GB": "0"}
-    assert "switches from the environment: K6_HOST_CACHE_GB=0, K6_VRAM_BUDGET_GB=4" in render(report)
+    # A secret is shown as set, never its value (the report is printed, and written as JSON with --json).
+    assert report.switches == {"K6_VRAM_BUDGET_GB": "4", "K6_HOST_CACHE_GB": "0", "K6_API_KEY": "<set>"}
+    assert "hunter2" not in render(report) and "hunter2" not in json.dumps(report.as_dict())
+    assert "switches from the environment: K6_API_KEY=<set>, K6_HOST_CACHE_GB=0, K6_VRAM_BUDGET_GB=4" in render(report)
     given = run_doctor(str(tiny_distill), 5.0, measure=False, environ=environ)
     assert given.plan["budget_bytes"] == 5 * GiB  # --budget-gb over the variable
 
