@@ -29,7 +29,7 @@
 #   drop-text          remove $TEXT_DIR (the RAM-backed real-size text encoders) once no later step reads them
 #   df11               measurements/bench_df11.py: the lossless compressed format's ratio, encode and decode GB/s
 #   df11-checkpoint    `k6fast quantize --format df11` of $W/syn into $DF11_DIR (default /dev/shm/syn-df11: the disk
-#                      holds the BF16 DiT only; the text encoders are hard links into $TEXT_DIR, no second copy); the
+#                      holds the BF16 DiT only; with TEXT=full the text encoders are hard links into $TEXT_DIR); the
 #                      acceptance steps after it add --df11-model, which runs the `-df11` slugs on it
 #   df11-to-disk       make room for a ballast run on the compressed DiT: delete the BF16 DiT's shards (the BF16
 #                      checkpoint is unusable after this; run its rows and the peer first) and move the compressed
@@ -326,9 +326,17 @@ run)
       checkpoint
       rm -rf "$DF11_DIR"
       (cd /tmp && time timeout 1200 python3 -m k6fast.cli quantize --format df11 $W/syn "$DF11_DIR") \
-        > $W/df11_checkpoint.log 2>&1; echo "df11 checkpoint exit $?"; tail -4 $W/df11_checkpoint.log
-      du -sh "$DF11_DIR/transformer"; echo "$DF11_DIR" > $W/df11.path ;;
+        > $W/df11_checkpoint.log 2>&1
+      code=$?; echo "df11 checkpoint exit $code"; tail -4 $W/df11_checkpoint.log
+      # Only a finished copy makes the later acceptance steps add --df11-model (they would all refuse without one).
+      if [ $code = 0 ] && [ -f "$DF11_DIR/model_index.json" ]; then
+        du -sh "$DF11_DIR/transformer"; echo "$DF11_DIR" > $W/df11.path
+      fi ;;
     df11-to-disk)
+      # Never deletes the BF16 DiT without a finished compressed copy to move in its place.
+      if [ ! -f $W/df11.path ] || [ "$(cat $W/df11.path)" != "$DF11_DIR" ] || [ ! -f "$DF11_DIR/model_index.json" ]; then
+        echo "df11-to-disk: no finished copy in $DF11_DIR; the BF16 DiT stays"; continue
+      fi
       rm -f $W/syn/transformer/*.safetensors && rm -rf $W/syn-df11 && mkdir -p $W/syn-df11
       for entry in "$DF11_DIR"/*; do
         name=$(basename "$entry")

@@ -42,7 +42,8 @@ def test_a_compressed_run_fails_unless_its_latents_equal_its_bf16_twins(tmp_path
     assert other["error"].startswith("audio latents differ from the same run's on the BF16 checkpoint")
     alone = {"passed": True}
     hold_to_bf16_twin(alone, tmp_path / "same.safetensors", tmp_path / "missing.safetensors")
-    assert alone == {"passed": True}  # no twin on disk: not compared, and the table says so
+    assert alone["passed"] is False and "vs_bf16" not in alone  # nothing to hold it to: it shows nothing
+    assert alone["error"].startswith("no latents of the same run on the BF16 checkpoint to compare with")
     rows = [{"run": "final @ 32 GiB, warm", "passed": True},
             {"run": "final @ 32 GiB, warm, df11 checkpoint", "checkpoint": "df11", **same},
             {"run": "reference @ 32 GiB, warm, df11 checkpoint", "checkpoint": "df11", **other},
@@ -51,7 +52,7 @@ def test_a_compressed_run_fails_unless_its_latents_equal_its_bf16_twins(tmp_path
     assert f"| {DF11_COLUMNS[0]} |" in table and "- the df11 runs read /shm/m-df11" in table
     lines = [line for line in table.splitlines() if line.startswith("| final") or line.startswith("| reference")]
     assert [line.rsplit("|", 2)[-2].strip() for line in lines] == [
-        "—", "bit-identical", "**differ**: audio", "not compared (no BF16 run's latents)"
+        "—", "bit-identical", "**differ**: audio", "not compared"
     ]  # fmt: skip
     assert DF11_COLUMNS[0] not in render_table(rows[:1], {"model": "m"})  # older records keep their table
 
@@ -64,6 +65,8 @@ def test_acceptance_on_the_compressed_tiny_checkpoint(tiny_bf16, tmp_path, capsy
             "--peer", "none", "--geometry", "64x64x5", "--out", str(out), "--work", str(work)]  # fmt: skip
     assert main([*argv, "--df11-model", str(tiny_bf16), "--only", "reference-8-warm-df11"]) == 2
     assert "expected a checkpoint written by `k6fast quantize --format df11`" in capsys.readouterr().err
+    assert main([*argv, "--df11-model", str(compressed), "--df11-arms", "final", "--only", "reference-8-warm"]) == 2
+    assert "--df11-arms final: expected arms of --arms (reference)" in capsys.readouterr().err
     # In two parts, as a lease runs it: the BF16 run, then (the BF16 DiT could be gone by now) the compressed one.
     assert main([*argv, "--only", "reference-8-warm"]) == 0
     assert main([*argv, "--df11-model", str(compressed), "--only", "reference-8-warm-df11"]) == 0

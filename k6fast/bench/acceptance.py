@@ -372,19 +372,19 @@ def run_acceptance(
     for i, run in enumerate(runs, 1):
         if run.host_ram_gb and not run.peer and "disk_read_test" not in plan:
             # Once per session, before its first ballast run (the test drops cached pages the runs before it read).
-            plan["disk_read_test"] = read_speed(w.model)
+            plan["disk_read_test"] = read_speed(w.model_for(run))  # the BF16 DiT may be gone before a df11 part
             write_json(out / PLAN_FILE, plan)
             log(f"acceptance: checkpoint read speed {plan['disk_read_test']['read_gb_s']:.2f} GB/s (doctor's test)")
         log(f"acceptance: run {i}/{len(runs)}: {run.name}")
         read_gb_s = plan.get("disk_read_test", {}).get("read_gb_s")
         row = execute(run, w, work=work, timeout_s=timeout_s, reference_latents=reference, read_gb_s=read_gb_s)
         latents = work / "runs" / run.slug / "latents.safetensors"
+        if run.checkpoint == "df11":  # first: a compressed run that fails it is no reference either
+            hold_to_bf16_twin(row, latents, work / "runs" / run.bf16_twin.slug / "latents.safetensors")
         first_reference = run.arm == REFERENCE_ARM and reference is None and row["passed"] and latents.is_file()
         if first_reference:
             reference = latents  # the first reference run that passed is what every arm is held against
             row["vs_reference"] = latent_error(latents, latents)
-        if run.checkpoint == "df11":
-            hold_to_bf16_twin(row, latents, work / "runs" / run.bf16_twin.slug / "latents.safetensors")
         append_jsonl(out / ROWS_FILE, row)
         if first_reference:
             hold_earlier_rows(out / ROWS_FILE, work, reference)
@@ -399,8 +399,12 @@ def run_acceptance(
 
 def hold_to_bf16_twin(row: dict[str, Any], latents: Path, twin: Path) -> None:
     """A run on the compressed checkpoint fails unless its latents equal the same run's on the BF16 checkpoint, bit
-    for bit (DF11 is lossless); not compared where that run's latents are not on disk."""
-    if not (row["passed"] and latents.is_file() and twin.is_file()):
+    for bit (DF11 is lossless); also where that run's latents are not on disk: it cannot show what it is for."""
+    if not (row["passed"] and latents.is_file()):
+        return
+    if not twin.is_file():
+        row["passed"] = False
+        row["error"] = f"no latents of the same run on the BF16 checkpoint to compare with ({twin}): run it first"
         return
     row["vs_bf16"] = latents_identical(latents, twin)
     differ = [key for key, same in row["vs_bf16"].items() if not same]

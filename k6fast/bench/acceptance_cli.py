@@ -13,6 +13,7 @@ from pathlib import Path
 from ..cli_args import comma_list
 
 DEFAULT_ARMS = "reference,step-cache,final,fast"
+DEFAULT_DF11_ARMS = ("reference", "final")
 
 
 def list_of(text: str) -> list[str]:
@@ -56,8 +57,8 @@ def register(subparsers) -> argparse.ArgumentParser:
     )
     p.add_argument("--df11-model", help="the lossless compressed copy of --model (`k6fast quantize --format df11`): "
                    "--df11-arms run on it too, each held to bit-identical latents with its BF16 run")  # fmt: skip
-    p.add_argument("--df11-arms", type=list_of, default=["reference", "final"], help="arms also run on --df11-model, "
-                   "warm, and beside the ballast where they have a ballast run (default reference,final)")  # fmt: skip
+    p.add_argument("--df11-arms", type=list_of, help="arms also run on --df11-model, warm, and beside the ballast "
+                   "where they have a ballast run (default: reference and final, where --arms has them)")  # fmt: skip
     p.add_argument("--geometry", default="w1", help="w1 (864x480x121) or WIDTHxHEIGHTxFRAMES")
     p.add_argument("--steps", type=int, help="denoising steps (default: the checkpoint's)")
     p.add_argument("--guidance", type=float, help="CFG scale (default: the checkpoint's)")
@@ -198,7 +199,13 @@ def cmd_acceptance(args: argparse.Namespace) -> int:
             return 2
     arms = sorted(args.arms, key=lambda a: a != REFERENCE_ARM)  # the reference first: every arm is held against it
     peer = None if args.peer == "none" else args.peer
-    df11_arms = [arm for arm in arms if arm in args.df11_arms] if args.df11_model else []
+    missing = sorted(set(args.df11_arms or ()) - set(arms))
+    if args.df11_model and missing:
+        print(f"error: --df11-arms {','.join(missing)}: expected arms of --arms ({','.join(arms)}): a compressed run "
+              "is held to the same run on the BF16 checkpoint", file=sys.stderr)  # fmt: skip
+        return 2
+    chosen = args.df11_arms or DEFAULT_DF11_ARMS
+    df11_arms = [arm for arm in arms if arm in chosen] if args.df11_model else []
     runs = build_plan(arms, args.budgets, ballast_arms=args.ballast_arms, host_ram_gb=args.host_ram_gb or None,
                       peer=peer, df11_arms=df11_arms)  # fmt: skip
     if args.only:

@@ -195,7 +195,7 @@ def _vs_bf16(row: dict[str, Any]) -> str:
         return "—"
     same = row.get("vs_bf16")
     if same is None:
-        return "not compared (no BF16 run's latents)"
+        return "not compared"
     differ = [key for key, equal in same.items() if not equal]
     return "bit-identical" if not differ else f"**differ**: {', '.join(differ)}"
 
