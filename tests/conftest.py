@@ -48,6 +48,35 @@ def _private_cache_home(tmp_path_factory) -> None:
     os.environ["XDG_CACHE_HOME"] = str(tmp_path_factory.mktemp("cache-home"))
 
 
+def _cpu_flash_attention_breaks() -> bool:
+    """Whether PyTorch's CPU flash attention fails in bf16 here: under a forced lower ATEN_CPU_CAPABILITY (CI's AVX2
+    and scalar reruns) on a CPU with AMX, it still sees the hardware's bf16 support and calls a packing routine the
+    lower build lacks ("pack_vnni2 is only supported when avx512 is supported", torch 2.14.1). A CPU without
+    AVX-512, the one the reruns stand in for, takes the unpacked path and does not fail."""
+    if not os.environ.get("ATEN_CPU_CAPABILITY"):
+        return False
+    import torch
+
+    q = torch.zeros(1, 2, 64, 64, dtype=torch.bfloat16)  # a size the CPU flash kernel takes
+    try:
+        torch.nn.functional.scaled_dot_product_attention(q, q, q)
+    except RuntimeError as exc:
+        return "pack_vnni2" in str(exc)
+    return False
+
+
+@pytest.fixture(autouse=True, scope="session")
+def _cpu_attention_under_forced_capability():
+    """Where `_cpu_flash_attention_breaks`, CPU attention runs PyTorch's math backend for the whole run."""
+    if not _cpu_flash_attention_breaks():
+        yield
+        return
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    with sdpa_kernel([SDPBackend.MATH]):
+        yield
+
+
 @pytest.fixture(scope="session")
 def tiny_checkpoints(tmp_path_factory, request) -> dict[str, Path]:
     """Both tiny checkpoints, built once per run. The workers of a parallel run share one pair: the first worker to
