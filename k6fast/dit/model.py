@@ -94,11 +94,13 @@ class K6DiT:
         # What the forward runs for every fused block (compiled by `compile_blocks`): a caller may wrap it to count,
         # pause or stop the forward block by block.
         self.fused_block = fused_block
+        self.compiled = False  # `compile_blocks` ran (a caller's wrapper around fused_block is not compiled by it)
         self.should_stop: StopCheck | None = None  # set per request by the pipeline: checked between fused blocks
 
     def compile_blocks(self) -> None:
         """torch.compile the fused block (one graph for all blocks: weights are inputs, not constants)."""
         self.fused_block = torch.compile(fused_block, dynamic=False)
+        self.compiled = True
 
     def begin_step(self, step: int, num_steps: int | None = None) -> None:
         """The sampler announces each denoising step of a `num_steps` schedule (the attention policy keeps the first
@@ -189,7 +191,7 @@ class K6DiT:
             rope_a = rope_1d(positions, cfg.head_dim_a, cfg.audio_freqs_scaling)
 
         inputs = FusedBlockInputs(text_v, text_a, temb_v, temb_a, rope_v, rope_a, encoder_attention_mask)
-        if self.fused_block is not fused_block:
+        if self.compiled:
             # Compiled: the prompt's token count changes with every prompt, so the compiled block takes it as a
             # symbol. Specialised, each new length compiled the block again (seconds each, with a warm cache too)
             # and past Dynamo's recompile limit a server's block would have run uncompiled.
