@@ -3,14 +3,12 @@ the first steps of the schedule, then the decode, in k6fast and in the peer alik
 
 from __future__ import annotations
 
-from types import SimpleNamespace
-
 import pytest
 import torch
 
 from k6fast.bench.acceptance import Run, Workload, generate_command, peer_command
 from k6fast.bench.acceptance_report import render_table
-from k6fast.bench.peers import _PhaseClock
+from k6fast.bench.peers import PhaseClock
 from k6fast.pipeline import Pipeline, Request, RequestError
 from k6fast.switches import load_options
 
@@ -35,12 +33,14 @@ def test_a_request_runs_the_first_steps_of_its_schedule_then_decodes(tiny_distil
 
 
 def test_the_peer_is_stopped_by_diffusers_own_interrupt_after_as_many_steps() -> None:
-    clock = _PhaseClock(torch.device("cpu"), stop_after=2)
-    pipe = SimpleNamespace(_interrupt=False)
+    from diffusers import Kandinsky6TI2VAPipeline
+
+    clock = PhaseClock(torch.device("cpu"), stop_after=2)
+    pipe = object.__new__(Kandinsky6TI2VAPipeline)  # its `interrupt` property is what its denoising loop reads
     clock.on_step(pipe, 0, None, {})
-    assert pipe._interrupt is False
+    assert getattr(pipe, "interrupt", False) is False
     clock.on_step(pipe, 1, None, {})
-    assert pipe._interrupt is True and len(clock.telemetry.step_seconds) == 2
+    assert pipe.interrupt is True and len(clock.telemetry.step_seconds) == 2
 
 
 def test_the_acceptance_stops_every_run_and_says_so(tmp_path) -> None:

@@ -152,7 +152,7 @@ class PeerBlock(_Peer):
         return time_call(self.device, "block", lambda: self.model.visual_transformer_blocks[0](*self.args))
 
 
-class _PhaseClock:
+class PhaseClock:
     """Times the phases inside diffusers' pipeline call by wrapping the methods it calls; per-step times come from
     `callback_on_step_end`."""
 
@@ -213,7 +213,7 @@ class PeerPipeline(_Peer):
             pipe.encode_prompt = encode_on_device
         else:
             pipe.to(self.device)
-        self.clock = _PhaseClock(self.device)
+        self.clock = PhaseClock(self.device)
         pipe.encode_prompt = self._wrap("text_encode", pipe.encode_prompt)
         pipe.vae.decode = self._wrap("video_decode", pipe.vae.decode)
         pipe.audio_vae.decode = self._wrap("audio_decode", pipe.audio_vae.decode)
@@ -233,7 +233,7 @@ class PeerPipeline(_Peer):
         import torch
 
         spec = self.spec
-        self.clock = clock = _PhaseClock(self.device, spec.stop_after_steps)
+        self.clock = clock = PhaseClock(self.device, spec.stop_after_steps)
         reset_peak(self.device)
         start = time.perf_counter()
         out = self.pipe(
