@@ -107,6 +107,19 @@ def serve_on_ray(config: ServerConfig, options, settings: RaySettings, address: 
             f"{settings.replicas}-{settings.max_replicas}" if settings.max_replicas else settings.replicas,
             settings.gpus_per_replica,
         )
+        # Ctrl-C (or SIGTERM) from here on stops the server the graceful way, also while the replicas still load:
+        # the deploy finishes, then running jobs go back to the queue and the application is deleted. A second one
+        # gives up waiting. Installed after serve.run, a signal during the deploy ended the process inside Ray's
+        # wait, leaving the application deployed (CI's existing-cluster test caught it).
+        stop = threading.Event()
+
+        def on_signal(signum, frame) -> None:
+            if stop.is_set():
+                raise KeyboardInterrupt
+            stop.set()
+
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(sig, on_signal)
         try:
             serve.run(build_app(config, options, settings), name=settings.app_name, route_prefix="/")
         except RuntimeError as exc:
@@ -125,9 +138,6 @@ def serve_on_ray(config: ServerConfig, options, settings: RaySettings, address: 
             "API key required" if options.api_key else "no API key",
             fmt_size(config.max_size),
         )
-        stop = threading.Event()
-        for sig in (signal.SIGINT, signal.SIGTERM):
-            signal.signal(sig, lambda *_: stop.set())
         while not stop.wait(1.0):
             pass
         log.info("stopping: running jobs go back to the queue")
