@@ -165,3 +165,27 @@ def test_the_prediction_columns_only_where_the_rows_have_them() -> None:
     assert rows[1].endswith("| 30.12 / 33.48 | 12.0 / 19.3 |")
     assert rows[2].endswith("| 0.00 / — | — / — |")
     assert len({r.count(" | ") for r in rows}) == 1
+
+
+def test_the_prediction_follows_an_arm_that_sets_a_tier_size(tiny_distill, tmp_path, monkeypatch) -> None:
+    """An arm whose file sets K6_HOST_CACHE_GB to a size is predicted with that tier (it was left unpredicted), and
+    one the host cannot spare is predicted as the refusal the run will meet."""
+    model = _deeper(tiny_distill, tmp_path / "deep", blocks=8)
+    geometry = (64, 64, 5)
+    wide = dit_plan(model, 64 * GiB, None, arm="reference", geometry=geometry)
+    room = max(wide["activation_bytes"], wide["text_bytes"])
+    budget_gb = (wide["fixed_bytes"] + room + wide["reserve_bytes"] + 5.5 * wide["block_bytes"]) / GiB
+    cgroup = CgroupLimit("/test.slice", limit_bytes=12 * GiB, usage_bytes=2 * GiB - 5 * wide["block_bytes"] // 2)
+    host = HostMemory(total_bytes=64 * GiB, available_bytes=40 * GiB, process_bytes=3 * GiB, cgroup=cgroup)
+    monkeypatch.setattr(disk_prediction.memory, "host_memory", lambda: host)
+    stored = dit_plan(model, int(budget_gb * GiB), None, arm="reference", geometry=geometry)["streamed_stored_bytes"]
+    sized = tmp_path / "sized.env"
+    sized.write_text(f"K6_HOST_CACHE_GB={1.1 * stored[-1] / GiB:.9f}\n")  # room for the last block, not two
+    predicted = disk_prediction.predict(str(model), str(sized), budget_gb, geometry, 2.0)
+    doctor = predicted["doctor"]
+    assert doctor["host_blocks"] == 1 and doctor["tier_refused"] is None
+    assert predicted["step_bytes"] == doctor["with_tier_bytes"] > 0
+    huge = tmp_path / "huge.env"
+    huge.write_text("K6_HOST_CACHE_GB=1000\n")
+    refused = disk_prediction.predict(str(model), str(huge), budget_gb, geometry, 2.0)
+    assert refused["step_bytes"] is None and "K6_HOST_CACHE_GB=1000 is more than" in refused["doctor"]["tier_refused"]
