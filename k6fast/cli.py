@@ -97,8 +97,7 @@ def _prepare_generate(args: argparse.Namespace) -> tuple[Options, Checkpoint, Re
     ckpt = open_checkpoint(args.model)
     clock.lap("checkpoint")
     request = request_from_args(args, image)
-    resolve_request(ckpt, options, request)
-    steps = request.steps or ckpt.default_steps
+    steps, _ = resolve_request(ckpt, options, request)
     if args.stop_after_steps is not None and args.stop_after_steps > steps:
         raise CliError(f"--stop-after-steps {args.stop_after_steps}: expected at most the request's {steps} steps")
     problem = device_problem(args.device)

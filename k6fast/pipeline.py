@@ -30,6 +30,7 @@ from .request import (
     W1,
     Request,
     RequestError,
+    check_stop_after,
     dit_tokens,
     resolve_request,
 )
@@ -290,8 +291,7 @@ class Pipeline:
             step_cache = plan_run(self.ckpt, self.options, steps, guidance, request.audio)
         except StepCacheError as exc:  # `resolve` checked it, but a calibration file can go, or not be writable
             raise RequestError(str(exc)) from None
-        if stop_after_steps is not None and not 1 <= stop_after_steps <= steps:
-            raise RequestError(f"stop after {stop_after_steps} steps: expected 1..{steps} for a {steps}-step request")
+        check_stop_after(stop_after_steps, steps)
         if stop_after_steps is not None and step_cache.measure:
             raise RequestError("a step-cache calibration needs every step to run: it cannot stop early")
         cfg, device, dtype = self.ckpt.dit, self.device, self.dtype

@@ -40,6 +40,13 @@ def _nearest_multiples(value: int, multiple: int) -> str:
     return f"{low} or {high}" if low != value else str(value)
 
 
+def check_stop_after(stop_after: int | None, steps: int) -> None:
+    """A measurement that denoises only a schedule's first `stop_after` steps (None: the whole schedule) must stop
+    inside the schedule of `steps` steps."""
+    if stop_after is not None and not 1 <= stop_after <= steps:
+        raise RequestError(f"stop after {stop_after} steps: expected 1..{steps} for a {steps}-step request")
+
+
 def validate_geometry(width: int, height: int, frames: int) -> None:
     """Sizes must be multiples of 16 and frame counts 4k+1; the error gives the nearest valid values."""
     problems = []

@@ -18,6 +18,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from .cancel import Cancelled, check_stop
+from .request import check_stop_after
 from .step_cache import MagCache
 from .switches import validate_cache_steps
 from .text import TextConditioning
@@ -127,8 +128,7 @@ def sample(
     `measure_ratios` records every series' magnitude ratios (a calibration run: give it no cache). `stop_after`: run
     only the schedule's first steps (a measurement of a long schedule's per-step cost); the latents are those steps'."""
     validate_cache_steps(cache_steps, num_steps)
-    if stop_after is not None and not 1 <= stop_after <= num_steps:
-        raise ValueError(f"stop after {stop_after} steps: expected 1..{num_steps} for a {num_steps}-step schedule")
+    check_stop_after(stop_after, num_steps)
     if stop_after is not None and measure_ratios:
         raise ValueError("measuring the magnitude ratios (a calibration) needs every step to run: do not stop early")
     if magcache is not None and (cache_steps or magcache.num_steps != num_steps):
