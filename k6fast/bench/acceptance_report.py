@@ -7,6 +7,8 @@ Pure reading and formatting (no GPU, no model code): the CPU tests hold it again
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -186,10 +188,6 @@ def latents_identical(latents: Path, other: Path) -> dict[str, bool]:
     return {key: key in b and torch.equal(a[key], b[key]) for key in sorted(a)}
 
 
-def has_df11_columns(rows: list[dict[str, Any]]) -> bool:
-    return any(row.get("checkpoint") for row in rows)
-
-
 def _vs_bf16(row: dict[str, Any]) -> str:
     if not row.get("checkpoint"):
         return "—"
@@ -198,18 +196,6 @@ def _vs_bf16(row: dict[str, Any]) -> str:
         return "not compared"
     differ = [key for key, equal in same.items() if not equal]
     return "bit-identical" if not differ else f"**differ**: {', '.join(differ)}"
-
-
-def has_extra_columns(rows: list[dict[str, Any]]) -> bool:
-    return any("disk_read_bytes" in row for row in rows)
-
-
-def has_tier_columns(rows: list[dict[str, Any]]) -> bool:
-    return any("host_blocks" in (row.get("residency") or {}) for row in rows)
-
-
-def has_prediction_columns(rows: list[dict[str, Any]]) -> bool:
-    return any("disk_per_step" in row for row in rows)
 
 
 def _predicted_vs_measured(row: dict[str, Any]) -> list[str]:
@@ -245,14 +231,7 @@ def _vs_peer(row: dict[str, Any], peer: tuple[str, float] | None) -> str:
     return f"{peer[1] / row['request_s']:.2f}×"
 
 
-def table_row(
-    row: dict[str, Any],
-    peer: tuple[str, float] | None = None,
-    extra: bool = False,
-    tier: bool = False,
-    prediction: bool = False,
-    df11: bool = False,
-) -> str:
+def table_row(row: dict[str, Any], peer: tuple[str, float] | None = None, groups: tuple[ColumnGroup, ...] = ()) -> str:
     phases = row.get("phases_s") or {}
     split = " / ".join(_s(phases.get(k)) for k in PHASES)
     denoise_peak = (row.get("phase_peaks") or {}).get("denoise", {}).get("reserved")
@@ -273,14 +252,8 @@ def table_row(
         "—" if hidden is None else f"{100 * hidden:.1f} %",
         _latents(row),
     ]
-    if extra:
-        cells += [row.get("text_source") or "—", _gb(row.get("disk_read_bytes")), _reuploads(row)]
-    if tier:
-        cells.append(_host_tier(row))
-    if prediction:
-        cells += _predicted_vs_measured(row)
-    if df11:
-        cells.append(_vs_bf16(row))
+    for group in groups:
+        cells += group.cells(row)
     return "| " + " | ".join(str(c) for c in cells) + " |"
 
 
@@ -291,16 +264,38 @@ def _reuploads(row: dict[str, Any]) -> str:
     return f"{blocks or 0} blocks" + (f", {reload:.1f} s reload" if reload else "")
 
 
+@dataclass(frozen=True)
+class ColumnGroup:
+    """Columns a table shows only where one of its rows has them (rows measured since they were added): an older
+    record's table renders as it did."""
+
+    columns: tuple[str, ...]
+    notes: str
+    present: Callable[[dict[str, Any]], bool]  # whether a row has them
+    cells: Callable[[dict[str, Any]], list[str]]
+
+
+OPTIONAL_GROUPS = (
+    ColumnGroup(EXTRA_COLUMNS, EXTRA_NOTES, lambda r: "disk_read_bytes" in r,
+                lambda r: [r.get("text_source") or "—", _gb(r.get("disk_read_bytes")), _reuploads(r)]),
+    ColumnGroup(TIER_COLUMNS, TIER_NOTES, lambda r: "host_blocks" in (r.get("residency") or {}),
+                lambda r: [_host_tier(r)]),
+    ColumnGroup(PREDICTION_COLUMNS, PREDICTION_NOTES, lambda r: "disk_per_step" in r, _predicted_vs_measured),
+    ColumnGroup(DF11_COLUMNS, DF11_NOTES, lambda r: bool(r.get("checkpoint")), lambda r: [_vs_bf16(r)]),
+)  # fmt: skip
+
+
+def shown_groups(rows: list[dict[str, Any]]) -> tuple[ColumnGroup, ...]:
+    return tuple(g for g in OPTIONAL_GROUPS if any(g.present(r) for r in rows))
+
+
 def table_lines(rows: list[dict[str, Any]]) -> list[str]:
     """The Markdown table of an acceptance run: a header and a row per run, each row's request against the peer's
-    (with EXTRA_COLUMNS, TIER_COLUMNS, PREDICTION_COLUMNS and DF11_COLUMNS where the rows have them)."""
-    peer = peer_request_s(rows)
-    extra, tier, prediction = has_extra_columns(rows), has_tier_columns(rows), has_prediction_columns(rows)
-    df11 = has_df11_columns(rows)
-    columns = COLUMNS + (EXTRA_COLUMNS if extra else ()) + (TIER_COLUMNS if tier else ())
-    columns += (PREDICTION_COLUMNS if prediction else ()) + (DF11_COLUMNS if df11 else ())
+    (with each optional column group some row has)."""
+    peer, groups = peer_request_s(rows), shown_groups(rows)
+    columns = COLUMNS + tuple(c for g in groups for c in g.columns)
     header = ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
-    return [*header, *(table_row(r, peer, extra, tier, prediction, df11) for r in rows)]
+    return [*header, *(table_row(r, peer, groups) for r in rows)]
 
 
 def _text_encoders(plan: dict[str, Any]) -> list[str]:
@@ -400,13 +395,7 @@ def serve_lines(records: list[dict[str, Any]], heading: str = "##") -> list[str]
 def column_notes(rows: list[dict[str, Any]]) -> list[str]:
     """What the table's columns mean: the base columns' notes, then those of each optional column group the rows
     have (a record's README and the project README's results say the same)."""
-    return [
-        COLUMN_NOTES,
-        *(["", EXTRA_NOTES] if has_extra_columns(rows) else []),
-        *(["", TIER_NOTES] if has_tier_columns(rows) else []),
-        *(["", PREDICTION_NOTES] if has_prediction_columns(rows) else []),
-        *(["", DF11_NOTES] if has_df11_columns(rows) else []),
-    ]
+    return [COLUMN_NOTES, *(line for g in shown_groups(rows) for line in ("", g.notes))]
 
 
 def render_table(rows: list[dict[str, Any]], plan: dict[str, Any], serve: list[dict[str, Any]] = ()) -> str:
