@@ -350,16 +350,17 @@ def run_doctor(
     every switch over each arm's file for the largest clips. An invalid value raises SwitchError."""
     from .switches import load_options
 
-    environ = {k: v for k, v in (environ or {}).items() if k.startswith("K6_")}
-    options = load_options(environ)
-    # What the report shows: the switches doctor knows (an unknown name has had its warning), a secret as "<set>".
-    known = {k: SECRET_SET if SWITCHES_BY_NAME[k].secret else v for k, v in environ.items() if k in SWITCHES_BY_NAME}
+    options = load_options({k: v for k, v in (environ or {}).items() if k.startswith("K6_")})  # warns of unknown ones
+    # The switches doctor knows from here on: each arm's plan reads them again, and the report shows them (a secret
+    # as "<set>").
+    environ = {k: v for k, v in (environ or {}).items() if k in SWITCHES_BY_NAME}
+    shown = {k: SECRET_SET if SWITCHES_BY_NAME[k].secret else v for k, v in environ.items()}
     budget_gb = budget_gb if budget_gb > 0 else options.vram_budget_gb
     total, available = meminfo()
     where = Path(model) if model and Path(model).exists() else Path.cwd()
     available = available if available_bytes is None else available_bytes
     report = Report(read_gpus(), total, available, shutil.disk_usage(where).free, str(where), cgroup=cgroup_limit(),
-                    switches=known)  # fmt: skip
+                    switches=shown)  # fmt: skip
     dit_bytes = PRO_DIT_BF16_BYTES
     if model and Path(model).is_dir():
         budget = int(budget_gb * GiB) if budget_gb > 0 else (report.gpus[0].memory_bytes if report.gpus else 32 * GiB)
