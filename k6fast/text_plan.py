@@ -18,14 +18,15 @@ from typing import Any
 from .checkpoint import weight_files
 from .memory import GiB
 from .safetensors_index import ITEMSIZE, CheckpointError, TensorLocation, index_safetensors
+from .stream.plan import SLOT_ALIGN, slot_aligned
 
 MAX_PROMPT_TOKENS = 1024
 # The chat template's tokens before the prompt, cropped from Qwen's states: diffusers' `_QWEN_CROP_START`, restated
 # so this module needs neither PyTorch nor diffusers (tests/test_text_phase.py holds the two equal).
 TEMPLATE_TOKENS = 129
 CLIP_TOKENS = 77
-# Device slot offsets, as `k6fast.stream.plan.SLOT_ALIGN` aligns a streamed block's (a test holds the two equal).
-ALIGN = 256
+# Device slot offsets: the text encoders' layers stream through slots laid out as the DiT's blocks are.
+ALIGN = SLOT_ALIGN
 
 # Checkpoint names of the language model: the release's (`model.layers.N.`, as transformers writes them) or the
 # module's own (`model.language_model.layers.N.`).
@@ -130,7 +131,7 @@ def text_weights(root: Path) -> TextWeights:
 
 def unit_bytes(unit: dict[str, TensorLocation]) -> int:
     """A unit's bytes in a device slot: its tensors as stored, each at an ALIGN-byte offset."""
-    return sum((loc.nbytes + ALIGN - 1) // ALIGN * ALIGN for loc in unit.values())
+    return sum(slot_aligned(loc.nbytes) for loc in unit.values())
 
 
 def activation_bytes(tokens: int, q: QwenShape, clip_hidden: int, itemsize: int) -> int:

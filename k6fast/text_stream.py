@@ -19,13 +19,14 @@ import torch
 from torch import Tensor
 
 from .safetensors_index import TensorLocation
+from .stream.plan import slot_aligned
 from .stream.reader import FileReader, torch_dtype
-from .text_plan import ALIGN
 
 
 @dataclass(frozen=True)
 class UnitLayout:
-    """Where each tensor of one unit sits in a flat slot buffer (stored dtype, ALIGN-byte offsets)."""
+    """Where each tensor of one unit sits in a flat slot buffer (stored dtype, at `stream.plan.SLOT_ALIGN` offsets, as
+    `text_plan.unit_bytes` counts them)."""
 
     pieces: tuple[tuple[str, TensorLocation, int], ...]  # (name, location, offset in slot)
     nbytes: int
@@ -35,7 +36,7 @@ class UnitLayout:
         pieces, at = [], 0
         for name in sorted(tensors):
             pieces.append((name, tensors[name], at))
-            at += (tensors[name].nbytes + ALIGN - 1) // ALIGN * ALIGN
+            at += slot_aligned(tensors[name].nbytes)
         return cls(tuple(pieces), at)
 
     def views(self, slot: Tensor, compute: torch.dtype) -> dict[str, Tensor]:
