@@ -179,8 +179,9 @@ def cmd_generate(args: argparse.Namespace) -> int:
     clock.lap("imports_collect")  # the one garbage collection after them
     width, height = args.size
     dtype, cache_dir = torch_dtype_of(args.dtype), prompt_cache_dir(args, options)
+    # The prompt is encoded beside the load (its "text_encode" phase is then the wait for it).
     pipe = Pipeline(ckpt, options, device=args.device, dtype=dtype, plan_geometry=(width, height, args.frames),
-                    prompt_cache_dir=cache_dir)  # fmt: skip
+                    prompt_cache_dir=cache_dir, first_request=request)  # fmt: skip
     clock.lap_split(pipe.load_parts, "load_other")
     if pipe.device.type == "cuda":  # the residency plan is a GPU memory budget; the CPU has none
         print(pipe.runtime.plan.describe(), file=sys.stderr)

@@ -41,7 +41,7 @@ from .stream.runtime import DiTRuntime, build_dit
 from .switches import Options
 from .telemetry import Telemetry
 from .text import DEFAULT_NEGATIVE_PROMPT
-from .text_phase import TextPhase
+from .text_phase import TextAhead, TextPhase
 from .vae import decode_audio, decode_video, encode_image, load_audio_decoder, load_video_vae
 from .vae_geometry import AudioRate, audio_length, audio_rate, latent_frames, latent_size
 from .video_decode import VideoDecodePlan, decode_video_fast, plan_video_decode
@@ -64,6 +64,11 @@ class Result:
     latents: dict[str, torch.Tensor] = field(default_factory=dict)
 
 
+def negative_prompt(request: Request, guidance: float) -> str | None:
+    """The negative prompt a request is encoded with: the user's or the default one under CFG, none without."""
+    return (request.negative_prompt or DEFAULT_NEGATIVE_PROMPT) if guidance > 1.0 else None
+
+
 class Pipeline:
     """Loads a checkpoint once and serves requests. The DiT, the decoders and the text phase (its weights streamed
     through the device per new prompt, its results cached) stay loaded."""
@@ -76,11 +81,14 @@ class Pipeline:
         dtype: torch.dtype | None = None,
         plan_geometry: tuple[int, int, int] = W1,
         prompt_cache_dir: str | Path | None = None,
+        first_request: Request | None = None,
     ):
         """plan_geometry: the request the DiT's resident blocks are planned for (a larger one streams more of them
         for its own run; one the budget cannot fit is refused by `resolve`). prompt_cache_dir: where encoded prompts
-        are kept across processes (None: in memory only). Nothing here changes the process: an entry point caps the
-        allocator at the budget and sets the compile caches first (`k6fast.entry.prepare_pipeline_process`)."""
+        are kept across processes (None: in memory only). first_request: the request the caller runs first (the
+        CLI's): its prompt is encoded on a thread while the DiT and the decoders load. Nothing here changes the
+        process: an entry point caps the allocator at the budget and sets the compile caches first
+        (`k6fast.entry.prepare_pipeline_process`)."""
         self.ckpt = model if isinstance(model, Checkpoint) else open_checkpoint(model)
         self.options = options
         self.device = resolve_device(device)
@@ -95,6 +103,10 @@ class Pipeline:
         started = time.perf_counter()
         self.text = TextPhase(self.ckpt.root, self.device, self.dtype, cache=PromptCache(directory=prompt_cache_dir))
         self.load_parts["text_setup"] = time.perf_counter() - started
+        self._ahead: TextAhead | None = None
+        if first_request is not None:  # beside the load: the text phase's room is free until the first denoise
+            _, guidance = resolve_request(self.ckpt, options, first_request)
+            self._ahead = TextAhead(self.text, first_request.prompt, negative_prompt(first_request, guidance))
         self._dit_args = dict(
             text_bytes=self.text.device_bytes(),
             budget_bytes=self.budget_bytes,
@@ -108,6 +120,16 @@ class Pipeline:
         self.runtime: DiTRuntime | None = None
         self._host_tier = None  # the DiT's host tier while the DiT is off the device (`drop_dit`)
         self.runtime_plan = None
+        try:
+            self._load(telemetry)
+        except BaseException:
+            if self._ahead is not None:  # its thread must not run on while the caller handles the error
+                self._ahead.take("", None)
+            raise
+        self.load_seconds = telemetry.phases["load"]
+
+    def _load(self, telemetry: Telemetry) -> None:
+        """The DiT (its residency plan and resident blocks), the decoders and the scheduler."""
         with telemetry.phase("load"):
             self._load_dit()
             self.load_parts.update(self.runtime.load_s)
@@ -124,7 +146,6 @@ class Pipeline:
             )
             self.scheduler = self._load_scheduler()
             self.load_parts["decoders"] = time.perf_counter() - started  # and the scheduler
-        self.load_seconds = telemetry.phases["load"]
 
     def _load_scheduler(self):
         from diffusers import FlowMatchEulerDiscreteScheduler, PiflowScheduler
@@ -254,6 +275,9 @@ class Pipeline:
         )
 
     def close(self) -> None:
+        if self._ahead is not None:
+            self._ahead.take("", None)
+            self._ahead = None
         self.drop_dit()
         if self._host_tier is not None:
             self._host_tier.close()
@@ -303,12 +327,16 @@ class Pipeline:
         generator = torch.Generator("cpu").manual_seed(request.seed)
 
         check_stop(should_stop, "text_encode", "before the text encoders")
-        with telemetry.phase("text_encode"):
-            negative = None
-            if guidance > 1.0:
-                negative = request.negative_prompt or DEFAULT_NEGATIVE_PROMPT
-            cond, uncond = self.text.encode(request.prompt, negative)
-        telemetry.text_source, telemetry.text_bytes_streamed = self.text.last.source, self.text.last.bytes_streamed
+        with telemetry.phase("text_encode"):  # with an encode started at load: the wait for it
+            negative = negative_prompt(request, guidance)
+            ahead, self._ahead = self._ahead, None
+            encoded, stats = ahead.take(request.prompt, negative) if ahead is not None else (None, None)
+            if encoded is None:
+                encoded, stats = self.text.encode(request.prompt, negative), self.text.last
+            else:
+                telemetry.text_ahead_s = stats.seconds
+            cond, uncond = encoded
+        telemetry.text_source, telemetry.text_bytes_streamed = stats.source, stats.bytes_streamed
 
         if self.runtime is None:
             check_stop(should_stop, "dit_load", "before loading the DiT")

@@ -66,6 +66,9 @@ class Telemetry:
     # "mux" phase is only the wait after the decode; sequential, it starts after the decode and is all exposed.
     text_source: str = ""  # where the prompt's embeddings came from: "encoded", or a cache hit ("memory", "disk")
     text_bytes_streamed: int = 0  # text-encoder weight bytes copied to the device for this request
+    # The prompt was encoded on its own thread during the load (`Pipeline(first_request=...)`): that encode's seconds;
+    # the "text_encode" phase is then only the wait for it.
+    text_ahead_s: float | None = None
     dit_blocks_uploaded: int = 0  # resident DiT blocks uploaded during the request (a geometry change brought them)
     mux_streamed: bool = False
     mux_encode_s: float | None = None  # seconds the encoder worked (frame conversion, encode, finishing the file)
@@ -145,6 +148,7 @@ class Telemetry:
             "compiled_graphs": self.compiled_graphs,
             "text_source": self.text_source,
             "text_bytes_streamed": self.text_bytes_streamed,
+            **({"text_ahead_s": round(self.text_ahead_s, 6)} if self.text_ahead_s is not None else {}),
             "dit_blocks_uploaded": self.dit_blocks_uploaded,
             "mux_streamed": self.mux_streamed,
             "mux_encode_s": None if self.mux_encode_s is None else round(self.mux_encode_s, 6),

@@ -15,6 +15,7 @@ bit (tests/test_text_phase.py).
 from __future__ import annotations
 
 import hashlib
+import logging
 import threading
 import time
 from dataclasses import dataclass
@@ -40,6 +41,8 @@ from .text import (
 )
 from .text_plan import TextFootprint, text_footprint, text_identity, text_weights
 from .text_stream import UnitLayout, UnitStream
+
+logger = logging.getLogger(__name__)
 
 SAFETENSORS_DTYPES = {torch.bfloat16: "BF16", torch.float16: "F16", torch.float32: "F32"}
 
@@ -264,6 +267,36 @@ class TextPhase:
         if self._staging is not None:
             self._staging.close()  # each encode's stream waited for its copies out of the staging
         self._staging = None
+
+
+class TextAhead:
+    """One encode on its own thread, started before the rest of the load (`Pipeline(first_request=...)`: the CLI
+    knows its prompt at start-up, so the text phase's seconds, its first-use costs included, pass under the DiT's
+    load). `take` waits for it; a failed encode is logged and left to the request, which encodes again."""
+
+    def __init__(self, text: TextPhase, prompt: str, negative: str | None):
+        self.text, self.prompt, self.negative = text, prompt, negative
+        self._result: tuple[TextConditioning, TextConditioning | None] | None = None
+        self.stats: TextStats | None = None  # the encode's own (its seconds overlapped the load)
+        self._thread = threading.Thread(target=self._run, name="k6-text-ahead", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        try:
+            self._result = self.text.encode(self.prompt, self.negative)
+            self.stats = self.text.last  # nothing else encodes until `take`
+        except Exception:  # the request encodes again and raises it there, in the request's own phase
+            logger.warning("encoding the prompt during the load failed; the request encodes it", exc_info=True)
+
+    def take(
+        self, prompt: str, negative: str | None
+    ) -> tuple[tuple[TextConditioning, TextConditioning | None] | None, TextStats | None]:
+        """Wait for the encode; its result and stats when it succeeded for this prompt and negative, else (None,
+        None)."""
+        self._thread.join()
+        if self._result is None or (prompt, negative) != (self.prompt, self.negative):
+            return None, None
+        return self._result, self.stats
 
 
 def _check_unit(unit: dict[str, TensorLocation], module: nn.Module) -> None:

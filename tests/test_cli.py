@@ -218,6 +218,7 @@ def test_a_repeated_prompt_comes_from_the_prompt_cache_in_a_later_run(tiny_disti
     cache = tmp_path / "prompts"
     first, second = run("a", "--prompt-cache", str(cache)), run("b", "--prompt-cache", str(cache))
     assert first["text_source"] == "encoded" and first["text_bytes_streamed"] > 0
+    assert first["text_ahead_s"] > 0  # generate encodes its prompt beside the load
     assert second["text_source"] == "disk" and second["text_bytes_streamed"] == 0
     assert run("c", "--prompt-cache", "none")["text_source"] == "encoded"
     assert (tmp_path / "a.mp4").read_bytes() == (tmp_path / "b.mp4").read_bytes()
