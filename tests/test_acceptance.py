@@ -164,11 +164,13 @@ def test_disk_read_columns_only_where_the_rows_have_them() -> None:
     new = {**old, "disk_read_bytes": 12_340_000_000, "phases_s": {**old["phases_s"], "dit_load": 2.5},
            "text_source": "encoded", "dit_blocks_uploaded": 0}  # fmt: skip
     cached = {**old, "disk_read_bytes": 0, "text_source": "disk", "dit_blocks_uploaded": 3}
-    table = render_table([old, new, cached], plan)
+    ahead = {**new, "text_ahead_s": 2.345}
+    table = render_table([old, new, cached, ahead], plan)
     assert "| " + " | ".join(COLUMNS + EXTRA_COLUMNS) + " |" in table
     rows = [line for line in table.splitlines() if line.startswith("| final")]
     assert rows[0].endswith("| — | — | — |") and rows[1].endswith("| encoded | 12.34 | 0 blocks, 2.5 s reload |")
     assert rows[2].endswith("| disk | 0.00 | 3 blocks |")
+    assert rows[3].endswith("| encoded at load (2.35 s) | 12.34 | 0 blocks, 2.5 s reload |")
     assert "read_bytes of /proc/PID/io" in table
 
 

@@ -85,6 +85,7 @@ def request_summary(run_dir: Path, *, peer: bool = False) -> dict[str, Any]:
         # Since the text phase streams its weights (absent from older records and the peer's).
         "text_source": telemetry.get("text_source"),
         "text_bytes_streamed": telemetry.get("text_bytes_streamed"),
+        "text_ahead_s": telemetry.get("text_ahead_s"),  # encoded beside the load (generate, since 7dabbab)
         "dit_blocks_uploaded": telemetry.get("dit_blocks_uploaded"),
         "ru_maxrss_bytes": telemetry.get("peak_host_rss_bytes"),
         "commit": provenance.get("git_commit"),
@@ -139,10 +140,12 @@ COLUMN_NOTES = (
 # Shown where a record has them (rows measured since the disk-read column was added): older tables stay as they were.
 EXTRA_COLUMNS = ("text source", "disk read GB", "DiT re-uploads")
 EXTRA_NOTES = (
-    "text source = where the prompt's embeddings came from (encoded, or a prompt-cache hit); disk read GB = bytes the "
-    "process caused to be read from storage (read_bytes of /proc/PID/io, sampled with the RSS; page-cache hits and "
-    "files in a RAM-backed folder such as /dev/shm read nothing); DiT re-uploads = resident DiT blocks uploaded during "
-    "the request, and the seconds of its `dit_load` phase where the DiT left the device for the text phase."
+    'text source = where the prompt\'s embeddings came from (encoded, or a prompt-cache hit; "at load (N s)": '
+    "encoded on a thread beside the load, its N seconds overlapping it, the text phase column only the wait); disk "
+    "read GB = bytes the process caused to be read from storage (read_bytes of /proc/PID/io, sampled with the RSS; "
+    "page-cache hits and files in a RAM-backed folder such as /dev/shm read nothing); DiT re-uploads = resident DiT "
+    "blocks uploaded during the request, and the seconds of its `dit_load` phase where the DiT left the device for "
+    "the text phase."
 )
 
 
@@ -264,6 +267,11 @@ def _reuploads(row: dict[str, Any]) -> str:
     return f"{blocks or 0} blocks" + (f", {reload:.1f} s reload" if reload else "")
 
 
+def _text_source(row: dict[str, Any]) -> str:
+    source, ahead = row.get("text_source") or "—", row.get("text_ahead_s")
+    return source if ahead is None else f"{source} at load ({ahead:.2f} s)"
+
+
 @dataclass(frozen=True)
 class ColumnGroup:
     """Columns a table shows only where one of its rows has them (rows measured since they were added): an older
@@ -277,7 +285,7 @@ class ColumnGroup:
 
 OPTIONAL_GROUPS = (
     ColumnGroup(EXTRA_COLUMNS, EXTRA_NOTES, lambda r: "disk_read_bytes" in r,
-                lambda r: [r.get("text_source") or "—", _gb(r.get("disk_read_bytes")), _reuploads(r)]),
+                lambda r: [_text_source(r), _gb(r.get("disk_read_bytes")), _reuploads(r)]),
     ColumnGroup(TIER_COLUMNS, TIER_NOTES, lambda r: "host_blocks" in (r.get("residency") or {}),
                 lambda r: [_host_tier(r)]),
     ColumnGroup(PREDICTION_COLUMNS, PREDICTION_NOTES, lambda r: "disk_per_step" in r, _predicted_vs_measured),
