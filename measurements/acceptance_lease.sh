@@ -26,6 +26,8 @@
 #   peer-checkpoint    $W/syn-peer: the DiT of $W/syn linked with one-layer text encoders (from a one-block
 #                      make-synthetic), for the peer, which holds the DiT and its text encoders in host memory
 #   text-phase         measurements/bench_text_phase.py --breakdown on $W/syn (real-size encoders with TEXT=full)
+#   decode-probe       measurements/probe_decode_first_call.py: a process's first W1 video decode against its second,
+#                      each under torch.profiler, after 19 GB standing in for the DiT were freed
 #   drop-text          remove $TEXT_DIR (the RAM-backed real-size text encoders) once no later step reads them
 #   df11               measurements/bench_df11.py: the lossless compressed format's ratio, encode and decode GB/s
 #   df11-checkpoint    `k6fast quantize --format df11` of $W/syn into $DF11_DIR (default /dev/shm/syn-df11: the disk
@@ -321,6 +323,11 @@ run)
       (cd "$repo" && timeout 300 python3 measurements/bench_text_phase.py --model $W/syn --out $W/text_phase.json \
         --prompts 3 --dit-resident-gb 17 --breakdown > $W/text_phase.log 2>&1); echo "text phase exit $?"
       tail -4 $W/text_phase.log ;;
+    decode-probe)
+      checkpoint
+      (cd "$repo" && timeout 300 python3 measurements/probe_decode_first_call.py --model $W/syn --budget-gb 32 \
+        --hold-gb 19 --out $W/decode_probe.json > $W/decode_probe.log 2>&1); echo "decode probe exit $?"
+      tail -30 $W/decode_probe.log ;;
     drop-text) rm -rf "$TEXT_DIR"; echo "removed $TEXT_DIR" ;;
     df11-checkpoint)
       checkpoint
@@ -360,13 +367,14 @@ status)
   out=${2:?output folder}
   tail -25 $W/run.log
   for f in $REC/runs.jsonl $REC/README.md $REC/acceptance.json $W/exact_attention.json $W/sparse_attention.json \
-    $W/block_arms.json $W/ray_serve.json $W/profile_*.json $W/text_phase.json $W/df11.json; do
+    $W/block_arms.json $W/ray_serve.json $W/profile_*.json $W/text_phase.json $W/df11.json \
+    $W/decode_probe.json; do
     [ -f "$f" ] && cp "$f" "$out/"
   done
   for f in $REC/serve/*.json; do [ -f "$f" ] && cp "$f" "$out/serve_$(basename "$f")"; done
   (cd $W && tar czf "$out/logs.tgz" $(ls run.log pytest_gpu*.log synthetic.log diag_compile.log *_attention.log \
     block_arms.log profile_*.log ray_*.log ray_*.json serve_*.log work/serve-*/server.log record/commit.txt \
-    text_phase.log df11.log df11_checkpoint.log peer_checkpoint.log \
+    text_phase.log decode_probe.log df11.log df11_checkpoint.log peer_checkpoint.log \
     work/runs/*/stderr.log work/runs/*/*.json 2>/dev/null))
   ls $W/done 2>/dev/null && echo "session finished"
   ;;
