@@ -17,7 +17,9 @@
 #   serve:ARM:BUDGET   measurements/bench_serve_defaults.py: `k6fast serve --arm ARM` at its defaults under BUDGET GiB
 #                      with the arm's compile cache ($W/work/cache/ARM, what `acceptance:ARM-32-cold` left), four jobs
 #                      through the openai SDK, a DELETE, an oversize request; its record goes to $REC/serve/ and the
-#                      record's README shows it (SERVE_ARGS: more options, e.g. smaller sizes for a dry run)
+#                      record's README shows it (SERVE_ARGS: more options, e.g. smaller sizes for a dry run);
+#                      serve:ARM:BUDGET:first runs only the first job (a W1 job of a fresh prompt) and the oversize
+#                      request: that the arm starts and completes a job at that budget
 #   page-cache         read the checkpoint once (after a ballast run evicted it from the page cache)
 #   ray:CONFIG:N       measurements/bench_ray_serve.py, CONFIG (1x1, 2x0.5) with N requests, the `final` arm's cache
 #   block              one Pro block: SDPA against flash-attn-4 for exact attention, under fused+compile
@@ -27,7 +29,8 @@
 #                      make-synthetic), for the peer, which holds the DiT and its text encoders in host memory
 #   text-phase         measurements/bench_text_phase.py --breakdown on $W/syn (real-size encoders with TEXT=full)
 #   decode-probe       measurements/probe_decode_first_call.py: a process's first W1 video decode against its second,
-#                      each under torch.profiler, after 19 GB standing in for the DiT were freed
+#                      each under torch.profiler, after 19 GB standing in for the DiT were freed (with empty_cache,
+#                      then without: the decode reusing the mapped memory)
 #   drop-text          remove $TEXT_DIR (the RAM-backed real-size text encoders) once no later step reads them
 #   df11               measurements/bench_df11.py: the lossless compressed format's ratio, encode and decode GB/s
 #   df11-checkpoint    `k6fast quantize --format df11` of $W/syn into $DF11_DIR (default /dev/shm/syn-df11: the disk
@@ -149,7 +152,7 @@ PY
   ls -la $W/syn-peer | tail -n +2
 }
 
-serve_bench() {  # ARM BUDGET
+serve_bench() {  # ARM BUDGET [JOBS: all (default) or first]
   checkpoint
   local slug=$1-$2 limit=${SERVE_TIMEOUT:-1200}
   # The script's own deadline ends it first, with its record; `timeout` (SIGTERM: the script stops the server and
@@ -158,7 +161,7 @@ serve_bench() {  # ARM BUDGET
   # graph, a repeated geometry too; measurements/sessions/2026-12-02_acceptance-envelope).
   (cd "$repo" && TORCH_LOGS=recompiles timeout "$limit" python3 measurements/bench_serve_defaults.py --model $W/syn --arm "$1" --budget-gb "$2" \
     --set K6_INDUCTOR_CACHE_DIR=$W/work/cache/$1 --record $REC --work $W/work/serve-$slug --timeout-s $((limit - 60)) \
-    ${SERVE_ARGS:-} > $W/serve_$slug.log 2>&1)
+    --jobs "${3:-all}" ${SERVE_ARGS:-} > $W/serve_$slug.log 2>&1)
   echo "serve $1 $2 exit $?"; tail -12 $W/serve_$slug.log
 }
 
@@ -298,7 +301,7 @@ run)
     attention) attention ;;
     acceptance:*) acceptance "${s#acceptance:}" ;;
     page-cache) checkpoint; time cat $W/syn/*/*.safetensors $W/syn/*.safetensors > /dev/null 2>&1 ;;
-    serve:*) IFS=: read -r _ arm budget <<< "$s"; serve_bench "$arm" "$budget" ;;
+    serve:*) IFS=: read -r _ arm budget jobs <<< "$s"; serve_bench "$arm" "$budget" "$jobs" ;;
     ray:*) IFS=: read -r _ config n <<< "$s"; ray_bench "$config" "$n" ;;
     block)
       (cd "$repo" && timeout 300 python3 measurements/bench_block_arms.py --no-diffusers --repeats 4 \
@@ -325,9 +328,12 @@ run)
       tail -4 $W/text_phase.log ;;
     decode-probe)
       checkpoint
-      (cd "$repo" && timeout 300 python3 measurements/probe_decode_first_call.py --model $W/syn --budget-gb 32 \
-        --hold-gb 19 --out $W/decode_probe.json > $W/decode_probe.log 2>&1); echo "decode probe exit $?"
-      tail -30 $W/decode_probe.log ;;
+      for keep in "" --keep-mapped; do
+        (cd "$repo" && timeout 300 python3 measurements/probe_decode_first_call.py --model $W/syn --budget-gb 32 \
+          --hold-gb 19 $keep --out $W/decode_probe${keep:+_kept}.json >> $W/decode_probe.log 2>&1)
+        echo "decode probe $keep exit $?"
+      done
+      tail -40 $W/decode_probe.log ;;
     drop-text) rm -rf "$TEXT_DIR"; echo "removed $TEXT_DIR" ;;
     df11-checkpoint)
       checkpoint
@@ -368,7 +374,7 @@ status)
   tail -25 $W/run.log
   for f in $REC/runs.jsonl $REC/README.md $REC/acceptance.json $W/exact_attention.json $W/sparse_attention.json \
     $W/block_arms.json $W/ray_serve.json $W/profile_*.json $W/text_phase.json $W/df11.json \
-    $W/decode_probe.json; do
+    $W/decode_probe*.json; do
     [ -f "$f" ] && cp "$f" "$out/"
   done
   for f in $REC/serve/*.json; do [ -f "$f" ] && cp "$f" "$out/serve_$(basename "$f")"; done

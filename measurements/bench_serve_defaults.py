@@ -51,6 +51,9 @@ JOBS = (
     ("large-deleted", "large", DEFAULT_PROMPT, "delete"),
     ("small-second-prompt", "small", SECOND_PROMPT, "complete"),
 )
+# --jobs: all four, or only the first (a W1 job from a fresh prompt, with the oversize request: that an arm starts and
+# completes a job at a budget, for the arms and budgets beyond the one measured in full).
+JOB_SETS = {"all": JOBS, "first": JOBS[:1]}
 SERVING = re.compile(r"serving .* on (http://\S+?)/v1 ")
 CANCELLED = re.compile(r"job (\S+): cancelled \(deleted\) during (\S+) \((.*)\) after ([\d.]+) s")
 LOADED = re.compile(r"ready: .* loaded and warmed up in ([\d.]+) s")
@@ -231,15 +234,15 @@ class Server:
 
 def run_jobs(api: Api, server: Server, watch: ProcessWatch, args: argparse.Namespace, deadline: float,
              record: dict) -> None:  # fmt: skip
-    """Submit the four jobs and the oversize request and follow the jobs, oldest first (the order the worker runs
+    """Submit the jobs (--jobs) and the oversize request and follow the jobs, oldest first (the order the worker runs
     them), to their end; fills record["jobs"] and record["oversize"] as it goes, so a failure keeps what was seen."""
-    sizes = {"large": args.large, "small": args.small}
+    sizes, chosen = {"large": args.large, "small": args.small}, JOB_SETS[args.jobs]
     jobs = [{"name": n, "geometry": label(sizes[s]), "prompt": "second" if p != DEFAULT_PROMPT else "first",
-             "seed": i + 1, "plan": plan, "outcome": None} for i, (n, s, p, plan) in enumerate(JOBS)]  # fmt: skip
+             "seed": i + 1, "plan": plan, "outcome": None} for i, (n, s, p, plan) in enumerate(chosen)]  # fmt: skip
     record["jobs"] = jobs
     start = time.perf_counter()
     since = lambda: round(time.perf_counter() - start, 3)  # noqa: E731
-    for job, (_, size, prompt, _) in zip(jobs, JOBS, strict=True):
+    for job, (_, size, prompt, _) in zip(jobs, chosen, strict=True):
         status, body = api.create(prompt, sizes[size], job["seed"], args.steps)
         if status != 200:
             raise Failure(f"{job['name']}: POST answered {status}: {body.get('message')}")
@@ -366,6 +369,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--poll-s", type=float, default=0.1, help="polling interval (default 0.1)")
     p.add_argument("--cancel-wait-s", type=float, default=120.0, help="DELETE to the server's log of the stop")
     p.add_argument("--http", action="store_true", help="plain HTTP even where the openai SDK is installed")
+    p.add_argument("--jobs", choices=tuple(JOB_SETS), default="all",
+                   help="all: the four jobs (default); first: only the first, a W1 job of a fresh prompt")  # fmt: skip
     args = p.parse_args(argv)
     warnings.filterwarnings("ignore", "The Sora API", DeprecationWarning)  # the Videos API k6fast serves
     if not args.out and not args.record:
@@ -388,7 +393,9 @@ def main(argv: list[str] | None = None) -> int:
     deadline = time.monotonic() + args.timeout_s
     commit_file = Path(__file__).resolve().parents[1] / "LEASE_COMMIT"
     record: dict[str, Any] = {
-        "what": "k6fast serve at its defaults: four queued jobs of two sizes, one DELETE, one oversize request",
+        "what": "k6fast serve at its defaults: four queued jobs of two sizes, one DELETE, one oversize request"
+        if args.jobs == "all" else "k6fast serve at its defaults: one W1 job, one oversize request",
+        "jobs_set": args.jobs,
         "command": " ".join([sys.executable, *sys.argv]) if argv is None else " ".join(argv),
         "commit": commit_file.read_text().strip() if commit_file.is_file() else None,
         "environment": environment(),

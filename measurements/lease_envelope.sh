@@ -12,14 +12,14 @@
 set -uo pipefail
 W=${LEASE_DIR:-/tmp/lease}
 WHEELS=${WHEELS:?the folder of wheels (a/, a/srv/)}
-# What the third envelope lease (2026-12-02, after measurements/sessions/2026-12-02_acceptance-envelope2) runs, most
-# important first: the GPU suite (the compile symbol for the prompt's length, the private locked mappings and
-# --stop-after-steps have not run on a GPU), both arms cold and warm on a free host with the prompt encoded beside the
-# load and the audio decode's fix, `serve` at its defaults under 32 GiB for `final` and `fast` with the recompile log,
-# where a process's first video decode spends its extra 4 s (a profile), the peer last (it needs the tmpfs text
-# encoders gone). The ballast row stands in the second record.
-STEPS=${STEPS:-gpu-tests peer-checkpoint acceptance:final-32-cold,final-32-warm,fast-32-cold,fast-32-warm \
-decode-probe serve:final:32 serve:fast:32 drop-text acceptance:diffusers-offload-32-cold}
+# What the envelope (#33) still needs after measurements/sessions/2026-12-02_acceptance-envelope3, most important
+# first: `serve` at its defaults for the arms and budgets not yet run (fast at 32 GiB with all four jobs; reference and
+# step-cache at 32 and 31 GiB, the first job only: that each starts and completes a W1 job), the decode probe with and
+# without empty_cache, `final` cold and warm beside the peer (the third lease ran no peer). The GPU suite runs while the
+# checkpoint is written.
+STEPS=${STEPS:-gpu-tests peer-checkpoint serve:fast:32 serve:reference:32:first serve:reference:31:first \
+serve:step-cache:32:first serve:step-cache:31:first decode-probe acceptance:final-32-cold,final-32-warm drop-text \
+acceptance:diffusers-offload-32-cold}
 # The DF11 lease (issue #38; dry-run on a CPU with BLOCKS=2 PRESET=lite-distill GEOMETRY=64x64x5 DF11_DIR=... on
 # 2026-12-02): STEPS="gpu-tests acceptance:final-32-cold,reference-32-warm,final-32-warm \
 #   acceptance:final-32-warm-host60 df11-checkpoint acceptance:reference-32-warm-df11,final-32-warm-df11 df11-to-disk \

@@ -7,7 +7,8 @@ then the decode (`decode_video_fast` with its plan for the budget, channels-last
 times, each call under torch.profiler (CPU and CUDA). Recorded per call: wall seconds; the profiler's top rows by self
 CPU time (aten ops, CUDA runtime and driver calls: cudnn plan building, module loading and the allocator's mappings
 each show up there); the summed CUDA kernel time; the allocator's reserved bytes before and after. The outputs are
-checked equal across calls.
+checked equal across calls. With --keep-mapped the stand-in is freed without `empty_cache`: the decode then reuses
+the allocator's mapped memory instead of mapping its own (is that the first call's unprofiled remainder?).
 
 Run:  python measurements/probe_decode_first_call.py --model CKPT --budget-gb 32 --hold-gb 19 --out probe.json
 """
@@ -42,6 +43,7 @@ def main() -> None:
     parser.add_argument("--budget-gb", type=float, default=32.0)
     parser.add_argument("--hold-gb", type=float, default=19.0, help="allocated, then freed before the first decode")
     parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--keep-mapped", action="store_true", help="free the stand-in without empty_cache")
     parser.add_argument("--out", type=Path, required=True)
     args = parser.parse_args()
 
@@ -64,9 +66,11 @@ def main() -> None:
     held = torch.empty(int(args.hold_gb * 2**30), dtype=torch.uint8, device=device)
     del held
     start = time.perf_counter()
-    torch.cuda.empty_cache()
+    if not args.keep_mapped:
+        torch.cuda.empty_cache()
     empty_cache_s = time.perf_counter() - start
-    room = device_budget(device, args.budget_gb) - torch.cuda.memory_reserved(device)
+    in_use = torch.cuda.memory_allocated if args.keep_mapped else torch.cuda.memory_reserved
+    room = device_budget(device, args.budget_gb) - in_use(device)
     plan = plan_video_decode(vae, shape[1:4], budget_bytes=room, dtype=torch.bfloat16)
     calls, first = [], None
     with torch.no_grad():
@@ -93,6 +97,7 @@ def main() -> None:
         "cudnn": torch.backends.cudnn.version(),
         "latents": list(shape),
         "video_decode": plan.describe(),
+        "keep_mapped": args.keep_mapped,
         "empty_cache_s": round(empty_cache_s, 4),
         "calls": calls,
     }

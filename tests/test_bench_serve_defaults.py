@@ -27,15 +27,23 @@ OVERSIZE = (64, 64, CPU_LIMITS.max_frames + 4)  # one latent frame more than `se
 BUDGET_GB = 8
 
 
-@pytest.mark.parametrize("client", ["sdk", "http"])
-def test_serve_at_its_defaults_on_the_tiny_checkpoint(client: str, tiny_distill: Path, tmp_path: Path) -> None:
-    if client == "sdk":
-        pytest.importorskip("openai")
+def _record_dir(tmp_path: Path, tiny_distill: Path) -> Path:
     record_dir = tmp_path / "record"
     record_dir.mkdir()
     plan = {"model": str(tiny_distill), "geometry": "64x64x5", "steps": 20, "started": "now", "argv": ["k6fast"]}
     (record_dir / PLAN_FILE).write_text(json.dumps(plan))
-    label = lambda g: "x".join(map(str, g))  # noqa: E731
+    return record_dir
+
+
+def label(geometry: tuple[int, int, int]) -> str:
+    return "x".join(map(str, geometry))
+
+
+@pytest.mark.parametrize("client", ["sdk", "http"])
+def test_serve_at_its_defaults_on_the_tiny_checkpoint(client: str, tiny_distill: Path, tmp_path: Path) -> None:
+    if client == "sdk":
+        pytest.importorskip("openai")
+    record_dir = _record_dir(tmp_path, tiny_distill)
     # 20 steps, the distilled checkpoint's most: the third job is still running when it passes 30 %.
     command = [sys.executable, "-W", "ignore::DeprecationWarning", str(SCRIPT), "--model", str(tiny_distill),
                "--budget-gb", str(BUDGET_GB), "--large", label(LARGE), "--small", label(SMALL),
@@ -81,3 +89,22 @@ def test_serve_at_its_defaults_on_the_tiny_checkpoint(client: str, tiny_distill:
     readme = (record_dir / "README.md").read_text()
     assert "## `k6fast serve` at its defaults" in readme
     assert readme.count("| env @ ") == 4 and "DELETE at " in readme and "not queued" in readme
+
+
+def test_only_the_first_job(tiny_distill: Path, tmp_path: Path) -> None:
+    """--jobs first: one job from a fresh prompt and the oversize request (an arm and budget beyond the one measured
+    in full), through plain HTTP."""
+    record_dir = _record_dir(tmp_path, tiny_distill)
+    command = [sys.executable, str(SCRIPT), "--model", str(tiny_distill), "--budget-gb", str(BUDGET_GB),
+               "--large", label(LARGE), "--oversize", label(OVERSIZE), "--steps", "2", "--jobs", "first",
+               "--record", str(record_dir), "--timeout-s", "400", "--start-timeout-s", "300", "--http"]  # fmt: skip
+    done = subprocess.run(command, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    record = json.loads((record_dir / "serve" / f"env-{BUDGET_GB}.json").read_text())
+    assert record["passed"] and record["jobs_set"] == "first"
+    assert [(j["name"], j["outcome"], j["geometry"]) for j in record["jobs"]] == [
+        ("large-first-prompt", "completed", label(LARGE))
+    ]
+    assert record["oversize"]["status"] == 400 and record["oversize"]["queued"] is False
+    readme = (record_dir / "README.md").read_text()
+    assert readme.count("| env @ ") == 1 and "the first job only (`--jobs first`)" in readme

@@ -358,6 +358,8 @@ def _serve_summary(record: dict[str, Any]) -> str:
              f"peak host RSS {_gib(record.get('peak_rss_bytes'))} GiB",
              f"nvidia-smi peak {_gib((record.get('peak_smi_used_mib') or 0) * 2**20)} GiB",
              f"disk read {_gb(record.get('disk_read_bytes'))} GB in all"]  # fmt: skip
+    if record.get("jobs_set") == "first":
+        parts.insert(0, "the first job only (`--jobs first`)")
     deleted = next((j for j in record.get("jobs", []) if j.get("plan") == "delete"), None)
     if deleted and deleted.get("delete"):
         d = deleted["delete"]
@@ -380,7 +382,8 @@ def serve_lines(records: list[dict[str, Any]], heading: str = "##") -> list[str]
         "",
         "`measurements/bench_serve_defaults.py`: `k6fast serve --model M --arm ARM` with no size options under "
         "`K6_VRAM_BUDGET_GB`, four queued jobs of two sizes through the openai SDK (one prompt repeated, a second "
-        "prompt last, one job deleted part-way) and one request larger than the budget holds.",
+        "prompt last, one job deleted part-way; with `--jobs first` only the first) and one request larger than "
+        "the budget holds.",
         "",
         *(_serve_summary(r) for r in records),
         "",
