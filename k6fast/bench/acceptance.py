@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from ..atomic import write_bytes_atomic
+from ..dit.config import DiTConfig
 from .acceptance_report import (
     PLAN_FILE,
     ROWS_FILE,
@@ -38,6 +39,7 @@ from .acceptance_report import (
 )
 from .disk_prediction import StepReads, disk_per_step, predict, read_speed
 from .records import append_jsonl, read_jsonl, write_json
+from .roofline import row_ceiling
 
 REFERENCE_ARM = "reference"
 
@@ -312,6 +314,8 @@ def execute(run: Run, w: Workload, *, work: Path, timeout_s: float, python: str 
             ballast.close()
     row["process_s"] = round(time.perf_counter() - start, 3)
     row.update(request_summary(run_dir, peer=run.peer))
+    if not run.peer and (run_dir / "clip.mp4.json").is_file():
+        row["step_ceiling"] = _step_ceiling(run_dir / "clip.mp4.json", w.model_for(run))
     if steps is not None:
         row["disk_per_step"] = disk_per_step(row["disk_prediction"], steps, run_dir / "clip.mp4.json", run.arm)
     tail = (run_dir / "stderr.log").read_text(errors="replace").splitlines()[-15:]
@@ -329,6 +333,15 @@ def execute(run: Run, w: Workload, *, work: Path, timeout_s: float, python: str 
         row["clip_bytes"] = clip.stat().st_size
         clip.unlink()
     return row
+
+
+def _step_ceiling(sidecar: Path, model: str) -> dict[str, Any] | None:
+    """The run's steady DiT step against the measured ceilings (`roofline`); None where there are none for it."""
+    try:
+        raw = json.loads((Path(model) / "transformer" / "config.json").read_text())
+        return row_ceiling(json.loads(sidecar.read_text()), DiTConfig.from_dict(raw))
+    except Exception as exc:  # a figure of the report, never the run's verdict
+        return {"error": f"{type(exc).__name__}: {exc}"}
 
 
 def _prediction(run: Run, w: Workload, read_gb_s: float | None) -> dict[str, Any]:

@@ -267,6 +267,22 @@ def _reuploads(row: dict[str, Any]) -> str:
     return f"{blocks or 0} blocks" + (f", {reload:.1f} s reload" if reload else "")
 
 
+CEILING_COLUMNS = ("DiT step vs ceiling",)
+CEILING_NOTES = (
+    "DiT step vs ceiling = the steady step's ceiling over its measured time (median of the steps past the exact first "
+    "ones and the process's first, before the exact last ones, cached steps left out): the ceiling is the step's "
+    "video self-attention and video-token GEMMs at the kernel times measured on this GPU (`k6fast.bench.roofline`, "
+    "its sources named there), nothing else counted; — where none were measured for the GPU, shape or format."
+)
+
+
+def _ceiling(row: dict[str, Any]) -> str:
+    c = row.get("step_ceiling") or {}
+    if "share" not in c:
+        return "—"
+    return f"{c['share']:.0%} ({c['ceiling_s']:.2f} of {c['steady_s']:.2f} s)"
+
+
 def _text_source(row: dict[str, Any]) -> str:
     source, ahead = row.get("text_source") or "—", row.get("text_ahead_s")
     return source if ahead is None else f"{source} at load ({ahead:.2f} s)"
@@ -290,6 +306,7 @@ OPTIONAL_GROUPS = (
                 lambda r: [_host_tier(r)]),
     ColumnGroup(PREDICTION_COLUMNS, PREDICTION_NOTES, lambda r: "disk_per_step" in r, _predicted_vs_measured),
     ColumnGroup(DF11_COLUMNS, DF11_NOTES, lambda r: bool(r.get("checkpoint")), lambda r: [_vs_bf16(r)]),
+    ColumnGroup(CEILING_COLUMNS, CEILING_NOTES, lambda r: bool(r.get("step_ceiling")), lambda r: [_ceiling(r)]),
 )  # fmt: skip
 
 

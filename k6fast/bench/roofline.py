@@ -1,0 +1,175 @@
+"""A run's steady DiT step against what measured kernel ceilings allow (the acceptance's "DiT step vs ceiling").
+
+The ceiling of a step is the time of its two dominant parts at the rates measured for them on the same GPU, as if
+nothing else ran: each fused block's video self-attention (the kernel the arm's attention policy picks for that block
+at a steady step: exact, or block-sparse at the arm's density) and its video-token GEMMs (at the arm's GEMM format's
+rate, per shape). The cross-attentions, the audio stream, the modulation and the elementwise passes are left out, so
+the share measured/ceiling is an upper bound on what the kernels alone would give. Figures exist only for the GPUs and
+the attention shape they were measured at (`CEILINGS`); elsewhere there is no ceiling, not a guess.
+"""
+
+from __future__ import annotations
+
+import statistics
+from dataclasses import dataclass
+from typing import Any
+
+from ..dit.config import DiTConfig
+
+CACHED_STEP_SHARE = 0.2  # a step under this share of the median reused a cached prediction (no DiT call)
+
+
+@dataclass(frozen=True)
+class Ceilings:
+    """Kernel times measured on one GPU (medians of the benchmarks the sources name)."""
+
+    gpu: str  # torch.cuda.get_device_name, as the rows record it
+    capability: tuple[int, int]
+    attention_shape: tuple[int, int, int]  # (heads, video tokens, head dim) the attention times are for
+    exact_attention_s: float  # one video self-attention, flash-attn-4 (the fastest exact kernel measured)
+    sparse_attention_s: dict[float, float]  # by density: the block-sparse kernel with its mask
+    gemm_s: dict[str, dict[tuple[int, int], float]]  # by resolved K6_GEMM, by (K, N), at M = the video tokens
+    sources: tuple[str, ...]
+
+
+_ATTENTION = "measurements/sessions/2026-12-01_attention-benches"
+_GEMM = "measurements/sessions/2026-11-29_kernels/gemm.json"
+CEILINGS = (
+    Ceilings(
+        gpu="NVIDIA H200",
+        capability=(9, 0),
+        attention_shape=(32, 50220, 128),
+        exact_attention_s=61.47e-3,  # exact_attention.json: flash_attn_4 at 1x32x50220x128
+        # sparse_attention.json, impl fa4: ms + mask_ms
+        sparse_attention_s={1.0: 63.690e-3, 0.5: 32.950e-3, 0.25: 17.024e-3, 0.125: 9.207e-3},
+        gemm_s={  # gemm.json p50: cublas_bf16, and fp8_gemm (row-wise torch._scaled_mm, its FP8 ceiling)
+            "bf16": {(4096, 4096): 2.4024e-3, (4096, 16384): 9.6555e-3, (16384, 4096): 9.7157e-3},
+            "fp8": {(4096, 4096): 1.4443e-3, (4096, 16384): 5.7781e-3, (16384, 4096): 5.6111e-3},
+        },
+        sources=(f"{_ATTENTION}/exact_attention.json", f"{_ATTENTION}/sparse_attention.json", _GEMM),
+    ),
+)
+
+
+def video_gemm_shapes(cfg: DiTConfig) -> dict[tuple[int, int], int]:
+    """(K, N) → how many of a fused block's GEMMs on the video tokens have that shape: q, k, v and out of the
+    self-attention and q and out of the text and the audio cross-attentions (8 of d x d), the audio stream's key and
+    value projections of the video tokens (2 of d x d_audio), the feed-forward's up and down projections."""
+    d, da, ff = cfg.model_dim, cfg.model_dim_a, cfg.ff_dim
+    shapes: dict[tuple[int, int], int] = {(d, d): 8, (d, ff): 1, (ff, d): 1}
+    shapes[(d, da)] = shapes.get((d, da), 0) + 2
+    return shapes
+
+
+def steady_step_s(step_s: list[float], exact_steps: int, exact_last_steps: int) -> float | None:
+    """The median of the steps that run the arm's steady policy: past its exact first steps and the process's first
+    step (compile, first kernels), before its exact last steps, cached steps left out."""
+    inner = step_s[max(1, exact_steps) : len(step_s) - exact_last_steps]
+    if not inner:
+        return None
+    median = statistics.median(step_s)
+    called = [s for s in inner if s >= CACHED_STEP_SHARE * median]
+    return statistics.median(called) if called else None
+
+
+def _gemm_s(times: dict[tuple[int, int], float], shape: tuple[int, int]) -> float | None:
+    """A GEMM's measured time, or for a shape not measured that of the measured shape with its K and the nearest N,
+    at the same rate per FLOP (the audio stream's d x d_audio projections: half of a measured d x d)."""
+    if shape in times:
+        return times[shape]
+    k, n = shape
+    same_k = [measured for measured in times if measured[0] == k]
+    if not same_k:
+        return None
+    nearest = min(same_k, key=lambda m: abs(m[1] - n))
+    return times[nearest] * n / nearest[1]
+
+
+def _sparse_blocks(options, blocks: int) -> int:
+    """How many fused blocks run block-sparse video self-attention at a steady step: the attention policy's own
+    verdicts (its first step past the exact ones)."""
+    import torch
+
+    from ..dit.attention import AttentionDispatch
+
+    # The exact kernel's choice does not change which blocks run sparse (and flash-attn-4 has no CPU path to log).
+    policy = AttentionDispatch(options.replace(exact_attn_kernel="sdpa"), torch.device("cpu"))
+    policy.begin_step(options.exact_attn_steps, options.exact_attn_steps + options.exact_attn_last_steps + 1)
+    return sum(policy.sparsifies_block(b, blocks) for b in range(blocks))
+
+
+def find_ceilings(gpu: str | None) -> Ceilings | None:
+    return next((c for c in CEILINGS if c.gpu == gpu), None)
+
+
+def step_ceiling(cfg: DiTConfig, options, gpu: str | None, video_tokens: int, step_s: list[float]) -> dict | None:
+    """{ceiling_s, steady_s, share} of a run of `options` (its switches) on `gpu`, or None where no ceiling was
+    measured for that GPU, attention shape, GEMM format or sparse density."""
+    from ..dit.arch import Target, resolve_for
+
+    c = find_ceilings(gpu)
+    if c is None or (cfg.model_dim // cfg.head_dim, video_tokens, cfg.head_dim) != c.attention_shape:
+        return None
+    options = resolve_for(options, Target(gpu, c.capability, False))
+    times = c.gemm_s.get(options.gemm)
+    if times is None:
+        return None
+    shape_s = {shape: _gemm_s(times, shape) for shape in video_gemm_shapes(cfg)}
+    if None in shape_s.values():
+        return None
+    sparse = c.sparse_attention_s.get(options.sparse_attn) if options.sparse_attn > 0 else None
+    if (options.sparse_attn > 0 and sparse is None) or (options.attn != "exact" and options.sparse_attn == 0):
+        return None  # a density or a quantized video attention without a measured kernel time
+    blocks = cfg.num_visual_blocks
+    gemm = blocks * sum(count * shape_s[shape] for shape, count in video_gemm_shapes(cfg).items())
+    lossy = _sparse_blocks(options, blocks) if sparse is not None else 0
+    ceiling = gemm + lossy * (sparse or 0.0) + (blocks - lossy) * c.exact_attention_s
+    steady = steady_step_s(step_s, options.exact_attn_steps, options.exact_attn_last_steps)
+    if steady is None:
+        return None
+    return {"ceiling_s": round(ceiling, 4), "steady_s": round(steady, 4), "share": round(ceiling / steady, 4)}
+
+
+def row_ceiling(sidecar: dict[str, Any], cfg: DiTConfig) -> dict | None:
+    """`step_ceiling` of a `k6fast generate` sidecar (its switches, GPU, request and step times)."""
+    from ..request import SPATIAL_MULTIPLE
+    from ..switches import load_options
+    from ..vae_geometry import latent_frames
+
+    request, telemetry = sidecar.get("request") or {}, sidecar.get("telemetry") or {}
+    switches = (sidecar.get("provenance") or {}).get("switches") or {}
+    try:
+        options = load_options(environ={k: str(v) for k, v in switches.items()})
+        w, h, f = request["width"], request["height"], request["frames"]
+    except Exception:  # an older or a foreign sidecar: no ceiling rather than a failed record
+        return None
+    tokens = latent_frames(f) * (h // SPATIAL_MULTIPLE) * (w // SPATIAL_MULTIPLE)
+    return step_ceiling(cfg, options, sidecar.get("gpu_name"), tokens, telemetry.get("step_s") or [])
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Print the ceiling of each `k6fast generate` sidecar given, for a checkpoint's config or a synthetic preset's."""
+    import argparse
+    import json
+    from pathlib import Path
+
+    p = argparse.ArgumentParser(prog="python -m k6fast.bench.roofline", description=main.__doc__)
+    p.add_argument("sidecars", nargs="+", type=Path, help="clip.mp4.json files")
+    source = p.add_mutually_exclusive_group(required=True)
+    source.add_argument("--model", type=Path, help="the checkpoint the runs read (its transformer/config.json)")
+    source.add_argument("--preset", help="a make-synthetic preset (e.g. pro-distill) for the DiT's shapes")
+    args = p.parse_args(argv)
+    if args.model:
+        raw = json.loads((args.model / "transformer" / "config.json").read_text())
+    else:
+        from ..testing.synthetic import transformer_config
+
+        raw = transformer_config(args.preset, None)
+    cfg = DiTConfig.from_dict(raw)
+    for path in args.sidecars:
+        print(f"{path}: {json.dumps(row_ceiling(json.loads(path.read_text()), cfg))}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
