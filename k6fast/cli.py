@@ -182,45 +182,48 @@ def cmd_generate(args: argparse.Namespace) -> int:
     # The prompt is encoded beside the load (its "text_encode" phase is then the wait for it).
     pipe = Pipeline(ckpt, options, device=args.device, dtype=dtype, plan_geometry=(width, height, args.frames),
                     prompt_cache_dir=cache_dir, first_request=request)  # fmt: skip
-    clock.lap_split(pipe.load_parts, "load_other")
-    if pipe.device.type == "cuda":  # the residency plan is a GPU memory budget; the CPU has none
-        print(pipe.runtime.plan.describe(), file=sys.stderr)
-    steps, _ = pipe.resolve(request)
-    print(
-        f"k6fast {__version__}: {pipe.ckpt.variant} on {pipe.device} ({str(pipe.dtype).removeprefix('torch.')}), "
-        f"{width}x{height}x{args.frames}, {steps} steps, arm {options.arm_name} [{options.arm_hash()}], "
-        f"loaded in {pipe.load_seconds:.1f} s",
-        file=sys.stderr,
-    )
-    # The residency this request runs under (its own geometry's plan: `Pipeline.generate` fits the DiT to it).
-    tokens = dit_tokens(width, height, args.frames, pipe.audio_rate)
-    plan = pipe.runtime.plan_for(tokens) if pipe.runtime else pipe.runtime_plan
-    extra = {"load_s": pipe.load_seconds, "residency": plan.as_dict() if plan else None}
-    if pipe.device.type == "cuda":
-        extra["gpu_name"] = torch.cuda.get_device_name(pipe.device)
-    clock.facts["bytecode"] = bytecode_compiled(clock.started)  # every module the start-up imported
-    clock.lap("before_request")
-    extra["process"] = clock.as_dict()  # the start-up profile; `main` adds the request and the teardown at the end
     try:
-        with tqdm(total=args.stop_after_steps or steps, desc="denoise", unit="step", file=sys.stderr) as bar:
-            # The MP4 is encoded on its own thread while the video decodes (`generate_to_mp4`).
-            result = generate_to_mp4(pipe, request, out, args.model, on_step=lambda event: bar.update(1), extra=extra,
-                                     stop_after_steps=args.stop_after_steps)  # fmt: skip
-    except OSError as exc:  # the disk filled up or the directory changed while the clip was generated
-        raise CliError(f"--out {out}: could not write the clip ({exc.strerror or 'write failed'})") from None
-    clock.lap("request")  # the request, its MP4 and the sidecar's first write
-    if args.save_latents:
-        from safetensors.torch import save_file
+        clock.lap_split(pipe.load_parts, "load_other")
+        if pipe.device.type == "cuda":  # the residency plan is a GPU memory budget; the CPU has none
+            print(pipe.runtime.plan.describe(), file=sys.stderr)
+        steps, _ = pipe.resolve(request)
+        print(
+            f"k6fast {__version__}: {pipe.ckpt.variant} on {pipe.device} ({str(pipe.dtype).removeprefix('torch.')}), "
+            f"{width}x{height}x{args.frames}, {steps} steps, arm {options.arm_name} [{options.arm_hash()}], "
+            f"loaded in {pipe.load_seconds:.1f} s",
+            file=sys.stderr,
+        )
+        # The residency this request runs under (its own geometry's plan: `Pipeline.generate` fits the DiT to it).
+        tokens = dit_tokens(width, height, args.frames, pipe.audio_rate)
+        plan = pipe.runtime.plan_for(tokens) if pipe.runtime else pipe.runtime_plan
+        extra = {"load_s": pipe.load_seconds, "residency": plan.as_dict() if plan else None}
+        if pipe.device.type == "cuda":
+            extra["gpu_name"] = torch.cuda.get_device_name(pipe.device)
+        clock.facts["bytecode"] = bytecode_compiled(clock.started)  # every module the start-up imported
+        clock.lap("before_request")
+        extra["process"] = clock.as_dict()  # the start-up profile; `main` adds the request and the teardown at the end
+        try:
+            with tqdm(total=args.stop_after_steps or steps, desc="denoise", unit="step", file=sys.stderr) as bar:
+                # The MP4 is encoded on its own thread while the video decodes (`generate_to_mp4`).
+                result = generate_to_mp4(pipe, request, out, args.model, on_step=lambda event: bar.update(1),
+                                         extra=extra, stop_after_steps=args.stop_after_steps)  # fmt: skip
+        except OSError as exc:  # the disk filled up or the directory changed while the clip was generated
+            raise CliError(f"--out {out}: could not write the clip ({exc.strerror or 'write failed'})") from None
+        clock.lap("request")  # the request, its MP4 and the sidecar's first write
+        if args.save_latents:
+            from safetensors.torch import save_file
 
-        from .atomic import fsync_path
+            from .atomic import fsync_path
 
-        save_file({k: v.contiguous() for k, v in result.latents.items()}, args.save_latents)
-        fsync_path(Path(args.save_latents))  # on disk before the process ends without the interpreter's teardown
-        clock.lap("latents")
-    print(result.telemetry.summary(), file=sys.stderr)
-    print(f"wrote {out} and {sidecar_path(out)}", file=sys.stderr)
-    args.sidecar = sidecar_path(out)
-    return 0
+            save_file({k: v.contiguous() for k, v in result.latents.items()}, args.save_latents)
+            fsync_path(Path(args.save_latents))  # on disk before the process ends without the interpreter's teardown
+            clock.lap("latents")
+        print(result.telemetry.summary(), file=sys.stderr)
+        print(f"wrote {out} and {sidecar_path(out)}", file=sys.stderr)
+        args.sidecar = sidecar_path(out)
+        return 0
+    finally:  # an error before the request took the prompt's encode: its thread ends before the process does
+        pipe.settle_text()
 
 
 def _finish_generate(sidecar: Path, clock, end: bool) -> None:

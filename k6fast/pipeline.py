@@ -104,9 +104,6 @@ class Pipeline:
         self.text = TextPhase(self.ckpt.root, self.device, self.dtype, cache=PromptCache(directory=prompt_cache_dir))
         self.load_parts["text_setup"] = time.perf_counter() - started
         self._ahead: TextAhead | None = None
-        if first_request is not None:  # beside the load: the text phase's room is free until the first denoise
-            _, guidance = resolve_request(self.ckpt, options, first_request)
-            self._ahead = TextAhead(self.text, first_request.prompt, negative_prompt(first_request, guidance))
         self._dit_args = dict(
             text_bytes=self.text.device_bytes(),
             budget_bytes=self.budget_bytes,
@@ -120,11 +117,13 @@ class Pipeline:
         self.runtime: DiTRuntime | None = None
         self._host_tier = None  # the DiT's host tier while the DiT is off the device (`drop_dit`)
         self.runtime_plan = None
+        if first_request is not None:  # beside the load: the text phase's room is free until the first denoise
+            _, guidance = resolve_request(self.ckpt, options, first_request)
+            self._ahead = TextAhead(self.text, first_request.prompt, negative_prompt(first_request, guidance))
         try:
             self._load(telemetry)
         except BaseException:
-            if self._ahead is not None:  # its thread must not run on while the caller handles the error
-                self._ahead.take("", None)
+            self.settle_text()  # its thread must not run on while the caller handles the error
             raise
         self.load_seconds = telemetry.phases["load"]
 
@@ -274,10 +273,14 @@ class Pipeline:
             on_frames=on_frames,
         )
 
-    def close(self) -> None:
+    def settle_text(self) -> None:
+        """Wait for an encode started at load that no request took (the caller is ending: an error, or close)."""
         if self._ahead is not None:
-            self._ahead.take("", None)
+            self._ahead.wait()
             self._ahead = None
+
+    def close(self) -> None:
+        self.settle_text()
         self.drop_dit()
         if self._host_tier is not None:
             self._host_tier.close()
@@ -374,6 +377,7 @@ class Pipeline:
             if self.runtime.streamer is not None:
                 telemetry.add_stream_step(self.runtime.streamer.collect_timings())
             telemetry.step_seconds.append(event.seconds)
+            telemetry.step_called.append(event.dit_called)
             telemetry.cached_steps += not event.dit_called
             if on_step is not None:
                 on_step(event)

@@ -52,6 +52,7 @@ class Telemetry:
     device: str = "cpu"
     phases: dict[str, float] = field(default_factory=dict)  # seconds
     step_seconds: list[float] = field(default_factory=list)
+    step_called: list[bool] = field(default_factory=list)  # per step: the DiT ran (False: a cached prediction)
     dit_calls: int = 0
     cached_steps: int = 0
     step_cache: dict = field(default_factory=dict)  # K6_STEP_CACHE: its calibration (file, digest), steps skipped
@@ -67,7 +68,8 @@ class Telemetry:
     text_source: str = ""  # where the prompt's embeddings came from: "encoded", or a cache hit ("memory", "disk")
     text_bytes_streamed: int = 0  # text-encoder weight bytes copied to the device for this request
     # The prompt was encoded on its own thread during the load (`Pipeline(first_request=...)`): that encode's seconds;
-    # the "text_encode" phase is then only the wait for it.
+    # the "text_encode" phase is then only the wait for it, and the encode's device-memory peak falls in the load, not
+    # in this request's peaks.
     text_ahead_s: float | None = None
     dit_blocks_uploaded: int = 0  # resident DiT blocks uploaded during the request (a geometry change brought them)
     mux_streamed: bool = False
@@ -136,6 +138,7 @@ class Telemetry:
             "device": self.device,
             "phases_s": {k: round(v, 6) for k, v in self.phases.items()},
             "step_s": [round(s, 6) for s in self.step_seconds],
+            "step_called": self.step_called,
             "dit_calls": self.dit_calls,
             "cached_steps": self.cached_steps,
             "step_cache": self.step_cache,

@@ -193,8 +193,15 @@ class TextPhase:
     ) -> tuple[TextConditioning, TextConditioning | None]:
         """The prompt's conditioning, and the negative prompt's when one is given (CFG). pad_to: pad Qwen's tokens
         (after the template crop) to this length and mask them, as the reference pipeline does."""
+        return self.encode_with_stats(prompt, negative, pad_to)[0]
+
+    def encode_with_stats(
+        self, prompt: str, negative: str | None = None, pad_to: int | None = None
+    ) -> tuple[tuple[TextConditioning, TextConditioning | None], TextStats]:
+        """`encode`, with that encode's stats (taken under the lock: `last` may be another caller's by the time it is
+        read)."""
         with self._lock:
-            return self._encode(prompt, negative, pad_to)
+            return self._encode(prompt, negative, pad_to), self.last
 
     def _encode(
         self, prompt: str, negative: str | None, pad_to: int | None
@@ -283,8 +290,7 @@ class TextAhead:
 
     def _run(self) -> None:
         try:
-            self._result = self.text.encode(self.prompt, self.negative)
-            self.stats = self.text.last  # nothing else encodes until `take`
+            self._result, self.stats = self.text.encode_with_stats(self.prompt, self.negative)
         except Exception:  # the request encodes again and raises it there, in the request's own phase
             logger.warning("encoding the prompt during the load failed; the request encodes it", exc_info=True)
 
@@ -293,10 +299,15 @@ class TextAhead:
     ) -> tuple[tuple[TextConditioning, TextConditioning | None] | None, TextStats | None]:
         """Wait for the encode; its result and stats when it succeeded for this prompt and negative, else (None,
         None)."""
-        self._thread.join()
+        self.wait()
         if self._result is None or (prompt, negative) != (self.prompt, self.negative):
             return None, None
         return self._result, self.stats
+
+    def wait(self) -> None:
+        """Until the encode has ended (an owner that will not use it, before it closes the text phase or the process
+        exits: a thread must not run CUDA work through the interpreter's shutdown)."""
+        self._thread.join()
 
 
 def _check_unit(unit: dict[str, TensorLocation], module: nn.Module) -> None:

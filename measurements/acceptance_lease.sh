@@ -154,7 +154,7 @@ PY
 
 serve_bench() {  # ARM BUDGET [JOBS: all (default) or first]
   checkpoint
-  local slug=$1-$2 limit=${SERVE_TIMEOUT:-1200}
+  local slug=$1-$2${3:+-$3} limit=${SERVE_TIMEOUT:-1200}
   # The script's own deadline ends it first, with its record; `timeout` (SIGTERM: the script stops the server and
   # writes what it measured) is the backstop.
   # TORCH_LOGS=recompiles: the server log names the guard behind each recompile (2026-12-02: every job compiled one

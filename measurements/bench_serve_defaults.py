@@ -381,7 +381,7 @@ def main(argv: list[str] | None = None) -> int:
         if not sep or not name.startswith("K6_"):
             p.error(f"--set expects K6_NAME=VALUE, found {item!r}")
         args.switches[name] = value
-    slug = f"{args.arm or 'env'}-{args.budget_gb:g}".replace("/", "_")
+    slug = f"{args.arm or 'env'}-{args.budget_gb:g}{'-first' if args.jobs == 'first' else ''}".replace("/", "_")
     out = args.out or args.record / SERVE_DIR / f"{slug}.json"
     args.model = str(Path(args.model).resolve()) if Path(args.model).exists() else args.model
     work = args.work or Path(tempfile.mkdtemp(prefix=f"k6-serve-{slug}-"))

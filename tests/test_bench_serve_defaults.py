@@ -100,7 +100,7 @@ def test_only_the_first_job(tiny_distill: Path, tmp_path: Path) -> None:
                "--record", str(record_dir), "--timeout-s", "400", "--start-timeout-s", "300", "--http"]  # fmt: skip
     done = subprocess.run(command, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    record = json.loads((record_dir / "serve" / f"env-{BUDGET_GB}.json").read_text())
+    record = json.loads((record_dir / "serve" / f"env-{BUDGET_GB}-first.json").read_text())
     assert record["passed"] and record["jobs_set"] == "first"
     assert [(j["name"], j["outcome"], j["geometry"]) for j in record["jobs"]] == [
         ("large-first-prompt", "completed", label(LARGE))

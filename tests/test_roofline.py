@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from k6fast.bench.acceptance_report import render_table
-from k6fast.bench.roofline import CEILINGS, row_ceiling, steady_step_s, step_ceiling, video_gemm_shapes
+from k6fast.bench.roofline import CEILINGS, Steps, row_ceiling, steady_step_s, step_ceiling, video_gemm_shapes
 from k6fast.dit.config import DiTConfig
 from k6fast.switches import load_options
 from k6fast.testing.synthetic import transformer_config
@@ -22,7 +22,8 @@ H200 = CEILINGS[0]
 W1_TOKENS = 31 * 30 * 54
 PRO = DiTConfig.from_dict(transformer_config("pro-distill", None))
 # A 10-step run: the process's first step, a cached step, the rest steady at 6.5 s, the last a little slower.
-STEPS = [17.0, 6.5, 6.6, 6.4, 6.5, 6.5, 6.5, 6.5, 0.01, 6.9]
+SECONDS = [17.0, 6.5, 6.6, 6.4, 6.5, 6.5, 6.5, 6.5, 0.01, 6.9]
+STEPS = Steps(SECONDS, [s > 0.1 for s in SECONDS], dit_calls=9)
 
 
 def test_the_ceilings_are_the_recorded_figures() -> None:
@@ -63,6 +64,7 @@ def test_final_and_fast_against_their_ceilings() -> None:
     fast = step_ceiling(PRO, load_options(environ={}, arm="fast"), H200.gpu, W1_TOKENS, STEPS)
     # fast: FP8 GEMMs; sparse at 0.25 in all but the first and last 2 of the 60 blocks; its last step is exact.
     assert math.isclose(fast["ceiling_s"], _expected("fp8", 56, 0.25), rel_tol=1e-3)
+    assert fast["steady_s"] == 6.5  # steps 2-9 but the cached one: fast's last step is exact
     wider = load_options(environ={"K6_EXACT_ATTN_BLOCKS": "6"}, arm="fast")
     assert math.isclose(step_ceiling(PRO, wider, H200.gpu, W1_TOKENS, STEPS)["ceiling_s"], _expected("fp8", 48, 0.25),
                         rel_tol=1e-3)  # fmt: skip
@@ -84,16 +86,40 @@ def test_no_ceiling_where_none_was_measured(gpu: str, tokens: int, environ: dict
 
 def test_the_steady_step() -> None:
     assert steady_step_s(STEPS, 1, 0) == 6.5
-    assert steady_step_s([9.0, 3.0, 0.02, 3.2, 5.5], 1, 1) == 3.1  # the exact last step and the cached one left out
-    assert steady_step_s([9.0], 1, 0) is None
+    assert steady_step_s(STEPS, 1, 1) == 6.5
+    four = Steps([9.0, 3.0, 0.02, 3.2, 3.1, 5.5], [True, True, False, True, True, True], 5)
+    assert steady_step_s(four, 1, 1) == 3.1  # the first, the exact last and the cached step left out
+    assert steady_step_s(four, 2, 1) is None  # two steady steps: too few for a figure
+    # Most steps cached (a step cache skipping two in a row): the called ones still give the figure.
+    sparse_calls = Steps([17, 6.5, 0.01, 0.01, 6.6, 0.01, 0.01, 6.4, 0.01, 0.01], [i % 3 == 1 for i in range(10)], 4)
+    sparse_calls.called[0] = True
+    assert steady_step_s(sparse_calls, 1, 0) == 6.5
+    assert steady_step_s(Steps([17.0, 15.6, 3.0], [True] * 3, 3), 1, 0) is None  # a short run
+
+
+def test_cfg_doubles_the_ceiling_and_a_sage_arm_has_one() -> None:
+    final = load_options(environ={}, arm="final")
+    one = step_ceiling(PRO, final, H200.gpu, W1_TOKENS, STEPS)
+    two = step_ceiling(PRO, final, H200.gpu, W1_TOKENS, Steps(SECONDS, STEPS.called, dit_calls=18))
+    assert math.isclose(two["ceiling_s"], 2 * one["ceiling_s"], rel_tol=1e-4)  # both rounded to 0.1 ms
+    assert step_ceiling(PRO, final, H200.gpu, W1_TOKENS, Steps(SECONDS, STEPS.called, dit_calls=13)) is None
+    sage = load_options(environ={"K6_ATTN": "sage"}, arm="fast")  # sparse video attention; sage need not be here
+    assert math.isclose(step_ceiling(PRO, sage, H200.gpu, W1_TOKENS, STEPS)["ceiling_s"], _expected("fp8", 56, 0.25),
+                        rel_tol=1e-3)  # fmt: skip
 
 
 def test_a_sidecar_and_the_table_column() -> None:
     sidecar = json.loads((ROOT / "measurements/sessions/2026-12-02_acceptance-envelope3/sidecars/final-32-warm.json")
                          .read_text())  # fmt: skip
-    ceiling = row_ceiling(sidecar, PRO)
+    ceiling = row_ceiling(sidecar, PRO)  # a sidecar from before step_called: its PiFlow cache steps say which ran
     assert ceiling["steady_s"] == pytest.approx(6.5524, abs=1e-3) and 0.9 < ceiling["share"] < 1.0
     assert row_ceiling({**sidecar, "gpu_name": "cpu"}, PRO) is None
+    for request in ({"image": True}, {"audio": False}):  # other token counts than the measured shapes
+        assert row_ceiling({**sidecar, "request": {**sidecar["request"], **request}}, PRO) is None
+    telemetry = sidecar["telemetry"]
+    assert row_ceiling({**sidecar, "telemetry": {**telemetry, "dit_calls": 8}}, PRO) is None  # the cache steps disagree
+    called = [s > 0.1 for s in telemetry["step_s"]]
+    assert row_ceiling({**sidecar, "telemetry": {**telemetry, "step_called": called}}, PRO) == ceiling
     plan = {"model": "m", "geometry": "864x480x121", "steps": 10, "argv": ["k6fast"]}
     row = {"run": "final @ 32 GiB, warm", "arm": "final", "passed": True, "request_s": 72.2,
            "phases_s": {"denoise": 61.6}, "step_ceiling": ceiling}  # fmt: skip

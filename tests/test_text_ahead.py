@@ -5,11 +5,14 @@ request encoding its prompt itself when the early encode failed or was for anoth
 from __future__ import annotations
 
 import dataclasses
+import threading
+import time
 
 import pytest
 import torch
 
-from k6fast.pipeline import Pipeline, Request, negative_prompt
+from k6fast.cli import main
+from k6fast.pipeline import Pipeline, Request, RequestError, negative_prompt
 from k6fast.switches import load_options
 from k6fast.text_phase import TextPhase
 
@@ -46,7 +49,7 @@ def test_another_prompt_is_encoded_in_the_request(tiny_distill) -> None:
 
 
 def test_a_failed_encode_at_load_is_done_again_in_the_request(tiny_distill, monkeypatch, caplog) -> None:
-    real, calls = TextPhase.encode, []
+    real, calls = TextPhase.encode_with_stats, []
 
     def fail_first(self, prompt, negative=None, pad_to=None):
         calls.append(prompt)
@@ -54,7 +57,7 @@ def test_a_failed_encode_at_load_is_done_again_in_the_request(tiny_distill, monk
             raise torch.OutOfMemoryError("CUDA out of memory (stand-in)")
         return real(self, prompt, negative, pad_to)
 
-    monkeypatch.setattr(TextPhase, "encode", fail_first)
+    monkeypatch.setattr(TextPhase, "encode_with_stats", fail_first)
     result = _run(tiny_distill, REQUEST)
     assert calls == [REQUEST.prompt, REQUEST.prompt]
     assert result.telemetry.text_ahead_s is None and result.telemetry.text_source == "encoded"
@@ -66,3 +69,25 @@ def test_the_negative_prompt_follows_guidance() -> None:
     custom = dataclasses.replace(REQUEST, negative_prompt="blurry")
     assert negative_prompt(custom, 5.0) == "blurry"
     assert negative_prompt(REQUEST, 5.0)  # the default negative prompt under CFG
+
+
+def test_an_error_after_the_load_waits_for_the_encode(tiny_distill, tmp_path, monkeypatch) -> None:
+    """`generate` refusing its request once loaded (here a stand-in refusal) returns only after the encode's thread
+    has ended: no thread may run into the interpreter's shutdown."""
+    real = TextPhase.encode_with_stats
+
+    def slow(self, *args, **kwargs):
+        time.sleep(1.5)  # longer than the tiny load: the thread is still encoding when the refusal comes
+        return real(self, *args, **kwargs)
+
+    def refuse(self, request):
+        raise RequestError("refused after the load (stand-in)")
+
+    monkeypatch.setattr(TextPhase, "encode_with_stats", slow)
+    monkeypatch.setattr(Pipeline, "resolve", refuse)
+    started = time.perf_counter()
+    args = ["generate", "--model", str(tiny_distill), "--prompt", "a gong", "--size", "32x32", "--frames", "9",
+            "--steps", "2", "--out", str(tmp_path / "x.mp4")]  # fmt: skip
+    assert main(args) == 2
+    assert not any(t.name == "k6-text-ahead" and t.is_alive() for t in threading.enumerate())
+    assert time.perf_counter() - started >= 1.5

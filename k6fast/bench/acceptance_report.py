@@ -271,8 +271,9 @@ CEILING_COLUMNS = ("DiT step vs ceiling",)
 CEILING_NOTES = (
     "DiT step vs ceiling = the steady step's ceiling over its measured time (median of the steps past the exact first "
     "ones and the process's first, before the exact last ones, cached steps left out): the ceiling is the step's "
-    "video self-attention and video-token GEMMs at the kernel times measured on this GPU (`k6fast.bench.roofline`, "
-    "its sources named there), nothing else counted; — where none were measured for the GPU, shape or format."
+    "video self-attention and video-token GEMMs (twice under CFG) at the fastest kernel times measured on this GPU "
+    "(`k6fast.bench.roofline`, its sources named there), nothing else counted; — where none were measured for the "
+    "GPU, shape or format."
 )
 
 

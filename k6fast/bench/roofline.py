@@ -3,9 +3,11 @@
 The ceiling of a step is the time of its two dominant parts at the rates measured for them on the same GPU, as if
 nothing else ran: each fused block's video self-attention (the kernel the arm's attention policy picks for that block
 at a steady step: exact, or block-sparse at the arm's density) and its video-token GEMMs (at the arm's GEMM format's
-rate, per shape). The cross-attentions, the audio stream, the modulation and the elementwise passes are left out, so
-the share measured/ceiling is an upper bound on what the kernels alone would give. Figures exist only for the GPUs and
-the attention shape they were measured at (`CEILINGS`); elsewhere there is no ceiling, not a guess.
+rate, per shape), twice under CFG. The cross-attentions, the audio stream, the modulation and the elementwise passes
+are left out, so the share measured/ceiling is an upper bound on what the kernels alone would give. Exact attention is
+timed at the fastest exact kernel measured (flash-attn-4) whichever exact kernel the arm runs: a ceiling, not the
+arm's kernel. Figures exist only for the GPUs and the attention shape they were measured at (`CEILINGS`); elsewhere
+there is no ceiling, not a guess.
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ from typing import Any
 
 from ..dit.config import DiTConfig
 
-CACHED_STEP_SHARE = 0.2  # a step under this share of the median reused a cached prediction (no DiT call)
+MIN_STEADY_STEPS = 3  # fewer steps than this at the steady policy give no steady figure
 
 
 @dataclass(frozen=True)
@@ -61,15 +63,26 @@ def video_gemm_shapes(cfg: DiTConfig) -> dict[tuple[int, int], int]:
     return shapes
 
 
-def steady_step_s(step_s: list[float], exact_steps: int, exact_last_steps: int) -> float | None:
-    """The median of the steps that run the arm's steady policy: past its exact first steps and the process's first
-    step (compile, first kernels), before its exact last steps, cached steps left out."""
-    inner = step_s[max(1, exact_steps) : len(step_s) - exact_last_steps]
-    if not inner:
-        return None
-    median = statistics.median(step_s)
-    called = [s for s in inner if s >= CACHED_STEP_SHARE * median]
-    return statistics.median(called) if called else None
+@dataclass(frozen=True)
+class Steps:
+    """A run's seconds per denoising step, which steps called the DiT (not a cached prediction), and its DiT forwards
+    in all (two a called step under CFG)."""
+
+    seconds: list[float]
+    called: list[bool]
+    dit_calls: int
+
+    def forwards_per_step(self) -> int | None:
+        n = sum(self.called)
+        return self.dit_calls // n if n and self.dit_calls % n == 0 else None
+
+
+def steady_step_s(steps: Steps, exact_steps: int, exact_last_steps: int) -> float | None:
+    """The median of the called steps that run the arm's steady policy: past its exact first steps and the process's
+    first step (compile, first kernels), before its exact last steps; None with fewer than MIN_STEADY_STEPS."""
+    inner = range(max(1, exact_steps), len(steps.seconds) - exact_last_steps)
+    values = [steps.seconds[i] for i in inner if steps.called[i]]
+    return statistics.median(values) if len(values) >= MIN_STEADY_STEPS else None
 
 
 def _gemm_s(times: dict[tuple[int, int], float], shape: tuple[int, int]) -> float | None:
@@ -92,8 +105,9 @@ def _sparse_blocks(options, blocks: int) -> int:
 
     from ..dit.attention import AttentionDispatch
 
-    # The exact kernel's choice does not change which blocks run sparse (and flash-attn-4 has no CPU path to log).
-    policy = AttentionDispatch(options.replace(exact_attn_kernel="sdpa"), torch.device("cpu"))
+    # Neither the attention kind nor the exact kernel changes which blocks run sparse (and a quantized kind's or
+    # flash-attn-4's package need not be here).
+    policy = AttentionDispatch(options.replace(attn="exact", exact_attn_kernel="sdpa"), torch.device("cpu"))
     policy.begin_step(options.exact_attn_steps, options.exact_attn_steps + options.exact_attn_last_steps + 1)
     return sum(policy.sparsifies_block(b, blocks) for b in range(blocks))
 
@@ -102,9 +116,9 @@ def find_ceilings(gpu: str | None) -> Ceilings | None:
     return next((c for c in CEILINGS if c.gpu == gpu), None)
 
 
-def step_ceiling(cfg: DiTConfig, options, gpu: str | None, video_tokens: int, step_s: list[float]) -> dict | None:
+def step_ceiling(cfg: DiTConfig, options, gpu: str | None, video_tokens: int, steps: Steps) -> dict | None:
     """{ceiling_s, steady_s, share} of a run of `options` (its switches) on `gpu`, or None where no ceiling was
-    measured for that GPU, attention shape, GEMM format or sparse density."""
+    measured for that GPU, attention shape, GEMM format or sparse density, or the steps give no steady figure."""
     from ..dit.arch import Target, resolve_for
 
     c = find_ceilings(gpu)
@@ -120,18 +134,20 @@ def step_ceiling(cfg: DiTConfig, options, gpu: str | None, video_tokens: int, st
     sparse = c.sparse_attention_s.get(options.sparse_attn) if options.sparse_attn > 0 else None
     if (options.sparse_attn > 0 and sparse is None) or (options.attn != "exact" and options.sparse_attn == 0):
         return None  # a density or a quantized video attention without a measured kernel time
+    forwards = steps.forwards_per_step()
+    steady = steady_step_s(steps, options.exact_attn_steps, options.exact_attn_last_steps)
+    if forwards is None or steady is None:
+        return None
     blocks = cfg.num_visual_blocks
     gemm = blocks * sum(count * shape_s[shape] for shape, count in video_gemm_shapes(cfg).items())
-    lossy = _sparse_blocks(options, blocks) if sparse is not None else 0
-    ceiling = gemm + lossy * (sparse or 0.0) + (blocks - lossy) * c.exact_attention_s
-    steady = steady_step_s(step_s, options.exact_attn_steps, options.exact_attn_last_steps)
-    if steady is None:
-        return None
+    sparse_blocks = _sparse_blocks(options, blocks) if sparse is not None else 0
+    ceiling = forwards * (gemm + sparse_blocks * (sparse or 0.0) + (blocks - sparse_blocks) * c.exact_attention_s)
     return {"ceiling_s": round(ceiling, 4), "steady_s": round(steady, 4), "share": round(ceiling / steady, 4)}
 
 
 def row_ceiling(sidecar: dict[str, Any], cfg: DiTConfig) -> dict | None:
-    """`step_ceiling` of a `k6fast generate` sidecar (its switches, GPU, request and step times)."""
+    """`step_ceiling` of a `k6fast generate` sidecar (its switches, GPU, request and step times). A request with an
+    image (a tail frame) or without audio has other token counts than the ceilings' shapes: none."""
     from ..request import SPATIAL_MULTIPLE
     from ..switches import load_options
     from ..vae_geometry import latent_frames
@@ -143,8 +159,16 @@ def row_ceiling(sidecar: dict[str, Any], cfg: DiTConfig) -> dict | None:
         w, h, f = request["width"], request["height"], request["frames"]
     except Exception:  # an older or a foreign sidecar: no ceiling rather than a failed record
         return None
+    if request.get("image") or not request.get("audio", True):
+        return None
+    seconds, dit_calls = telemetry.get("step_s") or [], telemetry.get("dit_calls") or 0
+    called = telemetry.get("step_called")
+    if called is None:  # sidecars before step_called: the PiFlow cache steps, where they account for every call
+        called = [i not in options.piflow_cache_steps for i in range(len(seconds))]
+        if options.step_cache != "off" or sum(called) != dit_calls:
+            return None
     tokens = latent_frames(f) * (h // SPATIAL_MULTIPLE) * (w // SPATIAL_MULTIPLE)
-    return step_ceiling(cfg, options, sidecar.get("gpu_name"), tokens, telemetry.get("step_s") or [])
+    return step_ceiling(cfg, options, sidecar.get("gpu_name"), tokens, Steps(seconds, called, dit_calls))
 
 
 def main(argv: list[str] | None = None) -> int:
