@@ -335,7 +335,7 @@ class Pipeline:
             ahead, self._ahead = self._ahead, None
             encoded, stats = ahead.take(request.prompt, negative) if ahead is not None else (None, None)
             if encoded is None:
-                encoded, stats = self.text.encode(request.prompt, negative), self.text.last
+                encoded, stats = self.text.encode_with_stats(request.prompt, negative)
             else:
                 telemetry.text_ahead_s = stats.seconds
             cond, uncond = encoded

@@ -99,13 +99,16 @@ class Request:
         return cls(**{**raw, "image": image})
 
 
+def video_tokens(width: int, height: int, frames: int, image: bool) -> int:
+    """The DiT's video tokens of a geometry, with the image's tail frame where the request has an image."""
+    return (latent_frames(frames) + image) * (height // SPATIAL_MULTIPLE) * (width // SPATIAL_MULTIPLE)
+
+
 def dit_tokens(width: int, height: int, frames: int, audio: AudioRate = MMAUDIO) -> tuple[int, int]:
     """(video, audio) DiT tokens of a geometry, counting the image tail frame: what the residency planner reserves
     activations for (the runtime and `k6fast doctor` alike). audio: the checkpoint's audio rate
     (`vae_geometry.audio_rate`, what the pipeline draws its audio latents for)."""
-    t = latent_frames(frames)
-    video = (t + 1) * (height // SPATIAL_MULTIPLE) * (width // SPATIAL_MULTIPLE)
-    return video, audio_length(t, FPS, audio)
+    return video_tokens(width, height, frames, image=True), audio_length(latent_frames(frames), FPS, audio)
 
 
 def resolve_request(ckpt: Checkpoint, options: Options, request: Request) -> tuple[int, float]:

@@ -92,6 +92,17 @@ class Options(_OptionsFields):  # type: ignore[misc, valid-type]
             if getattr(self, switch.attr) != switch.default
         }
 
+    def lossy_attention_at(self, step: int, num_steps: int | None, block: int, num_blocks: int) -> bool:
+        """Whether the K6_EXACT_ATTN_* policy lets a lossy attention (quantized or block-sparse) run in fused block
+        `block` of `num_blocks` at denoising step `step` of `num_steps`: the first K6_EXACT_ATTN_STEPS steps, the last
+        K6_EXACT_ATTN_LAST_STEPS (where the schedule's length is known; None: not) and the first and last
+        K6_EXACT_ATTN_BLOCKS blocks stay exact."""
+        if step < self.exact_attn_steps:
+            return False
+        if num_steps is not None and step >= num_steps - self.exact_attn_last_steps:
+            return False
+        return self.exact_attn_blocks <= block < num_blocks - self.exact_attn_blocks
+
     def arm_hash(self) -> str:
         """16 hex digits identifying the output-affecting configuration: equal hashes, equal pixels.
 

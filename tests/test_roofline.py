@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 
 from k6fast.bench.acceptance_report import render_table
-from k6fast.bench.roofline import CEILINGS, Steps, row_ceiling, steady_step_s, step_ceiling, video_gemm_shapes
-from k6fast.dit.config import DiTConfig
+from k6fast.bench.roofline import CEILINGS, Steps, row_ceiling, steady_step_s, step_ceiling
+from k6fast.dit.config import DiTConfig, video_gemm_shapes
 from k6fast.switches import load_options
 from k6fast.testing.synthetic import transformer_config
 

@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from ..atomic import write_bytes_atomic
-from ..dit.config import DiTConfig
+from ..checkpoint import open_checkpoint
 from .acceptance_report import (
     PLAN_FILE,
     ROWS_FILE,
@@ -338,8 +338,7 @@ def execute(run: Run, w: Workload, *, work: Path, timeout_s: float, python: str 
 def _step_ceiling(sidecar: Path, model: str) -> dict[str, Any] | None:
     """The run's steady DiT step against the measured ceilings (`roofline`); None where there are none for it."""
     try:
-        raw = json.loads((Path(model) / "transformer" / "config.json").read_text())
-        return row_ceiling(json.loads(sidecar.read_text()), DiTConfig.from_dict(raw))
+        return row_ceiling(json.loads(sidecar.read_text()), open_checkpoint(model).dit)
     except Exception as exc:  # a figure of the report, never the run's verdict
         return {"error": f"{type(exc).__name__}: {exc}"}
 

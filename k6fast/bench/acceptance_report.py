@@ -124,6 +124,12 @@ def _result(row: dict[str, Any]) -> str:
 # whole waveform before the first frame).
 PHASES = ("text_encode", "denoise", "audio_decode", "video_decode", "mux")
 PHASES_HEADER = "text / denoise / audio / video decode / mux s"
+
+
+def _phase_split(phases: dict[str, float]) -> str:
+    return " / ".join(_s(phases.get(k)) for k in PHASES)
+
+
 COLUMNS = (
     "run", "result", "request vs peer", "process s", "request s", PHASES_HEADER,
     "compile s (graphs)", "peak VRAM alloc / reserved GiB", "denoise peak GiB", "nvidia-smi peak GiB",
@@ -236,7 +242,6 @@ def _vs_peer(row: dict[str, Any], peer: tuple[str, float] | None) -> str:
 
 def table_row(row: dict[str, Any], peer: tuple[str, float] | None = None, groups: tuple[ColumnGroup, ...] = ()) -> str:
     phases = row.get("phases_s") or {}
-    split = " / ".join(_s(phases.get(k)) for k in PHASES)
     denoise_peak = (row.get("phase_peaks") or {}).get("denoise", {}).get("reserved")
     smi = row.get("peak_smi_used_mib")
     hidden = row.get("hidden_share")
@@ -246,7 +251,7 @@ def table_row(row: dict[str, Any], peer: tuple[str, float] | None = None, groups
         _vs_peer(row, peer),
         _s(row.get("process_s")),
         _s(row.get("request_s")) if row.get("request_s") else "—",
-        split if phases else "—",
+        _phase_split(phases) if phases else "—",
         f"{_s(row.get('compile_s'))} ({row.get('compiled_graphs', 0)})" if row.get("phases_s") else "—",
         f"{_gib(row.get('peak_vram_bytes'))} / {_gib(row.get('peak_vram_reserved_bytes'))}",
         _gib(denoise_peak),
@@ -412,9 +417,8 @@ def serve_lines(records: list[dict[str, Any]], heading: str = "##") -> list[str]
         for job in record.get("jobs", []):
             telemetry = job.get("telemetry") or {}
             phases = telemetry.get("phases_s") or {}
-            split = " / ".join(_s(phases.get(k)) for k in PHASES)
             cells = [_serve_name(record), job.get("name"), job.get("geometry"), job.get("outcome"),
-                     _s(job.get("done_after_s")), _s(job.get("run_s")), split if phases else "—",
+                     _s(job.get("done_after_s")), _s(job.get("run_s")), _phase_split(phases) if phases else "—",
                      telemetry.get("text_source") or "—", _gb(job.get("disk_read_bytes")),
                      _gib(job.get("peak_rss_bytes"))]  # fmt: skip
             lines.append("| " + " | ".join(str(c) for c in cells) + " |")

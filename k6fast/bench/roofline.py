@@ -16,7 +16,7 @@ import statistics
 from dataclasses import dataclass
 from typing import Any
 
-from ..dit.config import DiTConfig
+from ..dit.config import DiTConfig, video_gemm_shapes
 
 MIN_STEADY_STEPS = 3  # fewer steps than this at the steady policy give no steady figure
 
@@ -51,16 +51,6 @@ CEILINGS = (
         sources=(f"{_ATTENTION}/exact_attention.json", f"{_ATTENTION}/sparse_attention.json", _GEMM),
     ),
 )
-
-
-def video_gemm_shapes(cfg: DiTConfig) -> dict[tuple[int, int], int]:
-    """(K, N) → how many of a fused block's GEMMs on the video tokens have that shape: q, k, v and out of the
-    self-attention and q and out of the text and the audio cross-attentions (8 of d x d), the audio stream's key and
-    value projections of the video tokens (2 of d x d_audio), the feed-forward's up and down projections."""
-    d, da, ff = cfg.model_dim, cfg.model_dim_a, cfg.ff_dim
-    shapes: dict[tuple[int, int], int] = {(d, d): 8, (d, ff): 1, (ff, d): 1}
-    shapes[(d, da)] = shapes.get((d, da), 0) + 2
-    return shapes
 
 
 @dataclass(frozen=True)
@@ -98,20 +88,6 @@ def _gemm_s(times: dict[tuple[int, int], float], shape: tuple[int, int]) -> floa
     return times[nearest] * n / nearest[1]
 
 
-def _sparse_blocks(options, blocks: int) -> int:
-    """How many fused blocks run block-sparse video self-attention at a steady step: the attention policy's own
-    verdicts (its first step past the exact ones)."""
-    import torch
-
-    from ..dit.attention import AttentionDispatch
-
-    # Neither the attention kind nor the exact kernel changes which blocks run sparse (and a quantized kind's or
-    # flash-attn-4's package need not be here).
-    policy = AttentionDispatch(options.replace(attn="exact", exact_attn_kernel="sdpa"), torch.device("cpu"))
-    policy.begin_step(options.exact_attn_steps, options.exact_attn_steps + options.exact_attn_last_steps + 1)
-    return sum(policy.sparsifies_block(b, blocks) for b in range(blocks))
-
-
 def find_ceilings(gpu: str | None) -> Ceilings | None:
     return next((c for c in CEILINGS if c.gpu == gpu), None)
 
@@ -140,7 +116,10 @@ def step_ceiling(cfg: DiTConfig, options, gpu: str | None, video_tokens: int, st
         return None
     blocks = cfg.num_visual_blocks
     gemm = blocks * sum(count * shape_s[shape] for shape, count in video_gemm_shapes(cfg).items())
-    sparse_blocks = _sparse_blocks(options, blocks) if sparse is not None else 0
+    # At a steady step (the first past the exact ones, the schedule's end not reached) the policy's lossy blocks run
+    # block-sparse video self-attention.
+    lossy = sum(options.lossy_attention_at(options.exact_attn_steps, None, b, blocks) for b in range(blocks))
+    sparse_blocks = lossy if sparse is not None else 0
     ceiling = forwards * (gemm + sparse_blocks * (sparse or 0.0) + (blocks - sparse_blocks) * c.exact_attention_s)
     return {"ceiling_s": round(ceiling, 4), "steady_s": round(steady, 4), "share": round(ceiling / steady, 4)}
 
@@ -148,9 +127,8 @@ def step_ceiling(cfg: DiTConfig, options, gpu: str | None, video_tokens: int, st
 def row_ceiling(sidecar: dict[str, Any], cfg: DiTConfig) -> dict | None:
     """`step_ceiling` of a `k6fast generate` sidecar (its switches, GPU, request and step times). A request with an
     image (a tail frame) or without audio has other token counts than the ceilings' shapes: none."""
-    from ..request import SPATIAL_MULTIPLE
+    from ..request import video_tokens
     from ..switches import load_options
-    from ..vae_geometry import latent_frames
 
     request, telemetry = sidecar.get("request") or {}, sidecar.get("telemetry") or {}
     switches = (sidecar.get("provenance") or {}).get("switches") or {}
@@ -167,7 +145,7 @@ def row_ceiling(sidecar: dict[str, Any], cfg: DiTConfig) -> dict | None:
         called = [i not in options.piflow_cache_steps for i in range(len(seconds))]
         if options.step_cache != "off" or sum(called) != dit_calls:
             return None
-    tokens = latent_frames(f) * (h // SPATIAL_MULTIPLE) * (w // SPATIAL_MULTIPLE)
+    tokens = video_tokens(w, h, f, image=False)
     return step_ceiling(cfg, options, sidecar.get("gpu_name"), tokens, Steps(seconds, called, dit_calls))
 
 
@@ -180,16 +158,17 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m k6fast.bench.roofline", description=main.__doc__)
     p.add_argument("sidecars", nargs="+", type=Path, help="clip.mp4.json files")
     source = p.add_mutually_exclusive_group(required=True)
-    source.add_argument("--model", type=Path, help="the checkpoint the runs read (its transformer/config.json)")
+    source.add_argument("--model", type=Path, help="the checkpoint the runs read")
     source.add_argument("--preset", help="a make-synthetic preset (e.g. pro-distill) for the DiT's shapes")
     args = p.parse_args(argv)
     if args.model:
-        raw = json.loads((args.model / "transformer" / "config.json").read_text())
+        from ..checkpoint import open_checkpoint
+
+        cfg = open_checkpoint(args.model).dit
     else:
         from ..testing.synthetic import transformer_config
 
-        raw = transformer_config(args.preset, None)
-    cfg = DiTConfig.from_dict(raw)
+        cfg = DiTConfig.from_dict(transformer_config(args.preset, None))
     for path in args.sidecars:
         print(f"{path}: {json.dumps(row_ceiling(json.loads(path.read_text()), cfg))}")
     return 0

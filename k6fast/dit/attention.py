@@ -73,9 +73,7 @@ class AttentionDispatch:
             raise ValueError("K6_ATTN=auto must be resolved for a device first (k6fast.dit.arch.resolve_auto)")
         self.kind = options.attn
         self.sites = SITE_SETS[options.quant_attn_sites]
-        self.exact_blocks = options.exact_attn_blocks
-        self.exact_steps = options.exact_attn_steps
-        self.exact_last_steps = options.exact_attn_last_steps
+        self.options = options  # its K6_EXACT_ATTN_* policy (`Options.lossy_attention_at`)
         self.step = 0
         self.num_steps: int | None = None  # the schedule's length, when the caller says it (the last-steps rule)
         self.block_quantized = False  # the policy's verdict for the block running now
@@ -109,11 +107,7 @@ class AttentionDispatch:
     def lossy_block(self, block: int, num_blocks: int) -> bool:
         """Whether a lossy arm may run in this block at the current step (first/last blocks and first/last steps stay
         exact; the last steps only where the schedule's length is known)."""
-        if self.step < self.exact_steps:
-            return False
-        if self.num_steps is not None and self.step >= self.num_steps - self.exact_last_steps:
-            return False
-        return self.exact_blocks <= block < num_blocks - self.exact_blocks
+        return self.options.lossy_attention_at(self.step, self.num_steps, block, num_blocks)
 
     def quantizes_block(self, block: int, num_blocks: int) -> bool:
         """Whether a quantized backend may run in this block at the current step."""

@@ -181,6 +181,32 @@ def fused_block_shapes(cfg: DiTConfig) -> dict[str, tuple[int, ...]]:
     return shapes
 
 
+# The fused block's linears whose rows are the video tokens: the video self-attention's four, the text cross-attention's
+# query and output (its keys and values are the prompt's), the video-to-audio attention's query and output, the audio
+# stream's keys and values of the video tokens, the feed-forward's two.
+VIDEO_TOKEN_LINEARS = (
+    *(f"video_dec_block.self_attention.{p}" for p in ("to_query", "to_key", "to_value", "out_layer")),
+    "video_dec_block.cross_attention.to_query",
+    "video_dec_block.cross_attention.out_layer",
+    "va_cross_attention.to_query",
+    "va_cross_attention.out_layer",
+    "av_cross_attention.to_key",
+    "av_cross_attention.to_value",
+    "video_dec_block.feed_forward.net.0.proj",
+    "video_dec_block.feed_forward.net.2",
+)
+
+
+def video_gemm_shapes(cfg: DiTConfig) -> dict[tuple[int, int], int]:
+    """(K, N) → how many of a fused block's GEMMs on the video tokens have that shape (`VIDEO_TOKEN_LINEARS`)."""
+    shapes = fused_block_shapes(cfg)
+    out: dict[tuple[int, int], int] = {}
+    for name in VIDEO_TOKEN_LINEARS:
+        n, k = shapes[f"{name}.weight"]
+        out[(k, n)] = out.get((k, n), 0) + 1
+    return out
+
+
 def text_block_shapes(dim: int, time_dim: int, ff_dim: int, head_dim: int) -> dict[str, tuple[int, ...]]:
     """Tensor names (relative to `<video|audio>_text_transformer_blocks.<i>.`) and shapes of one text block."""
     shapes: dict[str, tuple[int, ...]] = {}

@@ -17,7 +17,7 @@ from torch import Tensor
 from ..cancel import StopCheck, check_stop
 from .backend import Backend, ExactBackend
 from .blocks import FusedBlockInputs, fused_block, text_block
-from .config import DiTConfig, block_prefix
+from .config import DiTConfig, block_prefix, video_gemm_shapes
 from .ops import linear, modulation, text_embedding, time_embedding
 from .rope import rope_1d, rope_3d
 from .weights import PrefixView
@@ -235,9 +235,9 @@ class K6DiT:
 def flops_per_block(cfg: DiTConfig, video_tokens: int, audio_tokens: int, text_tokens: int) -> float:
     """Approximate FLOPs of one fused block (GEMMs + attention), for TFLOP/s figures in benchmarks."""
     d, da = cfg.model_dim, cfg.model_dim_a
-    # Per token: q/k/v/out of self-attention, q/out of text and cross-modal attention (8 d^2), the other
-    # modality's k/v projections of this stream (2 d da), the feed-forward (2 d ff); x2 for multiply-add.
-    gemm = 2 * video_tokens * (8 * d * d + 2 * d * da + 2 * d * cfg.ff_dim)
+    # x2 for multiply-add. Per audio token: q/k/v/out of self-attention, q/out of text and cross-modal attention
+    # (8 da^2), the video stream's k/v projections of it (2 da d), the feed-forward (2 da ff).
+    gemm = 2 * video_tokens * sum(count * k * n for (k, n), count in video_gemm_shapes(cfg).items())
     gemm += 2 * audio_tokens * (8 * da * da + 2 * da * d + 2 * da * cfg.ff_dim_a)
     attn = 4 * video_tokens * (video_tokens + text_tokens + audio_tokens) * d
     attn += 4 * audio_tokens * (audio_tokens + text_tokens + video_tokens) * da
