@@ -14,6 +14,7 @@ import pytest
 from k6fast.bench.acceptance_report import render_table
 from k6fast.bench.roofline import CEILINGS, Steps, row_ceiling, steady_step_s, step_ceiling
 from k6fast.dit.config import DiTConfig, video_gemm_shapes
+from k6fast.dit.model import flops_per_block
 from k6fast.switches import load_options
 from k6fast.testing.synthetic import transformer_config
 
@@ -47,6 +48,9 @@ def test_the_ceilings_are_the_recorded_figures() -> None:
 
 def test_the_video_gemms_of_a_pro_block() -> None:
     assert video_gemm_shapes(PRO) == {(4096, 4096): 8, (4096, 16384): 1, (16384, 4096): 1, (4096, 2048): 2}
+    # flops_per_block counts the same GEMMs: with no audio and no text tokens, the video GEMMs and self-attention.
+    gemm = 2 * W1_TOKENS * (8 * 4096 * 4096 + 2 * 4096 * 2048 + 2 * 4096 * 16384)
+    assert flops_per_block(PRO, W1_TOKENS, 0, 0) == gemm + 4 * W1_TOKENS * W1_TOKENS * 4096
 
 
 def _expected(fmt: str, sparse_blocks: int, density: float) -> float:
