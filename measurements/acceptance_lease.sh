@@ -31,6 +31,8 @@
 #   decode-probe       measurements/probe_decode_first_call.py: a process's first W1 video decode against its second,
 #                      each under torch.profiler, after 19 GB standing in for the DiT were freed (with empty_cache,
 #                      then without: the decode reusing the mapped memory)
+#   tune               measurements/run_tune.sh on $W/syn into $W/tune: `k6fast tune` at a reduced geometry (TUNE_GEOMETRY,
+#                      default 480x272x49), 2 prompts, a budget of 6 gate runs, the random LPIPS backbone as a test
 #   drop-text          remove $TEXT_DIR (the RAM-backed real-size text encoders) once no later step reads them
 #   df11               measurements/bench_df11.py: the lossless compressed format's ratio, encode and decode GB/s
 #   df11-checkpoint    `k6fast quantize --format df11` of $W/syn into $DF11_DIR (default /dev/shm/syn-df11: the disk
@@ -334,6 +336,11 @@ run)
         echo "decode probe $keep exit $?"
       done
       tail -40 $W/decode_probe.log ;;
+    tune)
+      checkpoint
+      rm -rf $W/tune
+      (cd "$repo" && LEASE_DIR=$W GEOMETRY=${TUNE_GEOMETRY:-480x272x49} timeout "${TUNE_TIMEOUT:-900}" \
+        bash measurements/run_tune.sh $W/tune ${TUNE_ARGS:-} > $W/tune.log 2>&1); echo "tune exit $?"; tail -20 $W/tune.log ;;
     drop-text) rm -rf "$TEXT_DIR"; echo "removed $TEXT_DIR" ;;
     df11-checkpoint)
       checkpoint
@@ -374,13 +381,13 @@ status)
   tail -25 $W/run.log
   for f in $REC/runs.jsonl $REC/README.md $REC/acceptance.json $W/exact_attention.json $W/sparse_attention.json \
     $W/block_arms.json $W/ray_serve.json $W/profile_*.json $W/text_phase.json $W/df11.json \
-    $W/decode_probe*.json; do
+    $W/decode_probe*.json $W/tune/tune.json $W/tune/tuned.env; do
     [ -f "$f" ] && cp "$f" "$out/"
   done
   for f in $REC/serve/*.json; do [ -f "$f" ] && cp "$f" "$out/serve_$(basename "$f")"; done
   (cd $W && tar czf "$out/logs.tgz" $(ls run.log pytest_gpu*.log synthetic.log diag_compile.log *_attention.log \
     block_arms.log profile_*.log ray_*.log ray_*.json serve_*.log work/serve-*/server.log record/commit.txt \
-    text_phase.log decode_probe.log df11.log df11_checkpoint.log peer_checkpoint.log \
+    text_phase.log decode_probe.log tune.log df11.log df11_checkpoint.log peer_checkpoint.log \
     work/runs/*/stderr.log work/runs/*/*.json 2>/dev/null))
   ls $W/done 2>/dev/null && echo "session finished"
   ;;

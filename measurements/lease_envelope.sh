@@ -12,14 +12,16 @@
 set -uo pipefail
 W=${LEASE_DIR:-/tmp/lease}
 WHEELS=${WHEELS:?the folder of wheels (a/, a/srv/)}
-# What the envelope (#33) still needs after measurements/sessions/2026-12-02_acceptance-envelope3, most important
-# first: `serve` at its defaults for the arms and budgets not yet run (fast at 32 GiB with all four jobs; reference and
-# step-cache at 32 and 31 GiB, the first job only: that each starts and completes a W1 job), the decode probe with and
-# without empty_cache, `final` cold and warm beside the peer (the third lease ran no peer). The GPU suite runs while the
-# checkpoint is written.
-STEPS=${STEPS:-gpu-tests peer-checkpoint serve:fast:32 serve:reference:32:first serve:reference:31:first \
-serve:step-cache:32:first serve:step-cache:31:first decode-probe acceptance:final-32-cold,final-32-warm drop-text \
+# What the envelope (#33) still needs after measurements/sessions/2026-12-02_acceptance-envelope3: `serve` at its
+# defaults for the arms and budgets not yet run (reference and step-cache at 32 and 31 GiB, the first job only: that
+# each starts and completes a W1 job; fast at 32 GiB with all four jobs); then `final` cold and warm beside the peer
+# (#35: the third lease ran no peer). The GPU suite runs while the checkpoint is written.
+STEPS=${STEPS:-gpu-tests peer-checkpoint serve:reference:32:first serve:step-cache:32:first serve:reference:31:first \
+serve:step-cache:31:first serve:fast:32 acceptance:final-32-cold,final-32-warm drop-text \
 acceptance:diffusers-offload-32-cold}
+# The tune lease (issue #36: `k6fast tune` at full depth, which has never run on a GPU; every probe and candidate is a
+# bench process of its own and every gated one two clips more, so it needs a lease of its own):
+#   STEPS="gpu-tests tune" (TUNE_TIMEOUT, default 900 s; TUNE_ARGS: more `k6fast tune` options)
 # The DF11 lease (issue #38; dry-run on a CPU with BLOCKS=2 PRESET=lite-distill GEOMETRY=64x64x5 DF11_DIR=... on
 # 2026-12-02): STEPS="gpu-tests acceptance:final-32-cold,reference-32-warm,final-32-warm \
 #   acceptance:final-32-warm-host60 df11-checkpoint acceptance:reference-32-warm-df11,final-32-warm-df11 df11-to-disk \
