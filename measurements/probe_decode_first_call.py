@@ -7,8 +7,10 @@ then the decode (`decode_video_fast` with its plan for the budget, channels-last
 times, each call under torch.profiler (CPU and CUDA). Recorded per call: wall seconds; the profiler's top rows by self
 CPU time (aten ops, CUDA runtime and driver calls: cudnn plan building, module loading and the allocator's mappings
 each show up there); the summed CUDA kernel time; the allocator's reserved bytes before and after. The outputs are
-checked equal across calls. With --keep-mapped the stand-in is freed without `empty_cache`: the decode then reuses
-the allocator's mapped memory instead of mapping its own (is that the first call's unprofiled remainder?).
+checked equal across calls. After them, one more call under PyTorch's FLOP counter: the decode's FLOPs by aten op
+(its convolutions' against their kernels' device time: what share of the GPU's dense rate they reach). With
+--keep-mapped the stand-in is freed without `empty_cache`: the decode then reuses the allocator's mapped memory
+instead of mapping its own (is that the first call's unprofiled remainder?).
 
 Run:  python measurements/probe_decode_first_call.py --model CKPT --budget-gb 32 --hold-gb 19 --out probe.json
 """
@@ -22,6 +24,13 @@ import time
 from pathlib import Path
 
 TOP = 25
+
+
+def device_by_op(prof) -> dict[str, float]:
+    """Device seconds of the kernels each aten op launched itself (self device time), the 12 largest."""
+    averages = [e for e in prof.key_averages() if e.key.startswith("aten::") and e.self_device_time_total > 0]
+    top = sorted(averages, key=lambda e: e.self_device_time_total, reverse=True)[:12]
+    return {e.key: round(e.self_device_time_total / 1e6, 4) for e in top}
 
 
 def rows(prof) -> tuple[list[dict], float]:
@@ -53,6 +62,7 @@ def main() -> None:
 
     import torch
     from torch.profiler import ProfilerActivity, profile
+    from torch.utils.flop_counter import FlopCounterMode
 
     from k6fast.allocator import device_budget
     from k6fast.entry import cap_device_memory, expandable_segments_now
@@ -93,10 +103,16 @@ def main() -> None:
             first = out if first is None else first
             assert torch.equal(out, first), "the decode differs between calls"
             calls.append({"seconds": round(seconds, 4), "kernel_s": kernel_s, "reserved_before": reserved,
-                          "reserved_after": torch.cuda.memory_reserved(device), "top_self_cpu": top})  # fmt: skip
+                          "reserved_after": torch.cuda.memory_reserved(device), "top_self_cpu": top,
+                          "device_s_by_op": device_by_op(prof)})  # fmt: skip
             print(f"call {len(calls)}: {seconds:.2f} s, kernels {kernel_s:.2f} s", file=sys.stderr)
             for r in top[:12]:
                 print(f"  {r['self_cpu_s']:8.3f} s  x{r['count']:<6} {r['name'][:90]}", file=sys.stderr)
+        with FlopCounterMode(display=False) as counter:
+            out = decode_video_fast(vae, latents, plan=plan, layout="ndhwc", triton_norm=True)
+        assert torch.equal(out, first), "the decode differs under the FLOP counter"
+    flops = {str(op).split(".")[1]: n for op, n in counter.get_flop_counts()["Global"].items()}
+    print(f"FLOPs: {flops}", file=sys.stderr)
     record = {
         "command": sys.argv,
         "gpu": torch.cuda.get_device_name(device),
@@ -107,6 +123,7 @@ def main() -> None:
         "keep_mapped": args.keep_mapped,
         "empty_cache_s": round(empty_cache_s, 4),
         "calls": calls,
+        "flops_by_op": flops,
     }
     args.out.write_text(json.dumps(record, indent=1) + "\n")
 
