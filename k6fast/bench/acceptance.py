@@ -21,6 +21,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -37,6 +38,7 @@ from .acceptance_report import (
     render_table,
     request_summary,
 )
+from .decode_ceiling import row_decode_ceiling
 from .disk_prediction import StepReads, disk_per_step, predict, read_speed
 from .records import append_jsonl, read_jsonl, write_json
 from .roofline import row_ceiling
@@ -315,7 +317,9 @@ def execute(run: Run, w: Workload, *, work: Path, timeout_s: float, python: str 
     row["process_s"] = round(time.perf_counter() - start, 3)
     row.update(request_summary(run_dir, peer=run.peer))
     if not run.peer and (run_dir / "clip.mp4.json").is_file():
-        row["step_ceiling"] = _step_ceiling(run_dir / "clip.mp4.json", w.model_for(run))
+        sidecar, model = run_dir / "clip.mp4.json", w.model_for(run)
+        row["step_ceiling"] = _ceiling(lambda s: row_ceiling(s, open_checkpoint(model).dit), sidecar)
+        row["decode_ceiling"] = _ceiling(lambda s: row_decode_ceiling(s, Path(model)), sidecar)
     if steps is not None:
         row["disk_per_step"] = disk_per_step(row["disk_prediction"], steps, run_dir / "clip.mp4.json", run.arm)
     tail = (run_dir / "stderr.log").read_text(errors="replace").splitlines()[-15:]
@@ -335,10 +339,10 @@ def execute(run: Run, w: Workload, *, work: Path, timeout_s: float, python: str 
     return row
 
 
-def _step_ceiling(sidecar: Path, model: str) -> dict[str, Any] | None:
-    """The run's steady DiT step against the measured ceilings (`roofline`); None where there are none for it."""
+def _ceiling(compute: Callable[[dict[str, Any]], dict | None], sidecar: Path) -> dict[str, Any] | None:
+    """A ceiling figure of the run's sidecar (`roofline`, `decode_ceiling`); None where there is none for it."""
     try:
-        return row_ceiling(json.loads(sidecar.read_text()), open_checkpoint(model).dit)
+        return compute(json.loads(sidecar.read_text()))
     except Exception as exc:  # a figure of the report, never the run's verdict
         return {"error": f"{type(exc).__name__}: {exc}"}
 

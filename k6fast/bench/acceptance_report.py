@@ -282,11 +282,20 @@ CEILING_NOTES = (
 )
 
 
-def _ceiling(row: dict[str, Any]) -> str:
-    c = row.get("step_ceiling") or {}
+DECODE_COLUMNS = ("video decode vs ceiling",)
+DECODE_NOTES = (
+    "video decode vs ceiling = the exact decode's FLOPs (counted on the meta device, the whole clip, nothing "
+    "recomputed: TFLOP in the cell) at the fastest dense BF16 rate measured on this GPU, over the run's video decode "
+    "seconds (`k6fast.bench.decode_ceiling`); — where no rate was measured for the GPU."
+)
+
+
+def _ceiling(row: dict[str, Any], key: str = "step_ceiling", measured: str = "steady_s") -> str:
+    c = row.get(key) or {}
     if "share" not in c:
         return "—"
-    return f"{c['share']:.0%} ({c['ceiling_s']:.2f} of {c['steady_s']:.2f} s)"
+    flops = f", {c['tflop']:.0f} TFLOP" if "tflop" in c else ""
+    return f"{c['share']:.0%} ({c['ceiling_s']:.2f} of {c[measured]:.2f} s{flops})"
 
 
 def _text_source(row: dict[str, Any]) -> str:
@@ -313,6 +322,8 @@ OPTIONAL_GROUPS = (
     ColumnGroup(PREDICTION_COLUMNS, PREDICTION_NOTES, lambda r: "disk_per_step" in r, _predicted_vs_measured),
     ColumnGroup(DF11_COLUMNS, DF11_NOTES, lambda r: bool(r.get("checkpoint")), lambda r: [_vs_bf16(r)]),
     ColumnGroup(CEILING_COLUMNS, CEILING_NOTES, lambda r: bool(r.get("step_ceiling")), lambda r: [_ceiling(r)]),
+    ColumnGroup(DECODE_COLUMNS, DECODE_NOTES, lambda r: bool(r.get("decode_ceiling")),
+                lambda r: [_ceiling(r, "decode_ceiling", "decode_s")]),
 )  # fmt: skip
 
 
