@@ -29,6 +29,9 @@ logger = logging.getLogger(__name__)
 
 ENV = "PYTORCH_CUDA_ALLOC_CONF"
 SETTING = "expandable_segments:True"
+# The granularity an expandable segment maps and unmaps in, by pool (PyTorch's kSmallBuffer and kLargeBuffer):
+# `empty_cache` gives back only the pages no allocated block touches.
+EXPANDABLE_PAGE = {"small": 2 << 20, "large": 20 << 20}
 
 
 def user_chose(conf: str | None) -> bool:
@@ -77,6 +80,31 @@ def device_budget(device: torch.device, budget_gb: float) -> int:
         )
         budget = available
     return budget
+
+
+def held_bytes(segments: list[dict]) -> int | None:
+    """What the caching allocator would still hold after `empty_cache`, from its snapshot's segments on one device
+    (`torch.cuda.memory_snapshot()`): the pages of an expandable segment that an allocated block touches, a fixed
+    segment whole while any block in it is allocated. The memory stays mapped, so the next large tensor reuses it
+    instead of mapping it again (what that costs a process's first video decode:
+    measurements/sessions/2026-12-02_acceptance-envelope4); where a growth would pass the allocator's cap, the
+    allocator itself gives back the free pages first. None where the snapshot lacks what this needs."""
+    held = 0
+    try:
+        for segment in segments:
+            active = [b for b in segment["blocks"] if b["state"] != "inactive"]
+            if not segment["is_expandable"]:
+                held += segment["total_size"] if active else 0
+                continue
+            page, base = EXPANDABLE_PAGE[segment["segment_type"]], segment["address"]
+            pages = set()
+            for block in active:
+                start = block["address"] - base
+                pages.update(range(start // page, (start + block["size"] - 1) // page + 1))
+            held += len(pages) * page
+    except (KeyError, TypeError):
+        return None
+    return held
 
 
 @functools.cache

@@ -17,7 +17,7 @@ import numpy as np
 import torch
 from diffusers.utils.torch_utils import randn_tensor
 
-from .allocator import device_budget, resolve_device
+from .allocator import device_budget, held_bytes, resolve_device
 from .cancel import StopCheck, check_stop
 from .checkpoint import Checkpoint, open_checkpoint
 from .dit.backend import SwitchedBackend
@@ -201,22 +201,28 @@ class Pipeline:
             budget = vram_budget([self.budget_bytes])
             raise RequestError(oversize_message(self.fits, w, h, f, budget, dit_fits=self.dit_fits))
 
-    def drop_dit(self) -> None:
-        """Send the DiT off the device (its runtime closed, its memory given back); the next request reloads it."""
+    def drop_dit(self, release: bool = True) -> None:
+        """Send the DiT off the device (its runtime closed); the next request reloads it. release: give its memory
+        back to the driver now; the video decode keeps it mapped and reuses it (`free_budget`)."""
         if self.runtime is not None:
             self._host_tier = self.runtime.take_host_tier()  # host memory: the next load serves from it again
             self.runtime.close()
             self.runtime = self.dit = None
-            if self.device.type == "cuda":
+            if release and self.device.type == "cuda":
                 torch.cuda.empty_cache()
 
     def free_budget(self) -> int:
-        """What the budget leaves on the device now. Reserved, not allocated: the budget caps what the caching
-        allocator reserves, and free room inside partly used segments is not there for a new large tensor."""
+        """What the budget leaves on the device now: the budget less what the caching allocator would still hold
+        after `empty_cache` (the budget caps what it reserves, and free room inside a partly used segment is not there
+        for a new large tensor), counted without giving the rest back (`allocator.held_bytes`)."""
         if self.device.type != "cuda":
             return self.budget_bytes
-        torch.cuda.empty_cache()
-        return max(0, self.budget_bytes - torch.cuda.memory_reserved(self.device))
+        index = self.device.index
+        held = held_bytes([s for s in torch.cuda.memory_snapshot() if s.get("device") == index])
+        if held is None:
+            torch.cuda.empty_cache()
+            held = torch.cuda.memory_reserved(self.device)
+        return max(0, self.budget_bytes - min(held, torch.cuda.memory_reserved(self.device)))
 
     def plan_decode(self, shape: tuple[int, int, int]) -> VideoDecodePlan | None:
         """The decode's plan inside what the budget leaves now; None where not even a streamed decode fits."""
@@ -249,7 +255,7 @@ class Pipeline:
         # them, its "dit_load" phase), then text encoders kept resident. `exact` needs the whole clip (most of a 32 GB
         # card at W1); `streamed` only needs something to fit.
         if plan is None or not (plan.exact or mode == "streamed"):
-            self.drop_dit()
+            self.drop_dit(release=False)  # its memory stays mapped for the decode (`free_budget`)
             plan = self.plan_decode(shape)
         if plan is None or (mode == "exact" and not plan.exact):
             free = self.free_budget() / GiB

@@ -86,9 +86,12 @@ def test_exact_decode_sends_the_dit_away_when_the_budget_needs_it(tiny_distill) 
         assert not plan_video_decode(pipe.vae, SHAPE, budget_bytes=SMALL).exact
         budgets = iter([SMALL, ROOM])  # too small beside the DiT; room once it has gone
         pipe.free_budget = lambda: next(budgets)
+        drops, drop = [], pipe.drop_dit
+        pipe.drop_dit = lambda **kw: (drops.append(kw), drop(**kw))[1]
         telemetry = Telemetry()
         frames = pipe.decode_video_latents(latents, telemetry)
         assert pipe.runtime is None  # the DiT left; the next request reloads it ("dit_load")
+        assert drops == [{"release": False}]  # its memory stays mapped for the decode (free_budget counts it free)
         assert "exact" in telemetry.video_decode
         assert (frames - _untiled(pipe.vae, latents)).abs().max().item() < 1e-5
 
