@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import os
 from typing import TYPE_CHECKING
 
 from .memory import OUTSIDE_ALLOCATOR_BYTES, GiB
@@ -29,9 +30,11 @@ logger = logging.getLogger(__name__)
 
 ENV = "PYTORCH_CUDA_ALLOC_CONF"
 SETTING = "expandable_segments:True"
-# The granularity an expandable segment maps and unmaps in, by pool (PyTorch's kSmallBuffer and kLargeBuffer):
-# `empty_cache` gives back only the pages no allocated block touches.
+# The granularity an expandable segment maps and unmaps in, by pool (PyTorch's kSmallBuffer and kLargeBuffer, the
+# large one unless large_segment_size_mb says otherwise): `empty_cache` gives back only the pages no allocated block
+# touches.
 EXPANDABLE_PAGE = {"small": 2 << 20, "large": 20 << 20}
+DEFAULT_POOL = (0, 0)  # the snapshot's segment_pool_id of the allocator's own pools (not a CUDA graph's or a MemPool's)
 
 
 def user_chose(conf: str | None) -> bool:
@@ -84,27 +87,46 @@ def device_budget(device: torch.device, budget_gb: float) -> int:
 
 def held_bytes(segments: list[dict]) -> int | None:
     """What the caching allocator would still hold after `empty_cache`, from its snapshot's segments on one device
-    (`torch.cuda.memory_snapshot()`): the pages of an expandable segment that an allocated block touches, a fixed
-    segment whole while any block in it is allocated. The memory stays mapped, so the next large tensor reuses it
-    instead of mapping it again (what that costs a process's first video decode:
-    measurements/sessions/2026-12-02_acceptance-envelope4); where a growth would pass the allocator's cap, the
-    allocator itself gives back the free pages first. None where the snapshot lacks what this needs."""
+    (`torch.cuda.memory_snapshot()`, one segment per mapped range): the pages of an expandable segment that an
+    allocated block touches, a fixed segment whole while any block in it is allocated, a private pool's segment
+    (a CUDA graph's, a MemPool's) whole. None where the snapshot lacks what this needs or its pages are not
+    `EXPANDABLE_PAGE`'s."""
     held = 0
     try:
         for segment in segments:
             active = [b for b in segment["blocks"] if b["state"] != "inactive"]
-            if not segment["is_expandable"]:
+            if tuple(segment["segment_pool_id"]) != DEFAULT_POOL:
+                held += segment["total_size"]
+            elif not segment["is_expandable"]:
                 held += segment["total_size"] if active else 0
-                continue
-            page, base = EXPANDABLE_PAGE[segment["segment_type"]], segment["address"]
-            pages = set()
-            for block in active:
-                start = block["address"] - base
-                pages.update(range(start // page, (start + block["size"] - 1) // page + 1))
-            held += len(pages) * page
+            else:
+                page, base = EXPANDABLE_PAGE[segment["segment_type"]], segment["address"]
+                if segment["total_size"] % page or base % EXPANDABLE_PAGE["small"]:
+                    return None
+                pages = set()
+                for block in active:
+                    start = block["address"] - base
+                    pages.update(range(start // page, (start + block["size"] - 1) // page + 1))
+                held += len(pages) * page
     except (KeyError, TypeError):
         return None
     return held
+
+
+def held_after_release(device: torch.device) -> int | None:
+    """What `empty_cache` would leave reserved on `device`, counted without giving anything back, so that the next
+    large tensor reuses the mapped memory instead of mapping it again (what that costs a process's first video
+    decode: measurements/sessions/2026-12-02_acceptance-envelope4). Where a growth would pass the allocator's cap, the
+    allocator gives its free pages back itself first. None where that cannot be relied on: no cap (then it gives them
+    back only when the device runs out, past the budget) or expandable pages of a size the user set."""
+    import torch
+
+    fraction = getattr(torch.cuda, "get_per_process_memory_fraction", None)
+    if fraction is None or fraction(device) >= 1.0:
+        return None
+    if any("large_segment_size" in os.environ.get(name, "") for name in ("PYTORCH_ALLOC_CONF", ENV)):
+        return None
+    return held_bytes([s for s in torch.cuda.memory_snapshot() if s.get("device") == device.index])
 
 
 @functools.cache

@@ -17,7 +17,7 @@ import numpy as np
 import torch
 from diffusers.utils.torch_utils import randn_tensor
 
-from .allocator import device_budget, held_bytes, resolve_device
+from .allocator import device_budget, held_after_release, resolve_device
 from .cancel import StopCheck, check_stop
 from .checkpoint import Checkpoint, open_checkpoint
 from .dit.backend import SwitchedBackend
@@ -214,11 +214,11 @@ class Pipeline:
     def free_budget(self) -> int:
         """What the budget leaves on the device now: the budget less what the caching allocator would still hold
         after `empty_cache` (the budget caps what it reserves, and free room inside a partly used segment is not there
-        for a new large tensor), counted without giving the rest back (`allocator.held_bytes`)."""
+        for a new large tensor), counted without giving the rest back where that can be relied on
+        (`allocator.held_after_release`)."""
         if self.device.type != "cuda":
             return self.budget_bytes
-        index = self.device.index
-        held = held_bytes([s for s in torch.cuda.memory_snapshot() if s.get("device") == index])
+        held = held_after_release(self.device)
         if held is None:
             torch.cuda.empty_cache()
             held = torch.cuda.memory_reserved(self.device)

@@ -13,7 +13,8 @@ import sys
 import pytest
 import torch
 
-from k6fast.allocator import EXPANDABLE_PAGE, held_bytes
+from k6fast import allocator
+from k6fast.allocator import EXPANDABLE_PAGE, held_after_release, held_bytes
 
 MiB = 1 << 20
 BASE = 7 * 1024 * MiB  # a segment's address; pages count from it
@@ -24,8 +25,8 @@ def _block(offset_mib: float, size_mib: float, state: str = "active_allocated") 
 
 
 def _segment(blocks: list[dict], total_mib: int, expandable: bool = True, pool: str = "large") -> dict:
-    return {"address": BASE, "total_size": total_mib * MiB, "is_expandable": expandable, "segment_type": pool,
-            "blocks": blocks}  # fmt: skip
+    return {"device": 0, "address": BASE, "total_size": total_mib * MiB, "is_expandable": expandable,
+            "segment_type": pool, "segment_pool_id": (0, 0), "blocks": blocks}  # fmt: skip
 
 
 def test_an_expandable_segment_holds_the_pages_its_allocated_blocks_touch() -> None:
@@ -35,7 +36,7 @@ def test_an_expandable_segment_holds_the_pages_its_allocated_blocks_touch() -> N
         _block(0, 1),  # page 0
         _block(1, 40, "inactive"),  # free: given back where whole pages are free
         _block(45, 1),  # page 2
-        _block(59, 2, "active_awaiting_free"),  # pages 2 and 3: still in use by another stream
+        _block(59, 2, "active_pending_free"),  # pages 2 and 3: freed, its stream's events not yet done
         _block(61, 39, "inactive"),
     ]
     assert held_bytes([_segment(blocks, 100)]) == 3 * page
@@ -49,13 +50,34 @@ def test_a_fixed_segment_is_held_whole_while_any_block_in_it_is_allocated() -> N
     free = _segment([_block(0, 100, "inactive")], 100, expandable=False)
     assert held_bytes([used, free]) == 100 * MiB
     assert held_bytes([]) == 0
+    graph = {**_segment([_block(0, 100, "inactive")], 100), "segment_pool_id": (1, 0)}  # a CUDA graph's private pool
+    assert held_bytes([graph]) == 100 * MiB
 
 
-@pytest.mark.parametrize("missing", ["is_expandable", "blocks", "segment_type"])
+def test_pages_of_another_size_give_none() -> None:
+    assert held_bytes([_segment([_block(0, 1)], 64)]) is None  # large_segment_size_mb:64 maps 64 MiB pages
+
+
+@pytest.mark.parametrize("missing", ["is_expandable", "blocks", "segment_type", "segment_pool_id"])
 def test_a_snapshot_without_what_it_needs_gives_none(missing: str) -> None:
     segment = _segment([_block(0, 1)], 100)
     del segment[missing]
     assert held_bytes([segment]) is None
+
+
+def test_only_under_a_cap_and_default_pages(monkeypatch) -> None:
+    device = torch.device("cuda", 0)
+    other = {**_segment([_block(0, 1)], 20), "device": 1}
+    monkeypatch.setattr(torch.cuda, "memory_snapshot", lambda: [_segment([_block(0, 1)], 100), other])
+    monkeypatch.setattr(torch.cuda, "get_per_process_memory_fraction", lambda d: 0.25, raising=False)
+    for name in ("PYTORCH_ALLOC_CONF", allocator.ENV):
+        monkeypatch.delenv(name, raising=False)
+    assert held_after_release(device) == EXPANDABLE_PAGE["large"]  # this device's segments only
+    monkeypatch.setenv(allocator.ENV, "expandable_segments:True,large_segment_size_mb:64")
+    assert held_after_release(device) is None
+    monkeypatch.delenv(allocator.ENV)
+    monkeypatch.setattr(torch.cuda, "get_per_process_memory_fraction", lambda d: 1.0)
+    assert held_after_release(device) is None  # no cap: the allocator would not give its pages back at the budget
 
 
 # Run in a process of its own: the allocator's segment kind is the process's (PYTORCH_CUDA_ALLOC_CONF).
@@ -64,6 +86,10 @@ import json, torch
 from k6fast.allocator import held_bytes
 MiB = 1 << 20
 device, side = torch.device("cuda", torch.cuda.current_device()), torch.cuda.Stream()
+hole = [torch.empty(40 * MiB, dtype=torch.uint8, device=device) for _ in range(3)]
+del hole[1]
+torch.cuda.empty_cache()  # an unmapped hole: the segment is reported as two mapped ranges
+hole.append(torch.empty(5 * MiB, dtype=torch.uint8, device=device))
 kept = [torch.empty(n * MiB + 4096, dtype=torch.uint8, device=device) for n in (30, 7, 1)]
 freed = [torch.empty(n * MiB, dtype=torch.uint8, device=device) for n in (200, 45, 3)]
 with torch.cuda.stream(side):  # a second stream's blocks: segments of their own

@@ -319,7 +319,7 @@ def execute(run: Run, w: Workload, *, work: Path, timeout_s: float, python: str 
     if not run.peer and (run_dir / "clip.mp4.json").is_file():
         sidecar, model = run_dir / "clip.mp4.json", w.model_for(run)
         row["step_ceiling"] = _ceiling(lambda s: row_ceiling(s, open_checkpoint(model).dit), sidecar)
-        row["decode_ceiling"] = _ceiling(lambda s: row_decode_ceiling(s, Path(model)), sidecar)
+        row["decode_ceiling"] = _ceiling(lambda s: row_decode_ceiling(s, open_checkpoint(model).root), sidecar)
     if steps is not None:
         row["disk_per_step"] = disk_per_step(row["disk_prediction"], steps, run_dir / "clip.mp4.json", run.arm)
     tail = (run_dir / "stderr.log").read_text(errors="replace").splitlines()[-15:]

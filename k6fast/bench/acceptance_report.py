@@ -284,9 +284,10 @@ CEILING_NOTES = (
 
 DECODE_COLUMNS = ("video decode vs ceiling",)
 DECODE_NOTES = (
-    "video decode vs ceiling = the exact decode's FLOPs (counted on the meta device, the whole clip, nothing "
+    "video decode vs ceiling = the exact decode's least work (counted on the meta device, the whole clip, nothing "
     "recomputed: TFLOP in the cell) at the fastest dense BF16 rate measured on this GPU, over the run's video decode "
-    "seconds (`k6fast.bench.decode_ceiling`); — where no rate was measured for the GPU."
+    "seconds (`k6fast.bench.decode_ceiling`): what a plan recomputes to fit the budget and a first call's set-up count "
+    "against it; — where no rate was measured for the GPU."
 )
 
 
