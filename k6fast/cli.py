@@ -126,19 +126,24 @@ LIBRARY_MODULES = ("diffusers.utils.torch_utils", "transformers.modeling_utils",
 
 
 @contextlib.contextmanager
-def collector_paused() -> Iterator[None]:
+def collector_paused(freeze: bool = False) -> Iterator[None]:
     """Python's cyclic garbage collector paused inside, then one full collection. For the imports: they create
     hundreds of thousands of objects that live as long as the process, which the collector would scan again and
     again as they pile up, finding almost nothing to free (measurements/sessions/2026-12-02_imports-cpu). A caller's
-    process gets its collector back as it found it."""
+    process gets its collector back as it found it. freeze: for a process that ends with the command (`k6fast
+    generate` itself), the objects are frozen instead (`gc.freeze`): never scanned again, the collection's half second
+    saved, the little import-time garbage it would have freed kept until the process ends."""
     collecting = gc.isenabled()
     gc.disable()
     try:
         yield
     finally:
+        if freeze:
+            gc.freeze()
         if collecting:
             gc.enable()
-        gc.collect()
+        if not freeze:
+            gc.collect()
 
 
 def startup_clock(args: argparse.Namespace):
@@ -159,7 +164,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     # k6fast's own and the model classes they import), and between the first two the CUDA context, which needs only
     # PyTorch: on a GPU machine torchao, which transformers imports where it is installed, asks for the GPU's
     # capability on import, which would start CUDA inside the libraries' lap.
-    with collector_paused():
+    with collector_paused(freeze=getattr(args, "ends_process", False)):
         import torch
 
         clock.lap("imports_torch")
@@ -176,7 +181,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
         from .telemetry import bytecode_compiled
 
         clock.lap("imports_k6fast")
-    clock.lap("imports_collect")  # the one garbage collection after them
+    clock.lap("imports_collect")  # the one garbage collection after them, or their freeze
+    clock.facts["gc_frozen"] = gc.get_freeze_count()
     width, height = args.size
     dtype, cache_dir = torch_dtype_of(args.dtype), prompt_cache_dir(args, options)
     # The prompt is encoded beside the load (its "text_encode" phase is then the wait for it).
@@ -373,7 +379,7 @@ def main(argv: list[str] | None = None) -> int:
     clock = StartupClock(from_process_start=argv is None)  # with argv, a caller's process: timed from here
     quiet_warnings()
     args = build_parser().parse_args(argv)
-    args.startup = clock
+    args.startup, args.ends_process = clock, argv is None  # the process ends with the command (`_finish_generate`)
     clock.lap("interpreter")  # Python's start, k6fast.cli's imports, the arguments parsed
     configure_allocator_environment()  # before anything touches CUDA (k6fast/allocator.py says why)
     try:

@@ -63,6 +63,7 @@ def test_the_command_profiles_its_start_up_and_ends_once_its_files_are_written(t
     assert set(process["cpu_s"]) == STARTUP_PARTS - LOAD_PARTS | {"request", "latents", "teardown"}
     assert all(process["cpu_s"][k] > 0 for k in IMPORT_PARTS), process["cpu_s"]
     assert process["cuda_initialized_before_context"] is False  # importing PyTorch starts no CUDA context
+    assert process["gc_frozen"] > 100_000  # the imports' objects frozen, not collected: the process ends with them
     bytecode = process["bytecode"]
     assert 0 <= bytecode["compiled"] <= bytecode["source_modules"] and bytecode["source_modules"] > 1000, bytecode
     # Disjoint parts: together they are the process's age when it ended, and no more than its wall time outside.
@@ -78,10 +79,11 @@ def test_the_command_profiles_its_start_up_and_ends_once_its_files_are_written(t
 
 
 def test_a_caller_of_main_keeps_its_process_and_no_teardown_is_timed(tiny_distill: Path, tmp_path) -> None:
-    out = tmp_path / "fox.mp4"
+    out, frozen = tmp_path / "fox.mp4", gc.get_freeze_count()
     assert main([*GEN, "--model", str(tiny_distill), "--out", str(out)]) == 0
     assert gc.isenabled()  # the garbage collector, paused for the imports, is back
     process = json.loads((tmp_path / "fox.mp4.json").read_text())["process"]
+    assert process["gc_frozen"] == gc.get_freeze_count() == frozen  # a caller's objects are not frozen
     assert process["origin"] == "clock"  # timed from the call, not from the start of the test's process
     assert process["teardown_s"] is None and process["ended_at_s"] is None and "latents_s" not in process
     assert set(process["startup_s"]) == STARTUP_PARTS and process["request_s"] > 0
@@ -108,6 +110,24 @@ def test_the_collector_is_paused_inside_and_left_as_it_was_found() -> None:
         assert not gc.isenabled()  # a caller that had it off keeps it off
     finally:
         gc.enable()
+
+
+def test_a_process_that_ends_with_the_command_freezes_the_imports_objects() -> None:
+    frozen = gc.get_freeze_count()
+    try:
+        with collector_paused(freeze=True):
+            assert not gc.isenabled()
+            cycle = _Node()
+            cycle.next = cycle
+            kept = weakref.finalize(cycle, lambda: None)
+            del cycle
+        assert gc.isenabled() and gc.get_freeze_count() > frozen
+        gc.collect()
+        assert kept.alive  # frozen: no collection scans it again
+    finally:
+        gc.unfreeze()  # this test's process goes on: its objects back where the collector sees them
+    gc.collect()
+    assert not kept.alive
 
 
 def test_laps_split_a_span_into_its_own_parts_and_the_rest() -> None:
