@@ -131,8 +131,9 @@ def collector_paused(freeze: bool = False) -> Iterator[None]:
     hundreds of thousands of objects that live as long as the process, which the collector would scan again and
     again as they pile up, finding almost nothing to free (measurements/sessions/2026-12-02_imports-cpu). A caller's
     process gets its collector back as it found it. freeze: for a process that ends with the command (`k6fast
-    generate` itself), the objects are frozen instead (`gc.freeze`): never scanned again, the collection's half second
-    saved, the little import-time garbage it would have freed kept until the process ends."""
+    generate` itself), the objects are frozen instead (`gc.freeze`): never scanned again, no collection paid for (what
+    that saves: measurements/sessions/2026-12-02_gc-freeze-cpu), the little import-time garbage it would have freed
+    kept until the process ends."""
     collecting = gc.isenabled()
     gc.disable()
     try:
@@ -140,10 +141,10 @@ def collector_paused(freeze: bool = False) -> Iterator[None]:
     finally:
         if freeze:
             gc.freeze()
+        else:
+            gc.collect()
         if collecting:
             gc.enable()
-        if not freeze:
-            gc.collect()
 
 
 def startup_clock(args: argparse.Namespace):

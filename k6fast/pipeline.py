@@ -222,7 +222,7 @@ class Pipeline:
         if held is None:
             torch.cuda.empty_cache()
             held = torch.cuda.memory_reserved(self.device)
-        return max(0, self.budget_bytes - min(held, torch.cuda.memory_reserved(self.device)))
+        return max(0, self.budget_bytes - held)
 
     def plan_decode(self, shape: tuple[int, int, int]) -> VideoDecodePlan | None:
         """The decode's plan inside what the budget leaves now; None where not even a streamed decode fits."""

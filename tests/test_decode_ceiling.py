@@ -70,3 +70,11 @@ def test_a_sidecar_and_the_table_column(monkeypatch) -> None:
     table = render_table([row, {**row, "run": "cpu", "decode_ceiling": None}], plan)
     assert f"| {ceiling['share']:.0%} ({ceiling['ceiling_s']:.2f} of {ceiling['decode_s']:.2f} s, 891 TFLOP) |" in table
     assert "video decode vs ceiling" not in render_table([{**row, "decode_ceiling": None}], plan)
+
+
+def test_the_command_prints_the_count_at_a_geometry(tiny_distill: Path, capsys) -> None:
+    assert decode_ceiling.main(["--model", str(tiny_distill), "--geometry", "48x32x9", "--budget-gib", "0"]) == 0
+    total = sum(decode_flops(str(tiny_distill / "vae"), 48, 32, 9).values())
+    assert f"48x32x9 plan for unbounded GiB: {total / 1e12:.1f} TFLOP (convolution" in capsys.readouterr().out
+    with pytest.raises(SystemExit):
+        decode_ceiling.main(["--model", str(tiny_distill), "--geometry", "50x32x9"])  # not a multiple of 16

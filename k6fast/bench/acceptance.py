@@ -21,7 +21,6 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -317,9 +316,7 @@ def execute(run: Run, w: Workload, *, work: Path, timeout_s: float, python: str 
     row["process_s"] = round(time.perf_counter() - start, 3)
     row.update(request_summary(run_dir, peer=run.peer))
     if not run.peer and (run_dir / "clip.mp4.json").is_file():
-        sidecar, model = run_dir / "clip.mp4.json", w.model_for(run)
-        row["step_ceiling"] = _ceiling(lambda s: row_ceiling(s, open_checkpoint(model).dit), sidecar)
-        row["decode_ceiling"] = _ceiling(lambda s: row_decode_ceiling(s, open_checkpoint(model).root), sidecar)
+        row.update(_ceilings(run_dir / "clip.mp4.json", w.model_for(run)))
     if steps is not None:
         row["disk_per_step"] = disk_per_step(row["disk_prediction"], steps, run_dir / "clip.mp4.json", run.arm)
     tail = (run_dir / "stderr.log").read_text(errors="replace").splitlines()[-15:]
@@ -339,12 +336,26 @@ def execute(run: Run, w: Workload, *, work: Path, timeout_s: float, python: str 
     return row
 
 
-def _ceiling(compute: Callable[[dict[str, Any]], dict | None], sidecar: Path) -> dict[str, Any] | None:
-    """A ceiling figure of the run's sidecar (`roofline`, `decode_ceiling`); None where there is none for it."""
+def _ceilings(sidecar: Path, model: str) -> dict[str, Any]:
+    """The run's DiT step and video decode against their ceilings (`roofline`, `decode_ceiling`): None where there
+    are none for it; a failure is recorded in the figure's place, never as the run's verdict."""
     try:
-        return compute(json.loads(sidecar.read_text()))
-    except Exception as exc:  # a figure of the report, never the run's verdict
-        return {"error": f"{type(exc).__name__}: {exc}"}
+        record, ckpt = json.loads(sidecar.read_text()), open_checkpoint(model)
+    except Exception as exc:
+        return dict.fromkeys(("step_ceiling", "decode_ceiling"), _failed(exc))
+    return {"step_ceiling": _guarded(row_ceiling, record, ckpt.dit),
+            "decode_ceiling": _guarded(row_decode_ceiling, record, ckpt.root)}  # fmt: skip
+
+
+def _guarded(compute, *args: Any) -> dict[str, Any] | None:
+    try:
+        return compute(*args)
+    except Exception as exc:
+        return _failed(exc)
+
+
+def _failed(exc: Exception) -> dict[str, str]:
+    return {"error": f"{type(exc).__name__}: {exc}"}
 
 
 def _prediction(run: Run, w: Workload, read_gb_s: float | None) -> dict[str, Any]:

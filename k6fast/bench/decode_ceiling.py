@@ -72,28 +72,30 @@ def row_decode_ceiling(sidecar: dict[str, Any], root: Path) -> dict | None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Print the video decode's ceiling of each `k6fast generate` sidecar given, for a checkpoint's VAE; with --size,
-    the decode's FLOPs by op at that geometry under each --budget-gib's plan (0: unbounded, the ceiling's)."""
+    """Print the video decode's ceiling of each `k6fast generate` sidecar given, for a checkpoint's VAE; with
+    --geometry, the decode's FLOPs by op at that geometry under each --budget-gib's plan (0: unbounded, the
+    ceiling's)."""
     import argparse
     import json
+
+    from ..checkpoint import open_checkpoint
+    from .workload import parse_geometry
 
     p = argparse.ArgumentParser(prog="python -m k6fast.bench.decode_ceiling", description=main.__doc__)
     p.add_argument("sidecars", nargs="*", type=Path, help="clip.mp4.json files")
     p.add_argument("--model", required=True, help="the checkpoint the runs read (its vae/config.json)")
-    p.add_argument("--size", help="WxHxF: print the decode's FLOPs at this geometry")
-    p.add_argument("--budget-gib", type=float, nargs="+", default=[0.0], help="the plans' budgets, with --size")
+    p.add_argument("--geometry", type=parse_geometry, help="w1 or WxHxF: print the decode's FLOPs at this geometry")
+    p.add_argument("--budget-gib", type=float, nargs="+", default=[0.0], help="the plans' budgets, with --geometry")
     args = p.parse_args(argv)
-    from ..checkpoint import open_checkpoint
-
     root = open_checkpoint(args.model).root
     for path in args.sidecars:
         print(f"{path}: {json.dumps(row_decode_ceiling(json.loads(path.read_text()), root))}")
-    if args.size:
-        w, h, f = (int(v) for v in args.size.lower().split("x"))
+    if args.geometry:
+        g = args.geometry
         for gib in args.budget_gib:
             budget = int(gib * 2**30) if gib > 0 else UNBOUNDED
-            flops = decode_flops(str(root / "vae"), w, h, f, budget)
-            print(f"{args.size} plan for {gib or 'unbounded'} GiB: {sum(flops.values()) / 1e12:.1f} TFLOP "
+            flops = decode_flops(str(root / "vae"), g.width, g.height, g.frames, budget)
+            print(f"{g.label()} plan for {gib or 'unbounded'} GiB: {sum(flops.values()) / 1e12:.1f} TFLOP "
                   f"({', '.join(f'{op} {n / 1e12:.1f}' for op, n in flops.items())})")  # fmt: skip
     return 0
 
