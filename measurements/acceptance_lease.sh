@@ -31,6 +31,8 @@
 #   decode-probe       measurements/probe_decode_first_call.py: a process's first W1 video decode against its second,
 #                      each under torch.profiler, after 19 GB standing in for the DiT were freed (with empty_cache,
 #                      then without: the decode reusing the mapped memory)
+#   first-step:ARM     measurements/profile_first_step.py: a warm process's first DiT step under cProfile (ARM's compile
+#                      cache, what acceptance:ARM-32-cold left), 2 steps at GEOMETRY: where its extra seconds go
 #   tune               measurements/run_tune.sh on $W/syn into $W/tune: `k6fast tune` at a reduced geometry (TUNE_GEOMETRY,
 #                      default 480x272x49), 2 prompts, a budget of 6 gate runs, the random LPIPS backbone as a test
 #   drop-text          remove $TEXT_DIR (the RAM-backed real-size text encoders) once no later step reads them
@@ -336,6 +338,12 @@ run)
         echo "decode probe $keep exit $?"
       done
       tail -40 $W/decode_probe.log ;;
+    first-step:*)
+      checkpoint
+      arm=${s#first-step:}
+      (cd "$repo" && timeout 300 python3 measurements/profile_first_step.py --model $W/syn --arm "$arm" \
+        --cache-dir $W/work/cache/$arm --geometry "$GEOMETRY" --out $W/first_step_$arm.txt \
+        > $W/first_step_$arm.log 2>&1); echo "first-step profile exit $?"; head -4 $W/first_step_$arm.txt ;;
     tune)
       checkpoint
       rm -rf $W/tune
@@ -381,13 +389,13 @@ status)
   tail -25 $W/run.log
   for f in $REC/runs.jsonl $REC/README.md $REC/acceptance.json $W/exact_attention.json $W/sparse_attention.json \
     $W/block_arms.json $W/ray_serve.json $W/profile_*.json $W/text_phase.json $W/df11.json \
-    $W/decode_probe*.json $W/tune/tune.json $W/tune/tuned.env; do
+    $W/decode_probe*.json $W/first_step_*.txt $W/tune/tune.json $W/tune/tuned.env; do
     [ -f "$f" ] && cp "$f" "$out/"
   done
   for f in $REC/serve/*.json; do [ -f "$f" ] && cp "$f" "$out/serve_$(basename "$f")"; done
   (cd $W && tar czf "$out/logs.tgz" $(ls run.log pytest_gpu*.log synthetic.log diag_compile.log *_attention.log \
     block_arms.log profile_*.log ray_*.log ray_*.json serve_*.log work/serve-*/server.log record/commit.txt \
-    text_phase.log decode_probe.log tune.log df11.log df11_checkpoint.log peer_checkpoint.log \
+    text_phase.log decode_probe.log first_step_*.log tune.log df11.log df11_checkpoint.log peer_checkpoint.log \
     work/runs/*/stderr.log work/runs/*/*.json 2>/dev/null))
   ls $W/done 2>/dev/null && echo "session finished"
   ;;
