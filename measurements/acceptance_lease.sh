@@ -37,12 +37,14 @@
 #                      default 480x272x49), 2 prompts, a budget of 6 gate runs, the random LPIPS backbone as a test
 #   drop-text          remove $TEXT_DIR (the RAM-backed real-size text encoders) once no later step reads them
 #   df11               measurements/bench_df11.py: the lossless compressed format's ratio, encode and decode GB/s
-#   df11-checkpoint    `k6fast quantize --format df11` of $W/syn into $DF11_DIR (default /dev/shm/syn-df11: the disk
-#                      holds the BF16 DiT only; with TEXT=full the text encoders are hard links into $TEXT_DIR); the
-#                      acceptance steps after it add --df11-model, which runs the `-df11` slugs on it
+#   df11-checkpoint    `k6fast quantize --format df11 --device $DF11_DEVICE` of $W/syn into $DF11_DIR (default
+#                      /dev/shm/syn-df11: the disk holds the BF16 DiT only; with TEXT=full the text encoders are hard
+#                      links into $TEXT_DIR); the acceptance steps after it add --df11-model, which runs the `-df11`
+#                      slugs on it
 #   df11-to-disk       make room for a ballast run on the compressed DiT: delete the BF16 DiT's shards (the BF16
 #                      checkpoint is unusable after this; run its rows and the peer first) and move the compressed
-#                      copy to $W/syn-df11, its text encoders linked from $TEXT_DIR as before
+#                      copy to $W/syn-df11 with its text encoders copied from $TEXT_DIR where the disk has room for
+#                      them (else linked from $TEXT_DIR as before); a drop-text after it frees their RAM
 #
 # Wheels the GPU machine lacks (python 3.12): diffusers, av, importlib_metadata, torchao (the block-scaled GEMM tests);
 # flash-attn-4 with nvidia-cutlass-dsl (+ -libs-base, -libs-core, -libs-cu13), apache-tvm-ffi, torch-c-dlpack-ext,
@@ -65,6 +67,8 @@ GEOMETRY=${GEOMETRY:-w1}
 TEXT=${TEXT:-one-layer}
 TEXT_DIR=${TEXT_DIR:-/dev/shm/k6-text}
 DF11_DIR=${DF11_DIR:-/dev/shm/syn-df11}
+# Where df11-checkpoint compresses: the GPU (about 4 min for the 60 GB DiT; `quantize`'s own default, cpu, about 28).
+DF11_DEVICE=${DF11_DEVICE:-cuda}
 # Bytes free where TEXT_DIR goes: the full text encoders and their headers, with room to spare.
 TEXT_NEEDS=${TEXT_NEEDS:-18000000000}
 W=${LEASE_DIR:-/tmp/lease}
@@ -349,11 +353,14 @@ run)
       rm -rf $W/tune
       (cd "$repo" && LEASE_DIR=$W GEOMETRY=${TUNE_GEOMETRY:-480x272x49} timeout "${TUNE_TIMEOUT:-900}" \
         bash measurements/run_tune.sh $W/tune ${TUNE_ARGS:-} > $W/tune.log 2>&1); echo "tune exit $?"; tail -20 $W/tune.log ;;
-    drop-text) rm -rf "$TEXT_DIR"; echo "removed $TEXT_DIR" ;;
+    drop-text)
+      if [ -f $W/text.linked ]; then echo "drop-text: $W/syn-df11 links into $TEXT_DIR; it stays"; continue; fi
+      rm -rf "$TEXT_DIR"; echo "removed $TEXT_DIR" ;;
     df11-checkpoint)
       checkpoint
       rm -rf "$DF11_DIR"
-      (cd /tmp && time timeout 1200 python3 -m k6fast.cli quantize --format df11 $W/syn "$DF11_DIR") \
+      (cd /tmp && time timeout 1200 python3 -m k6fast.cli quantize --format df11 --device "$DF11_DEVICE" \
+        $W/syn "$DF11_DIR") \
         > $W/df11_checkpoint.log 2>&1
       code=$?; echo "df11 checkpoint exit $code"; tail -4 $W/df11_checkpoint.log
       # Only a finished copy makes the later acceptance steps add --df11-model (they would all refuse without one).
@@ -369,11 +376,22 @@ run)
       for entry in "$DF11_DIR"/*; do
         name=$(basename "$entry")
         case "$name" in
-        text_encoder | text_encoder_2) ln -s "$(readlink -f $W/syn/$name)" $W/syn-df11/$name ;;
+        text_encoder | text_encoder_2) ;;
         *) mv "$entry" $W/syn-df11/ ;;
         esac
       done
-      rm -rf "$DF11_DIR"; echo $W/syn-df11 > $W/df11.path; du -sh $W/syn-df11/transformer; df -h $W | tail -1 ;;
+      # The text encoders go to the disk too where they fit with 3 GB to spare, as a user's are (then drop-text frees
+      # their RAM, and the ballast leaves its 60 GB to the page cache and the process): else links into $TEXT_DIR.
+      text_bytes=$(du -sbL "$DF11_DIR"/text_encoder "$DF11_DIR"/text_encoder_2 | awk '{n += $1} END {print n}')
+      room=$(df --output=avail -B1 $W | tail -1)
+      for name in text_encoder text_encoder_2; do
+        if [ "$room" -gt $((text_bytes + 3000000000)) ]; then
+          cp -rL "$DF11_DIR/$name" $W/syn-df11/$name
+        else
+          ln -s "$(readlink -f $W/syn/$name)" $W/syn-df11/$name && touch $W/text.linked
+        fi
+      done
+      rm -rf "$DF11_DIR"; echo $W/syn-df11 > $W/df11.path; du -shL $W/syn-df11/*; df -h $W | tail -1 ;;
     df11)
       (cd "$repo" && timeout 240 python3 measurements/bench_df11.py ${DF11_ARGS:-} --out $W/df11.json \
         > $W/df11.log 2>&1); echo "df11 exit $?"; tail -20 $W/df11.log ;;

@@ -30,7 +30,7 @@ def main() -> int:
     parser.add_argument("--cache-dir", required=True, help="the compile caches of a cold run of the arm")
     parser.add_argument("--budget-gb", type=float, default=32.0)
     parser.add_argument("--geometry", default="w1", help="w1 or WIDTHxHEIGHTxFRAMES (the cold run's)")
-    parser.add_argument("--steps", type=int, default=2)
+    parser.add_argument("--steps", type=int, default=2, help="steps run, of the request's 10")
     parser.add_argument("--out", type=Path, required=True)
     args = parser.parse_args()
     os.environ["K6_INDUCTOR_CACHE_DIR"] = args.cache_dir
@@ -40,7 +40,7 @@ def main() -> int:
     geometry = parse_geometry(args.geometry)
     work = Path(tempfile.mkdtemp(prefix="first-step-"))
     argv = ["generate", "--model", args.model, "--arm", args.arm, "--prompt", "a first-step profile",
-            "--steps", str(args.steps), "--size", f"{geometry.width}x{geometry.height}",
+            "--steps", "10", "--stop-after-steps", str(args.steps), "--size", f"{geometry.width}x{geometry.height}",
             "--frames", str(geometry.frames),
             "--out", str(work / "clip.mp4"), "--prompt-cache", "none"]  # fmt: skip
 
