@@ -237,8 +237,16 @@ def write_transformer_copy(
     rewritten = weights | {transformer / "config.json", transformer / index_name}
 
     def build(tmp: Path) -> None:
-        for folder, dirs, files in os.walk(root):
+        # followlinks: a component folder may be a link (text encoders kept on another disk); each real folder is
+        # walked once, so a link back up the tree cannot loop.
+        walked: set[Path] = set()
+        for folder, dirs, files in os.walk(root, followlinks=True):
             rel = Path(folder).relative_to(root)
+            real = Path(folder).resolve()
+            if real in walked:
+                dirs[:] = []
+                continue
+            walked.add(real)
             dirs[:] = [d for d in dirs if not (rel == Path() and d == ".cache")]  # huggingface-cli's download cache
             (tmp / rel).mkdir(exist_ok=True)
             for name in files:

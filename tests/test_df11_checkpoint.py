@@ -8,6 +8,7 @@ tensor's blob is read back from the written shards and decoded with the referenc
 from __future__ import annotations
 
 import json
+import os
 import shutil
 
 import pytest
@@ -83,6 +84,27 @@ def test_refuses_a_compressed_source_and_a_used_destination(tiny_bf16, compresse
     (tmp_path / "used" / "x").write_text("")
     with pytest.raises(FileExistsError, match="non-empty directory"):
         compress_checkpoint(tiny_bf16, tmp_path / "used")
+
+
+def test_a_linked_component_folder_is_copied_through_its_link(tiny_bf16, tmp_path):
+    """A component folder that is a link (the text encoders kept on another disk): its files are linked into the copy
+    (the 2026-12-02 DF11 lease's write failed at its end with "missing component folder .../text_encoder"), and a
+    link back up the tree does not loop."""
+    src = tmp_path / "src"
+    shutil.copytree(tiny_bf16, src, copy_function=os.link)
+    elsewhere = tmp_path / "other-disk" / "text_encoder"
+    elsewhere.parent.mkdir()
+    (src / "text_encoder").rename(elsewhere)
+    (src / "text_encoder").symlink_to(elsewhere, target_is_directory=True)
+    (src / "scheduler" / "loop").symlink_to(src, target_is_directory=True)
+    dst = tmp_path / "df11"
+    compress_checkpoint(src, dst, min_elements=1, log=lambda line: None)
+    assert open_checkpoint(dst).compression == "df11"
+    copied = dst / "text_encoder"
+    assert copied.is_dir() and not copied.is_symlink()
+    for file in elsewhere.iterdir():
+        assert (copied / file.name).stat().st_ino == file.stat().st_ino
+    assert not (dst / "scheduler" / "loop" / "transformer").exists()
 
 
 def test_open_names_a_damaged_blob(compressed, tmp_path):
