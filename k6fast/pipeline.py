@@ -96,6 +96,7 @@ class Pipeline:
         self.load_seconds = 0.0
         telemetry = Telemetry(device=str(self.device))
         self.budget_bytes = device_budget(self.device, options.vram_budget_gb)
+        self.kept_mapped = False  # the last free_budget counted the allocator's memory without giving it back
         self.audio_rate = audio_rate(self.ckpt.root)  # what requests are planned and their audio latents drawn for
         # The text phase never evicts the DiT: its layers stream through the room the denoising activations take
         # later, which the residency plan keeps free for the larger of the two.
@@ -219,6 +220,7 @@ class Pipeline:
         if self.device.type != "cuda":
             return self.budget_bytes
         held = held_after_release(self.device)
+        self.kept_mapped = held is not None  # the sidecar's video_decode says which (a first decode's seconds differ)
         if held is None:
             torch.cuda.empty_cache()
             held = torch.cuda.memory_reserved(self.device)
@@ -254,7 +256,8 @@ class Pipeline:
         # What the decode may send away when it needs the room: the DiT's resident blocks (the next request reloads
         # them, its "dit_load" phase), then text encoders kept resident. `exact` needs the whole clip (most of a 32 GB
         # card at W1); `streamed` only needs something to fit.
-        if plan is None or not (plan.exact or mode == "streamed"):
+        dropped = plan is None or not (plan.exact or mode == "streamed")
+        if dropped:
             self.drop_dit(release=False)  # its memory stays mapped for the decode (`free_budget`)
             plan = self.plan_decode(shape)
         if plan is None or (mode == "exact" and not plan.exact):
@@ -267,6 +270,9 @@ class Pipeline:
             )
         cuda = latents.is_cuda
         telemetry.video_decode = plan.describe(peak=cuda)
+        if dropped and cuda:
+            kept = "kept mapped for it" if self.kept_mapped else "given back first (empty_cache)"
+            telemetry.video_decode += f"; the DiT's memory {kept}"
         # Channels-last activations and the fused GroupNorm+SiLU kernel: the fastest variant measured on an H200
         # (measurements/sessions/2026-11-29_vae-decode); plain PyTorch on the CPU.
         return decode_video_fast(

@@ -8,6 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from k6fast.allocator import held_after_release
 from k6fast.pipeline import Pipeline, Request, RequestError
 from k6fast.switches import load_options
 from k6fast.telemetry import Telemetry
@@ -92,7 +93,7 @@ def test_exact_decode_sends_the_dit_away_when_the_budget_needs_it(tiny_distill) 
         frames = pipe.decode_video_latents(latents, telemetry)
         assert pipe.runtime is None  # the DiT left; the next request reloads it ("dit_load")
         assert drops == [{"release": False}]  # its memory stays mapped for the decode (free_budget counts it free)
-        assert "exact" in telemetry.video_decode
+        assert "exact" in telemetry.video_decode and "the DiT's memory" not in telemetry.video_decode  # CUDA's only
         assert (frames - _untiled(pipe.vae, latents)).abs().max().item() < 1e-5
 
         # Where even an emptied device cannot hold the exact decode, the request fails and says what to change.
@@ -150,5 +151,16 @@ def test_gpu_sending_the_dit_away_frees_its_memory_and_the_next_request_reloads_
         result = pipe.generate(Request(prompt="a cat", width=64, height=64, frames=17, steps=2))
         assert pipe.runtime is not None and "dit_load" in result.telemetry.phases
         assert "exact" in result.telemetry.video_decode
+
+        # A decode that sends the DiT away says whether its memory stayed mapped (allocator.held_after_release could
+        # count it) or was given back first.
+        counted = held_after_release(pipe.device) is not None
+        budgets = iter([lambda: 0, pipe.free_budget])  # nothing fits beside the DiT, then the real count
+        pipe.free_budget = lambda: next(budgets)()
+        telemetry = Telemetry()
+        pipe.decode_video_latents(_latents(pipe, *SHAPE).to(pipe.device), telemetry)
+        assert pipe.runtime is None and pipe.kept_mapped == counted
+        kept = "kept mapped for it" if counted else "given back first (empty_cache)"
+        assert telemetry.video_decode.endswith(f"; the DiT's memory {kept}")
     finally:
         pipe.close()
