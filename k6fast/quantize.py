@@ -229,7 +229,7 @@ def write_transformer_copy(
     copied), `write_shard(src_shard, dst_shard)` writing each shard and returning its {tensor name: file name}, the
     shard index's total size from `total_after()` once all are written, `config_entry` (key, value) added to the
     transformer's config.json. Built beside DST, opened (it must validate), then renamed into place."""
-    from .checkpoint import open_checkpoint, weight_files
+    from .checkpoint import COMPONENTS, CheckpointError, open_checkpoint, weight_files
 
     transformer = root / "transformer"
     weights = set(weight_files(transformer, WEIGHT_STEM))
@@ -237,21 +237,21 @@ def write_transformer_copy(
     rewritten = weights | {transformer / "config.json", transformer / index_name}
 
     def build(tmp: Path) -> None:
-        # followlinks: a component folder may be a link (text encoders kept on another disk); each real folder is
-        # walked once, so a link back up the tree cannot loop.
-        walked: set[Path] = set()
+        # followlinks: a component folder may be a link (text encoders kept on another disk); a link to a folder
+        # above it (a loop) is left out.
         for folder, dirs, files in os.walk(root, followlinks=True):
             rel = Path(folder).relative_to(root)
-            real = Path(folder).resolve()
-            if real in walked:
+            if Path(folder).resolve() in {(root / up).resolve() for up in rel.parents}:
                 dirs[:] = []
                 continue
-            walked.add(real)
             dirs[:] = [d for d in dirs if not (rel == Path() and d == ".cache")]  # huggingface-cli's download cache
             (tmp / rel).mkdir(exist_ok=True)
             for name in files:
                 if Path(folder) / name not in rewritten:
                     _link_or_copy(Path(folder) / name, tmp / rel / name)
+        lost = [name for name in COMPONENTS if (root / name).is_dir() and not (tmp / name).is_dir()]
+        if lost:  # before the shards' minutes of work, not at the copy's validation after them
+            raise CheckpointError(f"could not copy the component folders {lost} of {root}")
         weight_map: dict[str, str] = {}
         for shard in sorted(weights):
             weight_map.update(write_shard(shard, tmp / "transformer" / shard.name))

@@ -60,7 +60,8 @@
 # only), linked from the checkpoint; the acceptance record says so. They take that much of the host's memory for
 # the whole session (beside a ballast too: they are inside what it leaves).
 set -uo pipefail
-# Overridable for a dry run on a small checkpoint (e.g. BLOCKS=2 PRESET=lite-distill GEOMETRY=64x64x5 on a CPU).
+# Overridable for a dry run on a small checkpoint (e.g. BLOCKS=2 PRESET=lite-distill GEOMETRY=64x64x5 on a CPU;
+# TEXT_LINKED=1 puts its one-layer text encoders in $TEXT_DIR, linked, as TEXT=full does).
 PRESET=${PRESET:-pro-distill}
 BLOCKS=${BLOCKS:-}
 GEOMETRY=${GEOMETRY:-w1}
@@ -189,7 +190,16 @@ write_checkpoint() {  # in the background from the start of a session; synthetic
   fi
   (cd /tmp && timeout 1500 python3 -m k6fast.cli make-synthetic $W/syn --preset "$PRESET" ${BLOCKS:+--blocks $BLOCKS} \
     "${text[@]}")
-  echo "checkpoint exit $?"
+  local code=$?
+  if [ "$TEXT" = one-layer ] && [ "${TEXT_LINKED:-0}" = 1 ] && [ $code = 0 ]; then
+    # A dry run in TEXT=full's layout: the text encoder folders in $TEXT_DIR, linked from the checkpoint (the
+    # 2026-12-02 DF11 lease failed on links its one-layer dry run, with real folders, never had).
+    mkdir -p "$TEXT_DIR"
+    for name in text_encoder text_encoder_2; do
+      mv $W/syn/$name "$TEXT_DIR/" && ln -s "$TEXT_DIR/$name" $W/syn/$name
+    done
+  fi
+  echo "checkpoint exit $code"
 }
 
 ray_bench() {  # CONFIG N

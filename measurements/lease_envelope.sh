@@ -16,7 +16,7 @@ WHEELS=${WHEELS:?the folder of wheels (a/, a/srv/)}
 # the ballast run on the compressed copy), a warm `final` process's first step under cProfile (#35), then the
 # compressed copy written on the GPU and its rows, free host and beside the 60 GB ballast (its text encoders moved to
 # the disk as well, as a user's are: the BF16 ballast row has them in RAM-backed /dev/shm, inside what it leaves). Dry-run on a CPU with
-# BLOCKS=2 PRESET=lite-distill GEOMETRY=64x64x5 DF11_DIR=... DF11_DEVICE=cpu. The envelope lease of
+# BLOCKS=2 PRESET=lite-distill GEOMETRY=64x64x5 DF11_DIR=... DF11_DEVICE=cpu TEXT_LINKED=1 TEXT_DIR=.... The envelope lease of
 # measurements/sessions/2026-12-02_acceptance-envelope4 (serve at its defaults, `final` beside the peer) was:
 #   STEPS="gpu-tests peer-checkpoint serve:reference:32:first serve:step-cache:32:first serve:reference:31:first \
 #   serve:step-cache:31:first serve:fast:32 acceptance:final-32-cold,final-32-warm drop-text \

@@ -107,6 +107,18 @@ def test_a_linked_component_folder_is_copied_through_its_link(tiny_bf16, tmp_pat
     assert not (dst / "scheduler" / "loop" / "transformer").exists()
 
 
+def test_a_component_folder_the_copy_lacks_stops_it_before_the_shards(tiny_bf16, tmp_path, monkeypatch):
+    """A walk that misses a component folder (as the unfollowed link did) fails before any shard is compressed,
+    not at the copy's validation after all of them."""
+    walk = os.walk
+    monkeypatch.setattr(os, "walk", lambda top, **kw: (e for e in walk(top, **kw) if "text_encoder_2" not in e[0]))
+    lines: list[str] = []
+    with pytest.raises(CheckpointError, match=r"could not copy the component folders \['text_encoder_2'\]"):
+        compress_checkpoint(tiny_bf16, tmp_path / "df11", min_elements=1, log=lines.append)
+    assert not any(line.startswith("wrote transformer/") for line in lines)
+    assert not (tmp_path / "df11").exists()
+
+
 def test_open_names_a_damaged_blob(compressed, tmp_path):
     dst, _ = compressed
     copy = tmp_path / "copy"
