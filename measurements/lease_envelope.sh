@@ -13,17 +13,19 @@ set -uo pipefail
 W=${LEASE_DIR:-/tmp/lease}
 WHEELS=${WHEELS:?the folder of wheels (a/, a/srv/)}
 # The DF11 lease (issue #38), the default: the BF16 rows first (df11-to-disk deletes the BF16 DiT to make room for
-# the ballast run on the compressed copy), a warm `final` process's first step under cProfile (#35), then the
-# compressed copy written on the GPU and its rows, free host and beside the 60 GB ballast (its text encoders moved to
-# the disk as well, as a user's are: the BF16 ballast row has them in RAM-backed /dev/shm, inside what it leaves). Dry-run on a CPU with
-# BLOCKS=2 PRESET=lite-distill GEOMETRY=64x64x5 DF11_DIR=... DF11_DEVICE=cpu TEXT_LINKED=1 TEXT_DIR=.... The envelope lease of
-# measurements/sessions/2026-12-02_acceptance-envelope4 (serve at its defaults, `final` beside the peer) was:
+# the ballast run on the compressed copy), then the compressed copy written on the GPU and its rows, free host and
+# beside the 60 GB ballast (its text encoders moved to the disk as well, as a user's are: the BF16 ballast row has them
+# in RAM-backed /dev/shm, inside what it leaves). Dry-run on a CPU with BLOCKS=2 PRESET=lite-distill GEOMETRY=64x64x5
+# DF11_DIR=... DF11_DEVICE=cpu TEXT_LINKED=1 TEXT_DIR=... measurements/sessions/2026-12-02_acceptance-df11 ran it with
+# first-step:final after the BF16 rows; its write failed on the linked text encoder folders (fixed since).
+# The envelope lease of measurements/sessions/2026-12-02_acceptance-envelope4 (serve at its defaults, `final` beside
+# the peer) was:
 #   STEPS="gpu-tests peer-checkpoint serve:reference:32:first serve:step-cache:32:first serve:reference:31:first \
 #   serve:step-cache:31:first serve:fast:32 acceptance:final-32-cold,final-32-warm drop-text \
 #   acceptance:diffusers-offload-32-cold"
-STEPS=${STEPS:-gpu-tests acceptance:final-32-cold,reference-32-warm,final-32-warm first-step:final \
-acceptance:final-32-warm-host60 df11-checkpoint acceptance:reference-32-warm-df11,final-32-warm-df11 df11-to-disk \
-drop-text acceptance:final-32-warm-host60-df11}
+STEPS=${STEPS:-gpu-tests acceptance:final-32-cold,reference-32-warm,final-32-warm acceptance:final-32-warm-host60 \
+df11-checkpoint acceptance:reference-32-warm-df11,final-32-warm-df11 df11-to-disk drop-text \
+acceptance:final-32-warm-host60-df11}
 # The tune lease (issue #36: `k6fast tune` at full depth, which has never run on a GPU; every probe and candidate is a
 # bench process of its own and every gated one two clips more, so it needs a lease of its own):
 #   STEPS="gpu-tests tune" (TUNE_TIMEOUT, default 900 s; TUNE_ARGS: more `k6fast tune` options)
