@@ -26,6 +26,9 @@ WHEELS=${WHEELS:?the folder of wheels (a/, a/srv/)}
 STEPS=${STEPS:-gpu-tests acceptance:final-32-cold,reference-32-warm,final-32-warm acceptance:final-32-warm-host60 \
 df11-checkpoint acceptance:reference-32-warm-df11,final-32-warm-df11 df11-to-disk drop-text \
 acceptance:final-32-warm-host60-df11}
+# The every-second lease (issue #35: each arm it names beside the peer in one session; about 15 minutes):
+#   STEPS="gpu-tests peer-checkpoint acceptance:fast-32-cold,fast-32-warm,final-32-cold,final-32-warm drop-text \
+#   acceptance:diffusers-offload-32-cold"
 # The tune lease (issue #36: `k6fast tune` at full depth, which has never run on a GPU; every probe and candidate is a
 # bench process of its own and every gated one two clips more, so it needs a lease of its own):
 #   STEPS="gpu-tests tune" (TUNE_TIMEOUT, default 900 s; TUNE_ARGS: more `k6fast tune` options)
