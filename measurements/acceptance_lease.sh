@@ -33,6 +33,10 @@
 #                      then without: the decode reusing the mapped memory)
 #   first-step:ARM     measurements/profile_first_step.py: a warm process's first DiT step under cProfile (ARM's compile
 #                      cache, what acceptance:ARM-32-cold left), 2 steps at GEOMETRY: where its extra seconds go
+#   calibrate:ARM:WxHxF  a step cache's calibration for ARM (`K6_STEP_CACHE=calibrate k6fast generate --arm ARM`, the
+#                      checkpoint's own step count, every step run) at WxHxF: a magcache arm (fast-base) refuses a
+#                      checkpoint it has no calibration for. The calibration is per checkpoint and step count, not per
+#                      geometry: a small one keeps the 50-step Pro base's two passes a step to a minute or two
 #   tune               measurements/run_tune.sh on $W/syn into $W/tune: `k6fast tune` at a reduced geometry (TUNE_GEOMETRY,
 #                      default 480x272x49), 2 prompts, a budget of 6 gate runs, the random LPIPS backbone as a test
 #   drop-text          remove $TEXT_DIR (the RAM-backed real-size text encoders) once no later step reads them
@@ -358,6 +362,14 @@ run)
       (cd "$repo" && timeout 300 python3 measurements/profile_first_step.py --model $W/syn --arm "$arm" \
         --cache-dir $W/work/cache/$arm --geometry "$GEOMETRY" --out $W/first_step_$arm.txt \
         > $W/first_step_$arm.log 2>&1); echo "first-step profile exit $?"; head -4 $W/first_step_$arm.txt ;;
+    calibrate:*)
+      checkpoint
+      IFS=: read -r _ arm geometry <<< "$s"
+      IFS=x read -r cw ch cf <<< "$geometry"
+      (cd /tmp && K6_STEP_CACHE=calibrate K6_VRAM_BUDGET_GB=32 timeout 900 python3 -m k6fast.cli generate \
+        --model $W/syn --arm "$arm" --prompt "a calibration run" --size "${cw}x${ch}" --frames "$cf" \
+        --out $W/calibration_$arm.mp4) > $W/calibration_$arm.log 2>&1
+      echo "calibration $arm exit $?"; tail -3 $W/calibration_$arm.log; ls $W/syn/k6fast-step-cache 2>/dev/null ;;
     tune)
       checkpoint
       rm -rf $W/tune
@@ -423,7 +435,7 @@ status)
   for f in $REC/serve/*.json; do [ -f "$f" ] && cp "$f" "$out/serve_$(basename "$f")"; done
   (cd $W && tar czf "$out/logs.tgz" $(ls run.log pytest_gpu*.log synthetic.log diag_compile.log *_attention.log \
     block_arms.log profile_*.log ray_*.log ray_*.json serve_*.log work/serve-*/server.log record/commit.txt \
-    text_phase.log decode_probe.log first_step_*.log tune.log df11.log df11_checkpoint.log peer_checkpoint.log \
+    text_phase.log decode_probe.log first_step_*.log calibration_*.log tune.log df11.log df11_checkpoint.log peer_checkpoint.log \
     work/runs/*/stderr.log work/runs/*/*.json 2>/dev/null))
   ls $W/done 2>/dev/null && echo "session finished"
   ;;

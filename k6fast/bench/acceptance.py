@@ -39,6 +39,7 @@ from .acceptance_report import (
 )
 from .decode_ceiling import row_decode_ceiling
 from .disk_prediction import StepReads, disk_per_step, predict, read_speed
+from .projection import project_peer, project_run
 from .records import append_jsonl, read_jsonl, write_json
 from .roofline import row_ceiling
 
@@ -316,7 +317,9 @@ def execute(run: Run, w: Workload, *, work: Path, timeout_s: float, python: str 
     row["process_s"] = round(time.perf_counter() - start, 3)
     row.update(request_summary(run_dir, peer=run.peer))
     if not run.peer and (run_dir / "clip.mp4.json").is_file():
-        row.update(_ceilings(run_dir / "clip.mp4.json", w.model_for(run)))
+        row.update(_sidecar_figures(run_dir / "clip.mp4.json", w.model_for(run), stopped=bool(w.stop_after_steps)))
+    elif run.peer and w.stop_after_steps:
+        row["projected"] = project_peer(row, w.steps, w.stop_after_steps)
     if steps is not None:
         row["disk_per_step"] = disk_per_step(row["disk_prediction"], steps, run_dir / "clip.mp4.json", run.arm)
     tail = (run_dir / "stderr.log").read_text(errors="replace").splitlines()[-15:]
@@ -336,15 +339,20 @@ def execute(run: Run, w: Workload, *, work: Path, timeout_s: float, python: str 
     return row
 
 
-def _ceilings(sidecar: Path, model: str) -> dict[str, Any]:
-    """The run's DiT step and video decode against their ceilings (`roofline`, `decode_ceiling`): None where there
-    are none for it; a failure is recorded in the figure's place, never as the run's verdict."""
+def _sidecar_figures(sidecar: Path, model: str, stopped: bool) -> dict[str, Any]:
+    """The run's DiT step and video decode against their ceilings (`roofline`, `decode_ceiling`), and where the run
+    was `stopped` its whole request projected (`projection`): None where there are none for it; a failure is
+    recorded in the figure's place, never as the run's verdict."""
+    keys = ("step_ceiling", "decode_ceiling", *(("projected",) if stopped else ()))
     try:
         record, ckpt = json.loads(sidecar.read_text()), open_checkpoint(model)
     except Exception as exc:
-        return dict.fromkeys(("step_ceiling", "decode_ceiling"), _failed(exc))
-    return {"step_ceiling": _guarded(row_ceiling, record, ckpt.dit),
-            "decode_ceiling": _guarded(row_decode_ceiling, record, ckpt.root)}  # fmt: skip
+        return dict.fromkeys(keys, _failed(exc))
+    figures = {"step_ceiling": _guarded(row_ceiling, record, ckpt.dit),
+               "decode_ceiling": _guarded(row_decode_ceiling, record, ckpt.root)}  # fmt: skip
+    if stopped:
+        figures["projected"] = _guarded(project_run, record, ckpt)
+    return figures
 
 
 def _guarded(compute, *args: Any) -> dict[str, Any] | None:

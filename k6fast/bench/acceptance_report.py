@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from ..memory import GiB
+from .projection import PROJECTION_COLUMNS, PROJECTION_NOTES, projected_s, projection_cell
 
 ROWS_FILE = "runs.jsonl"
 PLAN_FILE = "acceptance.json"
@@ -224,20 +225,23 @@ def _host_tier(row: dict[str, Any]) -> str:
     return f"{residency.get('host_bytes', 0) / 1e9:.2f} ({residency['host_blocks']})"
 
 
-def peer_request_s(rows: list[dict[str, Any]]) -> tuple[str, float] | None:
-    """(arm, request seconds) of the first passing peer row, None without one."""
+def peer_request_s(rows: list[dict[str, Any]]) -> tuple[str, float, bool] | None:
+    """(arm, request seconds, projected) of the first passing peer row, None without one: its projected whole
+    request where it was stopped (`projection`)."""
     for row in rows:
         if is_peer_arm(str(row.get("arm", ""))) and row.get("passed") and row.get("request_s"):
-            return str(row["arm"]), float(row["request_s"])
+            projected = projected_s(row)
+            return str(row["arm"]), projected or float(row["request_s"]), projected is not None
     return None
 
 
-def _vs_peer(row: dict[str, Any], peer: tuple[str, float] | None) -> str:
+def _vs_peer(row: dict[str, Any], peer: tuple[str, float, bool] | None) -> str:
     if is_peer_arm(str(row.get("arm", ""))):
         return "peer"
-    if peer is None or not row.get("passed") or not row.get("request_s"):
+    mine = projected_s(row) if peer is not None and peer[2] else row.get("request_s")
+    if peer is None or not row.get("passed") or not mine:
         return "—"
-    return f"{peer[1] / row['request_s']:.2f}×"
+    return f"{peer[1] / mine:.2f}×" + (" (projected)" if peer[2] else "")
 
 
 def table_row(row: dict[str, Any], peer: tuple[str, float] | None = None, groups: tuple[ColumnGroup, ...] = ()) -> str:
@@ -325,6 +329,7 @@ OPTIONAL_GROUPS = (
     ColumnGroup(CEILING_COLUMNS, CEILING_NOTES, lambda r: bool(r.get("step_ceiling")), lambda r: [_ceiling(r)]),
     ColumnGroup(DECODE_COLUMNS, DECODE_NOTES, lambda r: bool(r.get("decode_ceiling")),
                 lambda r: [_ceiling(r, "decode_ceiling", "decode_s")]),
+    ColumnGroup(PROJECTION_COLUMNS, PROJECTION_NOTES, lambda r: bool(r.get("projected")), projection_cell),
 )  # fmt: skip
 
 

@@ -1,0 +1,104 @@
+"""A stopped run's whole request, projected from the steps it ran (issue #36: a 50-step Pro base request at full depth
+takes minutes a run, so the acceptance may run the first K steps of each, `--stop-after-steps K`).
+
+A k6fast run's steps are not all alike: the step cache skips some (a skipped step reuses the last prediction), and
+the K6_EXACT_ATTN_* policy keeps the first and last steps' attention exact where the middle ones may run a lossy one
+(block-sparse or quantized). Which steps the cache calls is fixed before the run: PiFlow's cached steps are a switch,
+and MagCache's rule reads only the calibrated ratios (`step_cache.MagCache.call`), so the schedule of all the steps
+is known from the run's switches and its calibration. The projection adds, for every step past the K that ran, the
+median measured seconds of that step's kind (called exact, called lossy, skipped) among the steps that ran, the
+process's first step left out of the medians (its compile and first-use work happen once). A kind the run never
+reached makes the projection unknown: it says which step that is, and the run needs more steps. The schedule's first
+K entries must be what the run did (its `step_called`), else the projection is refused.
+
+The peer's steps are alike (no cache, no lossy attention, no compile): its denoise seconds scale with the steps.
+"""
+
+from __future__ import annotations
+
+import statistics
+from typing import Any
+
+KINDS = ("exact", "middle", "skipped")  # all-exact first and last steps, the steps between, steps the cache skips
+PROJECTION_COLUMNS = ("projected request s",)
+PROJECTION_NOTES = (
+    "projected request s = a stopped run's whole request: the seconds it measured plus, for each step past those it "
+    "ran, the median measured seconds of that step's kind (all-exact first and last steps, middle steps, skipped "
+    "steps: the schedule is fixed by the run's switches and step-cache calibration), the process's first step left "
+    "out of the medians (`k6fast/bench/projection.py`); the peer's steps are alike and scale. Where rows have it, "
+    "request vs peer compares the projected requests"
+)
+
+
+def schedule(sidecar: dict[str, Any], ckpt) -> list[str]:
+    """Each step's kind for the run a `k6fast generate` sidecar describes, on checkpoint `ckpt` (its calibration)."""
+    from ..step_cache import plan_run
+    from ..switches import load_options
+
+    request = sidecar["request"]
+    options = load_options(environ=sidecar["provenance"]["switches"])
+    steps, guidance = int(request["steps"]), float(request["guidance"])
+    magcache = plan_run(ckpt, options, steps, guidance, bool(request["audio"])).magcache
+    kinds = []
+    for i in range(steps):
+        called = i not in options.piflow_cache_steps and (magcache is None or magcache.call(i))
+        exact = i < options.exact_attn_steps or i >= steps - options.exact_attn_last_steps
+        kinds.append("skipped" if not called else "exact" if exact else "middle")
+    return kinds
+
+
+def project_run(sidecar: dict[str, Any], ckpt) -> dict[str, Any] | None:
+    """{request_s, basis} of a stopped k6fast run's whole request (see the module docstring); None where the run was
+    not stopped; {error} where it cannot be projected."""
+    telemetry = sidecar["telemetry"]
+    measured, called = list(telemetry["step_s"]), list(telemetry["step_called"])
+    steps, ran = int(sidecar["request"]["steps"]), len(telemetry["step_s"])
+    if ran >= steps:
+        return None
+    kinds = schedule(sidecar, ckpt)
+    if [k != "skipped" for k in kinds[:ran]] != called:
+        return {"error": f"the schedule's first {ran} steps {kinds[:ran]} are not what the run did ({called})"}
+    seconds: dict[str, float] = {}
+    for kind in KINDS:
+        samples = [s for i, (s, k) in enumerate(zip(measured, kinds, strict=False)) if k == kind and i > 0]
+        if samples:
+            seconds[kind] = statistics.median(samples)
+    rest = kinds[ran:]
+    unmeasured = next((i for i, kind in enumerate(rest) if kind not in seconds), None)
+    if unmeasured is not None:
+        kind, first = rest[unmeasured], ran + unmeasured + 1
+        return {"error": f"no {kind} step among the {ran} that ran (the first is step {first} of {steps}); "
+                         "run more steps"}  # fmt: skip
+    counts = {kind: rest.count(kind) for kind in KINDS if kind in rest}
+    added = sum(seconds[kind] * n for kind, n in counts.items())
+    parts = ", ".join(f"{n} {kind} at {seconds[kind]:.2f} s" for kind, n in counts.items())
+    request_s = sum(telemetry["phases_s"].values())  # the acceptance's request seconds: the sum of the phases
+    return {"request_s": round(request_s + added, 3), "basis": f"{ran} of {steps} steps ran; {parts}"}
+
+
+def project_peer(row: dict[str, Any], steps: int, ran: int) -> dict[str, Any] | None:
+    """{request_s, basis} of the peer's whole request from a run of its first `ran` of `steps` steps: its denoise
+    seconds scale with the steps. None where it ran them all."""
+    if ran >= steps:
+        return None
+    denoise = (row.get("phases_s") or {}).get("denoise")
+    if not isinstance(denoise, (int, float)) or not isinstance(row.get("request_s"), (int, float)):
+        return {"error": "the peer's row has no request or denoise seconds"}
+    per_step = denoise / ran
+    return {"request_s": round(row["request_s"] + per_step * (steps - ran), 3),
+            "basis": f"{ran} of {steps} steps ran; {steps - ran} more at {per_step:.2f} s"}  # fmt: skip
+
+
+def projected_s(row: dict[str, Any]) -> float | None:
+    """A row's projected request seconds, None without a projection."""
+    value = (row.get("projected") or {}).get("request_s")
+    return float(value) if isinstance(value, (int, float)) else None
+
+
+def projection_cell(row: dict[str, Any]) -> list[str]:
+    projected = row.get("projected")
+    if not projected:
+        return ["—"]
+    if "error" in projected:
+        return [f"unknown: {projected['error']}"]
+    return [f"{projected['request_s']:.1f} ({projected['basis']})"]
