@@ -72,8 +72,13 @@ class OpClock:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--budget-gb", type=float, default=30.0, help="what the decode may allocate (30: the plan of the "
-                   "W1 requests' decode at K6_VRAM_BUDGET_GB=32, the lean whole-clip decode, estimated peak 27.88 GiB)")
+    p.add_argument(
+        "--budget-gb",
+        type=float,
+        default=30.0,
+        help="what the decode may allocate (30: the plan of the "
+        "W1 requests' decode at K6_VRAM_BUDGET_GB=32, the lean whole-clip decode, estimated peak 27.88 GiB)",
+    )
     p.add_argument("--out", type=Path, help="the JSON written")
     p.add_argument("--smoke", action="store_true", help="CPU, narrow VAE, tiny latents: checks the script only")
     args = p.parse_args(argv)
