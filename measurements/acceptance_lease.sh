@@ -9,6 +9,10 @@
 #   bash measurements/acceptance_lease.sh status OUT            # progress; copies the records so far into OUT
 #   bash measurements/acceptance_lease.sh stop                  # end the session early (its current step: current_step)
 #
+# The machine is given back, with everything on it, once it has been left without a call for about 30 s: poll
+# with `sleep N; ... status OUT` calls back to back, and do other work only beside a poll, in the same batch (the
+# first machine of measurements/sessions/2026-12-03_acceptance-every-second was lost mid-lease that way).
+#
 # Steps (each waits for what it needs; the 57 GB checkpoint is written in the background from the start):
 #   gpu-tests          `pytest -m gpu` in four concurrent shards, then the tests that read the card's free memory
 #   attention          exact attention kernels at W1 and the Lite shape, sparse attention per density
