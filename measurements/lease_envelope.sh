@@ -32,11 +32,13 @@ acceptance:final-32-warm-host60-df11}
 # The tune lease (issue #36: `k6fast tune` at full depth, which has never run on a GPU; every probe and candidate is a
 # bench process of its own and every gated one two clips more, so it needs a lease of its own):
 #   STEPS="gpu-tests tune" (TUNE_TIMEOUT, default 900 s; TUNE_ARGS: more `k6fast tune` options)
-# The Pro base lease (issue #36: the 50-step base checkpoint at full depth, the first 13 of its steps a run, per-step
+# The Pro base lease (issue #36: the 50-step base checkpoint at full depth, the first 16 of its steps a run, per-step
 # times and each run's projected 50-step request (k6fast/bench/projection.py) side by side with the peer's; fast-base's
 # all-exact first 10 steps, then its middle steps and the first steps its step cache may skip, so that every kind of
-# step its schedule has is measured; its step cache needs a calibration at 50 steps first):
-#   PRESET=pro ACCEPTANCE_ARGS="--arms reference,final,fast-base --stop-after-steps 13" \
+# step its schedule has is measured past its first (left out: first-use work); the CPU dry run's calibration needed
+# 16 steps for that, the GPU's may differ (an unmeasured kind's cell says how many); its step cache needs a
+# calibration at 50 steps first):
+#   PRESET=pro ACCEPTANCE_ARGS="--arms reference,final,fast-base --stop-after-steps 16" \
 #   STEPS="gpu-tests peer-checkpoint calibrate:fast-base:256x144x9 acceptance:reference-32-cold,final-32-cold,\
 #   fast-base-32-cold drop-text acceptance:diffusers-offload-32-cold"
 case "${1:?expected start}" in

@@ -75,6 +75,7 @@ def request_summary(run_dir: Path, *, peer: bool = False) -> dict[str, Any]:
         "request_s": sum(phases.values()),
         "phases_s": phases,
         "steps": len(telemetry.get("step_s", [])),
+        "step_s": telemetry.get("step_s", []),
         "dit_calls": telemetry.get("dit_calls"),
         "compile_s": telemetry.get("compile_s", 0.0),
         "compiled_graphs": telemetry.get("compiled_graphs", 0),
@@ -236,12 +237,19 @@ def peer_request_s(rows: list[dict[str, Any]]) -> tuple[str, float, bool] | None
 
 
 def _vs_peer(row: dict[str, Any], peer: tuple[str, float, bool] | None) -> str:
+    """The peer's request over this row's; for stopped runs (either side projected or meant to be) only the two
+    projections are compared: stopped requests are not the requests a user waits for."""
     if is_peer_arm(str(row.get("arm", ""))):
         return "peer"
-    mine = projected_s(row) if peer is not None and peer[2] else row.get("request_s")
-    if peer is None or not row.get("passed") or not mine:
+    if peer is None or not row.get("passed"):
         return "—"
-    return f"{peer[1] / mine:.2f}×" + (" (projected)" if peer[2] else "")
+    if peer[2] or row.get("projected") is not None:
+        mine = projected_s(row)
+        if not (peer[2] and mine):
+            return "— (no projection)"
+        return f"{peer[1] / mine:.2f}× (projected)"
+    mine = row.get("request_s")
+    return f"{peer[1] / mine:.2f}×" if mine else "—"
 
 
 def table_row(row: dict[str, Any], peer: tuple[str, float] | None = None, groups: tuple[ColumnGroup, ...] = ()) -> str:

@@ -6,12 +6,15 @@ the K6_EXACT_ATTN_* policy keeps the first and last steps' attention exact where
 (block-sparse or quantized). Which steps the cache calls is fixed before the run: PiFlow's cached steps are a switch,
 and MagCache's rule reads only the calibrated ratios (`step_cache.MagCache.call`), so the schedule of all the steps
 is known from the run's switches and its calibration. The projection adds, for every step past the K that ran, the
-median measured seconds of that step's kind (called exact, called lossy, skipped) among the steps that ran, the
-process's first step left out of the medians (its compile and first-use work happen once). A kind the run never
-reached makes the projection unknown: it says which step that is, and the run needs more steps. The schedule's first
-K entries must be what the run did (its `step_called`), else the projection is refused.
+median measured seconds of that step's kind (called exact, called lossy, skipped) among the steps that ran, each
+called kind's first step in the process left out of its median (the process's first step carries the compile and
+first-use work; a lossy arm's first middle step its kernels' first use: the 2026-12-03 `fast` cold run's first
+sparse step took 9.13 s against 3.02 s after it). A kind the run never measured makes the projection unknown: it
+says how many steps a run needs to measure it. The schedule's first K entries must be what the run did (its
+`step_called`), else the projection is refused.
 
-The peer's steps are alike (no cache, no lossy attention, no compile): its denoise seconds scale with the steps.
+The peer's steps are alike (no cache, no lossy attention, no compile), but its first carries its own set-up: each
+later step is added at the median of its steps after the first.
 """
 
 from __future__ import annotations
@@ -20,13 +23,14 @@ import statistics
 from typing import Any
 
 KINDS = ("exact", "middle", "skipped")  # all-exact first and last steps, the steps between, steps the cache skips
+CALLED = ("exact", "middle")  # the kinds that call the DiT: their first step in a process does first-use work
 PROJECTION_COLUMNS = ("projected request s",)
 PROJECTION_NOTES = (
     "projected request s = a stopped run's whole request: the seconds it measured plus, for each step past those it "
     "ran, the median measured seconds of that step's kind (all-exact first and last steps, middle steps, skipped "
-    "steps: the schedule is fixed by the run's switches and step-cache calibration), the process's first step left "
-    "out of the medians (`k6fast/bench/projection.py`); the peer's steps are alike and scale. Where rows have it, "
-    "request vs peer compares the projected requests"
+    "steps: the schedule is fixed by the run's switches and step-cache calibration), each kind's first DiT step in "
+    "the process left out of its median (first-use work; `k6fast/bench/projection.py`); the peer's later steps at "
+    "the median of its steps after its first. Where rows have it, request vs peer compares the projected requests"
 )
 
 
@@ -60,15 +64,17 @@ def project_run(sidecar: dict[str, Any], ckpt) -> dict[str, Any] | None:
         return {"error": f"the schedule's first {ran} steps {kinds[:ran]} are not what the run did ({called})"}
     seconds: dict[str, float] = {}
     for kind in KINDS:
-        samples = [s for i, (s, k) in enumerate(zip(measured, kinds, strict=False)) if k == kind and i > 0]
+        samples = [s for s, k in zip(measured, kinds, strict=False) if k == kind]
+        if kind in CALLED:
+            samples = samples[1:]
         if samples:
             seconds[kind] = statistics.median(samples)
     rest = kinds[ran:]
     unmeasured = next((i for i, kind in enumerate(rest) if kind not in seconds), None)
     if unmeasured is not None:
         kind, first = rest[unmeasured], ran + unmeasured + 1
-        return {"error": f"no {kind} step among the {ran} that ran (the first is step {first} of {steps}); "
-                         "run more steps"}  # fmt: skip
+        return {"error": f"no measured {kind} step among the {ran} that ran (the first to project is step {first} of "
+                         f"{steps}); {_needed(kinds, kind)}"}  # fmt: skip
     counts = {kind: rest.count(kind) for kind in KINDS if kind in rest}
     added = sum(seconds[kind] * n for kind, n in counts.items())
     parts = ", ".join(f"{n} {kind} at {seconds[kind]:.2f} s" for kind, n in counts.items())
@@ -76,15 +82,25 @@ def project_run(sidecar: dict[str, Any], ckpt) -> dict[str, Any] | None:
     return {"request_s": round(request_s + added, 3), "basis": f"{ran} of {steps} steps ran; {parts}"}
 
 
+def _needed(kinds: list[str], kind: str) -> str:
+    """What a stopped run needs to measure `kind`: the steps up to its first occurrence the median keeps."""
+    at = [i for i, k in enumerate(kinds) if k == kind][1 if kind in CALLED else 0 :]
+    if not at or at[0] + 1 >= len(kinds):
+        return f"a stopped run cannot measure it: run all {len(kinds)} steps"
+    return f"run at least {at[0] + 1} steps"
+
+
 def project_peer(row: dict[str, Any], steps: int, ran: int) -> dict[str, Any] | None:
-    """{request_s, basis} of the peer's whole request from a run of its first `ran` of `steps` steps: its denoise
-    seconds scale with the steps. None where it ran them all."""
+    """{request_s, basis} of the peer's whole request from a run of its first `ran` of `steps` steps: each later
+    step at the median of its steps after the first. None where it ran them all."""
     if ran >= steps:
         return None
-    denoise = (row.get("phases_s") or {}).get("denoise")
-    if not isinstance(denoise, (int, float)) or not isinstance(row.get("request_s"), (int, float)):
-        return {"error": "the peer's row has no request or denoise seconds"}
-    per_step = denoise / ran
+    step_s = row.get("step_s") or []
+    if not isinstance(row.get("request_s"), (int, float)) or len(step_s) != ran:
+        return {"error": f"the peer's row has no request seconds or not its {ran} steps' seconds"}
+    if ran < 2:
+        return {"error": "the peer ran 1 step: no step after its first was measured"}
+    per_step = statistics.median(step_s[1:])
     return {"request_s": round(row["request_s"] + per_step * (steps - ran), 3),
             "basis": f"{ran} of {steps} steps ran; {steps - ran} more at {per_step:.2f} s"}  # fmt: skip
 
