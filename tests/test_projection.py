@@ -71,6 +71,7 @@ def test_a_stopped_run_adds_each_later_step_at_its_kinds_median(runs) -> None:
     want = sum(stopped["phases_s"].values()) + sum(medians[k] for k in later)
     assert projected["request_s"] == pytest.approx(want, abs=1e-3)
     assert projected["basis"].startswith(f"8 of {STEPS} steps ran; ")
+    assert projected["steady_s"] == pytest.approx(medians["middle"], abs=1e-3)  # the per-step figure beside the peer
     assert project_run(out["whole"], ckpt) is None  # a whole run is not projected
 
 
@@ -105,7 +106,9 @@ def test_a_kind_the_run_never_reached_makes_it_unknown(runs) -> None:
     kinds = schedule(out["whole"], ckpt)
     projected = project_run(out[2], ckpt)
     missing = next(k for k in kinds[2:] if k != "exact")  # steps 0 and 1 are exact
-    assert set(projected) == {"error"}
+    assert "request_s" not in projected
+    # no middle step measured: the steady step is the all-exact step 1 (step 0, the process's first, left out)
+    assert projected["steady_s"] == pytest.approx(out[2]["telemetry"]["step_s"][1], abs=1e-3)
     assert f"no measured {missing} step among the 2 that ran" in projected["error"]
     assert "run at least" in projected["error"] or "run all" in projected["error"]
     # After 6 steps one middle step ran (step 4): its first, left out, so the middle kind is still unmeasured.
@@ -136,15 +139,16 @@ def test_the_peer_adds_steps_at_its_steady_median_and_the_report_compares_projec
             "step_s": [6.0, 4.0, 3.5, 4.5, 4.0]}  # fmt: skip
     peer["projected"] = project_peer(peer, steps=50, ran=5)
     # its first step (set-up) left out: 45 more at the median of 4.0, 3.5, 4.5, 4.0, not at 22 / 5 = 4.4
-    assert peer["projected"] == {"request_s": 210.0, "basis": "5 of 50 steps ran; 45 more at 4.00 s"}
+    assert peer["projected"] == {"request_s": 210.0, "basis": "5 of 50 steps ran; 45 more at 4.00 s", "steady_s": 4.0}
     assert project_peer(peer, steps=5, ran=5) is None
     assert "error" in project_peer({**peer, "step_s": [6.0]}, steps=50, ran=1)
     fast = {"arm": "fast-base", "run": "fast-base", "passed": True, "request_s": 20.0, "phases_s": {"denoise": 12.0},
-            "projected": {"request_s": 70.0, "basis": "5 of 50 steps ran; ..."}}  # fmt: skip
+            "projected": {"request_s": 70.0, "basis": "5 of 50 steps ran; ...", "steady_s": 1.6}}  # fmt: skip
     lost = {"arm": "final", "run": "final", "passed": True, "request_s": 25.0, "projected": {"error": "no middle step"}}
     cells = {row["run"]: _cells(table_lines([fast, lost, peer]), row["run"]) for row in (fast, lost, peer)}
     assert cells["fast-base"][2] == "3.00× (projected)"  # 210 / 70: the projected requests, not the 5 steps each ran
     assert "70.0 (5 of 50 steps ran; ...)" in cells["fast-base"] and "unknown: no middle step" in cells["final"]
+    assert cells["fast-base"][-1] == "1.60" and cells["peer"][-1] == "4.00" and cells["final"][-1] == "—"
     assert cells["final"][2] == "— (no projection)"  # no ratio of a stopped request against a projected peer
     # A peer whose projection failed: the stopped rows are not compared with its stopped request either.
     unprojected = {**peer, "projected": {"error": "no steps"}}

@@ -24,13 +24,16 @@ from typing import Any
 
 KINDS = ("exact", "middle", "skipped")  # all-exact first and last steps, the steps between, steps the cache skips
 CALLED = ("exact", "middle")  # the kinds that call the DiT: their first step in a process does first-use work
-PROJECTION_COLUMNS = ("projected request s",)
+PROJECTION_COLUMNS = ("projected request s", "steady step s")
 PROJECTION_NOTES = (
     "projected request s = a stopped run's whole request: the seconds it measured plus, for each step past those it "
     "ran, the median measured seconds of that step's kind (all-exact first and last steps, middle steps, skipped "
     "steps: the schedule is fixed by the run's switches and step-cache calibration), each kind's first DiT step in "
     "the process left out of its median (first-use work; `k6fast/bench/projection.py`); the peer's later steps at "
-    "the median of its steps after its first. Where rows have it, request vs peer compares the projected requests"
+    "the median of its steps after its first. Where rows have it, request vs peer compares the projected requests. "
+    "steady step s = the median seconds of a called middle step (an all-exact one where the run has none), its kind's "
+    "first left out; the peer's, of its steps after the first: per-step seconds side by side (under CFG every step is "
+    "two DiT passes, the peer's too)"
 )
 
 
@@ -52,8 +55,9 @@ def schedule(sidecar: dict[str, Any], ckpt) -> list[str]:
 
 
 def project_run(sidecar: dict[str, Any], ckpt) -> dict[str, Any] | None:
-    """{request_s, basis} of a stopped k6fast run's whole request (see the module docstring); None where the run was
-    not stopped; {error} where it cannot be projected."""
+    """{request_s, basis, steady_s} of a stopped k6fast run's whole request (see the module docstring; steady_s: its
+    middle steps' median, else its exact steps'); None where the run was not stopped; {error} (and steady_s where
+    measured) where it cannot be projected."""
     telemetry = sidecar["telemetry"]
     measured, called = list(telemetry["step_s"]), list(telemetry["step_called"])
     steps, ran = int(sidecar["request"]["steps"]), len(telemetry["step_s"])
@@ -69,17 +73,19 @@ def project_run(sidecar: dict[str, Any], ckpt) -> dict[str, Any] | None:
             samples = samples[1:]
         if samples:
             seconds[kind] = statistics.median(samples)
+    steady = seconds.get("middle", seconds.get("exact"))
+    steady_s = {} if steady is None else {"steady_s": round(steady, 3)}
     rest = kinds[ran:]
     unmeasured = next((i for i, kind in enumerate(rest) if kind not in seconds), None)
     if unmeasured is not None:
         kind, first = rest[unmeasured], ran + unmeasured + 1
         return {"error": f"no measured {kind} step among the {ran} that ran (the first to project is step {first} of "
-                         f"{steps}); {_needed(kinds, kind)}"}  # fmt: skip
+                         f"{steps}); {_needed(kinds, kind)}", **steady_s}  # fmt: skip
     counts = {kind: rest.count(kind) for kind in KINDS if kind in rest}
     added = sum(seconds[kind] * n for kind, n in counts.items())
     parts = ", ".join(f"{n} {kind} at {seconds[kind]:.2f} s" for kind, n in counts.items())
     request_s = sum(telemetry["phases_s"].values())  # the acceptance's request seconds: the sum of the phases
-    return {"request_s": round(request_s + added, 3), "basis": f"{ran} of {steps} steps ran; {parts}"}
+    return {"request_s": round(request_s + added, 3), "basis": f"{ran} of {steps} steps ran; {parts}", **steady_s}
 
 
 def _needed(kinds: list[str], kind: str) -> str:
@@ -91,8 +97,8 @@ def _needed(kinds: list[str], kind: str) -> str:
 
 
 def project_peer(row: dict[str, Any], steps: int, ran: int) -> dict[str, Any] | None:
-    """{request_s, basis} of the peer's whole request from a run of its first `ran` of `steps` steps: each later
-    step at the median of its steps after the first. None where it ran them all."""
+    """{request_s, basis, steady_s} of the peer's whole request from a run of its first `ran` of `steps` steps: each
+    later step at the median of its steps after the first (steady_s). None where it ran them all."""
     if ran >= steps:
         return None
     step_s = row.get("step_s") or []
@@ -102,7 +108,8 @@ def project_peer(row: dict[str, Any], steps: int, ran: int) -> dict[str, Any] | 
         return {"error": "the peer ran 1 step: no step after its first was measured"}
     per_step = statistics.median(step_s[1:])
     return {"request_s": round(row["request_s"] + per_step * (steps - ran), 3),
-            "basis": f"{ran} of {steps} steps ran; {steps - ran} more at {per_step:.2f} s"}  # fmt: skip
+            "basis": f"{ran} of {steps} steps ran; {steps - ran} more at {per_step:.2f} s",
+            "steady_s": round(per_step, 3)}  # fmt: skip
 
 
 def projected_s(row: dict[str, Any]) -> float | None:
@@ -114,7 +121,9 @@ def projected_s(row: dict[str, Any]) -> float | None:
 def projection_cell(row: dict[str, Any]) -> list[str]:
     projected = row.get("projected")
     if not projected:
-        return ["—"]
+        return ["—", "—"]
+    steady = projected.get("steady_s")
+    steady_cell = "—" if steady is None else f"{steady:.2f}"
     if "error" in projected:
-        return [f"unknown: {projected['error']}"]
-    return [f"{projected['request_s']:.1f} ({projected['basis']})"]
+        return [f"unknown: {projected['error']}", steady_cell]
+    return [f"{projected['request_s']:.1f} ({projected['basis']})", steady_cell]
