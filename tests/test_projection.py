@@ -9,7 +9,7 @@ import statistics
 import pytest
 
 from k6fast.bench.acceptance_report import table_lines
-from k6fast.bench.projection import _needed, project_peer, project_run, schedule
+from k6fast.bench.projection import project_peer, project_run, schedule, steps_needed
 from k6fast.checkpoint import open_checkpoint
 from k6fast.pipeline import Pipeline, Request
 from k6fast.switches import Options
@@ -121,9 +121,9 @@ def test_a_kind_the_run_never_reached_makes_it_unknown(runs) -> None:
 
 def test_what_a_stopped_run_needs_to_measure_a_kind() -> None:
     fast = ["exact"] + ["middle"] * 4 + ["skipped"] + ["middle"] * 2 + ["skipped", "exact"]  # `fast`'s 10 steps
-    assert _needed(fast, "exact") == "a stopped run cannot measure it: run all 10 steps"  # step 0 and the last
-    assert _needed(fast, "middle") == "run at least 3 steps"  # the first middle step (1) is left out
-    assert _needed(fast, "skipped") == "run at least 6 steps"  # skipped steps do no first-use work
+    assert steps_needed(fast, "exact") == "a stopped run cannot measure it: run all 10 steps"  # step 0 and the last
+    assert steps_needed(fast, "middle") == "run at least 3 steps"  # the first middle step (1) is left out
+    assert steps_needed(fast, "skipped") == "run at least 6 steps"  # skipped steps do no first-use work
 
 
 def test_a_run_that_did_not_follow_the_schedule_is_refused(runs) -> None:

@@ -80,7 +80,7 @@ def project_run(sidecar: dict[str, Any], ckpt) -> dict[str, Any] | None:
     if unmeasured is not None:
         kind, first = rest[unmeasured], ran + unmeasured + 1
         return {"error": f"no measured {kind} step among the {ran} that ran (the first to project is step {first} of "
-                         f"{steps}); {_needed(kinds, kind)}", **steady_s}  # fmt: skip
+                         f"{steps}); {steps_needed(kinds, kind)}", **steady_s}  # fmt: skip
     counts = {kind: rest.count(kind) for kind in KINDS if kind in rest}
     added = sum(seconds[kind] * n for kind, n in counts.items())
     parts = ", ".join(f"{n} {kind} at {seconds[kind]:.2f} s" for kind, n in counts.items())
@@ -88,7 +88,7 @@ def project_run(sidecar: dict[str, Any], ckpt) -> dict[str, Any] | None:
     return {"request_s": round(request_s + added, 3), "basis": f"{ran} of {steps} steps ran; {parts}", **steady_s}
 
 
-def _needed(kinds: list[str], kind: str) -> str:
+def steps_needed(kinds: list[str], kind: str) -> str:
     """What a stopped run needs to measure `kind`: the steps up to its first occurrence the median keeps."""
     at = [i for i, k in enumerate(kinds) if k == kind][1 if kind in CALLED else 0 :]
     if not at or at[0] + 1 >= len(kinds):
