@@ -23,9 +23,11 @@ import time
 from pathlib import Path
 
 import torch
+from bench_vae_decode import GEOMETRIES, SMOKE_GEOMETRIES, load_vae
 
 from k6fast.bench.decode_ceiling import decode_flops
 from k6fast.memory import GiB
+from k6fast.vae_geometry import SPATIAL_STRIDE, pixel_frames
 from k6fast.video_decode import decode_video_fast, plan_video_decode
 
 # Kernel name fragments → kind, first match wins (cuDNN's and cuBLAS's kernels, the Triton GroupNorm+SiLU kernel,
@@ -44,16 +46,6 @@ KINDS = (
 def kind_of(name: str) -> str:
     low = name.lower()
     return next((kind for kind, parts in KINDS if any(p in low for p in parts)), "other")
-
-
-def build_vae(device: torch.device, smoke: bool):
-    from diffusers import AutoencoderKLHunyuanVideo
-
-    torch.manual_seed(0)
-    config = {"block_out_channels": (32, 64, 64, 64), "norm_num_groups": 8} if smoke else {}
-    with torch.device(device):
-        vae = AutoencoderKLHunyuanVideo(**config)
-    return vae.to(torch.bfloat16).eval()
 
 
 class OpClock:
@@ -84,8 +76,8 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     device = torch.device("cpu" if args.smoke else "cuda")
     cuda = device.type == "cuda"
-    vae = build_vae(device, args.smoke)
-    shape = (5, 12, 16) if args.smoke else (31, 60, 108)  # latent frames, height, width: W1 = 864x480x121
+    vae = load_vae(None, device, args.smoke)  # random weights of the real config (a narrow one with --smoke)
+    shape = (SMOKE_GEOMETRIES if args.smoke else GEOMETRIES)["W1"]  # latent frames, height, width
     channels = vae.config.latent_channels
     latents = torch.randn(1, *shape, channels, device=device, dtype=torch.bfloat16)
     plan = plan_video_decode(vae, shape, budget_bytes=int(args.budget_gb * GiB))
@@ -123,12 +115,13 @@ def main(argv: list[str] | None = None) -> int:
         seconds = (event.device_time_total if cuda else event.self_cpu_time_total) / 1e6
         if seconds <= 0:
             continue
-        kinds[kind_of(event.key)] = kinds.get(kind_of(event.key), 0.0) + seconds
+        kind = kind_of(event.key)
+        kinds[kind] = kinds.get(kind, 0.0) + seconds
         kernels.append((seconds, event.count, event.key[:120]))
     kernels.sort(reverse=True)
     with tempfile.TemporaryDirectory() as config_dir:
         vae.save_config(config_dir)
-        height, width, frames = shape[1] * 8, shape[2] * 8, 4 * (shape[0] - 1) + 1
+        height, width, frames = shape[1] * SPATIAL_STRIDE, shape[2] * SPATIAL_STRIDE, pixel_frames(shape[0])
         flops = decode_flops(config_dir, width, height, frames)
     conv_flops = sum(f for op, f in flops.items() if "conv" in op)
     conv_s = kinds.get("convolution (cuDNN)", 0.0)

@@ -112,11 +112,11 @@ def test_a_kind_the_run_never_reached_makes_it_unknown(runs) -> None:
     assert f"no measured {missing} step among the 2 that ran" in projected["error"]
     assert "run at least" in projected["error"] or "run all" in projected["error"]
     # After 6 steps one middle step ran (step 4): its first, left out, so the middle kind is still unmeasured.
-    kinds6 = kinds[:6]
-    if kinds6.count("middle") == 1 and "middle" in kinds[6:]:
-        error = project_run(out[6], ckpt)["error"]
-        second = [i for i, k in enumerate(kinds) if k == "middle"][1]
-        assert "no measured middle step among the 6 that ran" in error and f"run at least {second + 1} steps" in error
+    if kinds[:6].count("middle") != 1 or "middle" not in kinds[6:]:
+        pytest.fail("the fixture's first 6 steps do not hold exactly one middle step: the rule is not exercised")
+    error = project_run(out[6], ckpt)["error"]
+    second = [i for i, k in enumerate(kinds) if k == "middle"][1]
+    assert "no measured middle step among the 6 that ran" in error and f"run at least {second + 1} steps" in error
 
 
 def test_what_a_stopped_run_needs_to_measure_a_kind() -> None:
