@@ -35,6 +35,8 @@
 #   decode-probe       measurements/probe_decode_first_call.py: a process's first W1 video decode against its second,
 #                      each under torch.profiler, after 19 GB standing in for the DiT were freed (with empty_cache,
 #                      then without: the decode reusing the mapped memory)
+#   decode-profile     measurements/profile_video_decode.py: the W1 video decode alone (the request's plan at 32 GiB,
+#                      a random VAE of the real config), timed and profiled by op and by kernel kind
 #   first-step:ARM     measurements/profile_first_step.py: a warm process's first DiT step under cProfile (ARM's compile
 #                      cache, what acceptance:ARM-32-cold left), 2 steps at GEOMETRY: where its extra seconds go
 #   calibrate:ARM:WxHxF  a step cache's calibration for ARM (`K6_STEP_CACHE=calibrate k6fast generate --arm ARM`, the
@@ -360,6 +362,9 @@ run)
         echo "decode probe $keep exit $?"
       done
       tail -40 $W/decode_probe.log ;;
+    decode-profile)
+      (cd "$repo" && timeout 300 python3 measurements/profile_video_decode.py --out $W/profile_decode.json \
+        > $W/profile_decode.log 2>&1); echo "decode profile exit $?"; tail -12 $W/profile_decode.log ;;
     first-step:*)
       checkpoint
       arm=${s#first-step:}

@@ -2,7 +2,7 @@
 measurements/sessions/2026-12-03_acceptance-every-second).
 
 The decode a `k6fast generate` request runs at 32 GiB (`Pipeline.decode_video_latents`: the plan for the budget,
-channels-last activations, the Triton GroupNorm+SiLU kernel, cuDNN's heuristics), on a random VAE of the real config
+channels-last activations, the Triton GroupNorm kernels, cuDNN's heuristics), on a random VAE of the real config
 and random W1 latents (the decode's work does not depend on the values). A first decode (the process's first call:
 cuDNN and Triton set-up), two timed ones (CUDA events), then one more with (a) the GPU synchronised at each of the
 decode's stop checks, which come before every op, so each op's seconds, and (b) PyTorch's profiler, its kernels
@@ -33,6 +33,7 @@ from k6fast.video_decode import decode_video_fast, plan_video_decode
 # Kernel name fragments → kind, first match wins (cuDNN's and cuBLAS's kernels, the Triton GroupNorm+SiLU kernel,
 # PyTorch's own). What matches none is "other".
 KINDS = (
+    ("groupnorm statistics (Triton)", ("channel_moments",)),
     ("groupnorm+silu (Triton)", ("groupnorm_silu",)),
     ("convolution (cuDNN)", ("conv", "fprop", "xmma", "implicit", "cudnn", "dgrad", "winograd")),
     ("attention / GEMM", ("flash", "fmha", "attention", "gemm", "cutlass", "sm90_", "nvjet")),

@@ -11,7 +11,7 @@ from torch import Tensor, nn
 
 from ..cancel import StopCheck
 from .decoder import decoder_geometry, decoder_ops
-from .norm_stats import _Moments, _Stream
+from .norm_stats import _channel_moments, _fused_channel_moments, _Moments, _Stream
 from .plan import VideoDecodePlan, plan_video_decode
 from .run_ops import _check_fusions, _Ctx, _run
 
@@ -156,10 +156,12 @@ def decode_with_plan(
     from ..kernels.groupnorm_silu import groupnorm_silu, groupnorm_silu_ref
 
     norm_act = groupnorm_silu if triton_norm else groupnorm_silu_ref
+    channel_moments = _fused_channel_moments if triton_norm else _channel_moments
     fmt = _MEMORY_FORMATS[layout]
     ctx = _Ctx(
-        dtype, device, fmt, plan.workspace_bytes, norm_act, max_chunk_frames=max_chunk_frames, should_stop=should_stop
-    )
+        dtype, device, fmt, plan.workspace_bytes, norm_act, channel_moments,
+        max_chunk_frames=max_chunk_frames, should_stop=should_stop,
+    )  # fmt: skip
     frames = 1 + vae.config.temporal_compression_ratio * (t - 1)
     s = vae.config.spatial_compression_ratio
     out = torch.zeros((b, frames, h * s, w * s, 3), dtype=torch.float32, device=device)
@@ -219,9 +221,10 @@ def decode_video_fast(
     `chunk_latent_frames` forces streaming in slabs of that many latent frames. `plan`: a plan made beforehand
     (instead of `budget_bytes`), so that the caller decodes with the plan it decided on.
     `layout` "ndhwc" keeps activations channels-last (cuDNN's native 3D layout); `triton_norm` runs GroupNorm+SiLU
-    as one Triton kernel (kernels/groupnorm_silu.py) instead of PyTorch's three passes through fp32. cuDNN picks its
-    convolution algorithms as the process has it set (`torch.backends.cudnn.benchmark`, which the decode never
-    changes; k6fast leaves it off, see `k6fast.entry.prepare_pipeline_process`). Samples of a batch are
+    as one Triton kernel (kernels/groupnorm_silu.py) instead of PyTorch's three passes through fp32, and the
+    GroupNorms' statistics as another (kernels/groupnorm_stats.py) instead of fp32 copies and Welford reductions.
+    cuDNN picks its convolution algorithms as the process has it set (`torch.backends.cudnn.benchmark`, which the
+    decode never changes; k6fast leaves it off, see `k6fast.entry.prepare_pipeline_process`). Samples of a batch are
     decoded one after another. `should_stop` (k6fast.cancel) is checked before every op of every slab and tile: when
     it says stop, `Cancelled` is raised and the decode's buffers are dropped with it.
     `on_frames(f0, f1, frames)` (a batch of 1 only) is handed frames [f0, f1) of the output as soon as they are final

@@ -1,14 +1,23 @@
 """GroupNorm statistics over the whole clip or running over a stream's slabs: per-channel moments reduced in fp32
-over blocks, merged per group in fp64, turned into a per-channel scale and shift; and `_Stream`, what one stream
-carries from one slab to the next."""
+over blocks (PyTorch's, or kernels.groupnorm_stats's on a GPU), merged per group in fp64, turned into a per-channel
+scale and shift; and `_Stream`, what one stream carries from one slab to the next."""
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 
 import torch
 from torch import Tensor, nn
+
+from ..kernels.fallback import cuda_at_least, device_label, log_reference_once
+
+logger = logging.getLogger(__name__)
+
+# A block's per-channel moments: (positions per channel, mean [..., B, C], variance [..., B, C]); the leading dim,
+# where there is one, stacks blocks of that count.
+_Part = tuple[float, Tensor, Tensor]
 
 # Bound on the fp32 copies taken for a GroupNorm's statistics (blocks of frames, or of rows of one frame), and on
 # the reference norm's fp32 temporary (kernels.groupnorm_silu): small next to a full-resolution frame (425 MB at
@@ -32,7 +41,7 @@ class _Moments:
         return _Moments(n, mean, m2)
 
 
-def _channel_moments(x: Tensor, block_bytes: int) -> Iterator[tuple[float, Tensor, Tensor]]:
+def _channel_moments(x: Tensor, block_bytes: int) -> Iterator[_Part]:
     """x [B, C, T, H, W] → per block of frames (or of rows of one frame) whose fp32 copy fits `block_bytes`: (count
     per channel, mean [B, C], variance [B, C]), reduced in fp32 over positions only (a reduction that runs well in
     either layout)."""
@@ -47,29 +56,50 @@ def _channel_moments(x: Tensor, block_bytes: int) -> Iterator[tuple[float, Tenso
             yield float(block[0, 0].numel()), mean, var
 
 
-def _group_moments(parts: Iterable[tuple[float, Tensor, Tensor]], groups: int) -> _Moments:
+def _fused_channel_moments(x: Tensor, block_bytes: int) -> Iterator[_Part]:
+    """`_channel_moments` by kernels.groupnorm_stats where it runs (a CUDA tensor, sm_80+, whose T, H, W flatten):
+    x read once in its own dtype instead of through fp32 copies; the same moments summed in another order. Elsewhere
+    `_channel_moments` itself, logged once."""
+    from ..kernels.groupnorm_stats import channel_moments_triton, positions_stride
+
+    if not cuda_at_least(x.device, (8, 0)) or positions_stride(x) is None:
+        why = "positions that do not flatten" if cuda_at_least(x.device, (8, 0)) else "needs CUDA sm_80 or newer"
+        log_reference_once(logger, "groupnorm statistics", device_label(x.device), why, level=logging.INFO)
+        yield from _channel_moments(x, block_bytes)
+        return
+    span, mean, m2 = channel_moments_triton(x)
+    full = mean.shape[0] - 1  # tiles of `span` positions; the last one holds the rest
+    if full:
+        yield float(span), mean[:full], m2[:full].double() / span
+    last = x.shape[2] * x.shape[3] * x.shape[4] - full * span
+    yield float(last), mean[full:], m2[full:].double() / last
+
+
+def _group_moments(parts: Iterable[_Part], groups: int) -> _Moments:
     """Per-channel moments of blocks → moments per (sample, group), merged in fp64: the group mean first, then the
     squared deviations about it. Blocks of one count are stacked together, so the merge costs a few kernels, not a
     few per block, and no host-device copy."""
     by_count: dict[float, tuple[list[Tensor], list[Tensor]]] = {}
     for n, mean, var in parts:
         means, variances = by_count.setdefault(n, ([], []))
-        means.append(mean)
-        variances.append(var)
+        means.append(mean.double().reshape(-1, *mean.shape[-2:]))
+        variances.append(var.double().reshape(-1, *var.shape[-2:]))
     stacks = []
     for n, (means, variances) in by_count.items():
-        b, c = means[0].shape
-        shape = (len(means), b, groups, c // groups)
-        stacks.append((n, torch.stack(means).double().view(shape), torch.stack(variances).double().view(shape)))
+        b, c = means[0].shape[-2:]
+        shape = (-1, b, groups, c // groups)
+        stacks.append((n, torch.cat(means).view(shape), torch.cat(variances).view(shape)))
     total = sum(n * m.shape[0] * m.shape[3] for n, m, _ in stacks)
     mean = sum(m.sum(dim=(0, 3)) * (n / total) for n, m, _ in stacks)  # [B, G]
     m2 = sum((v + (m - mean[None, :, :, None]).square()).sum(dim=(0, 3)) * n for n, m, v in stacks)
     return _Moments(total, mean, m2)
 
 
-def _moments(x: Tensor, groups: int) -> _Moments:
-    """x [B, C, T, H, W] → moments per (sample, group)."""
-    return _group_moments(_channel_moments(x, _NORM_BLOCK_BYTES), groups)
+def _moments(
+    x: Tensor, groups: int, channel_moments: Callable[[Tensor, int], Iterable[_Part]] = _channel_moments
+) -> _Moments:
+    """x [B, C, T, H, W] → moments per (sample, group), its blocks' moments by `channel_moments`."""
+    return _group_moments(channel_moments(x, _NORM_BLOCK_BYTES), groups)
 
 
 @dataclass

@@ -4,7 +4,7 @@ whole-clip decode's upsampler fused with the resnet after it (`UpsampleFusion`).
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from functools import partial
 
@@ -14,7 +14,16 @@ from torch import Tensor, nn
 
 from ..cancel import StopCheck, check_stop
 from .decoder import _fusable, _Op
-from .norm_stats import _NORM_BLOCK_BYTES, _channel_moments, _group_moments, _Moments, _moments, _norm_coeffs, _Stream
+from .norm_stats import (
+    _NORM_BLOCK_BYTES,
+    _channel_moments,
+    _group_moments,
+    _Moments,
+    _moments,
+    _norm_coeffs,
+    _Part,
+    _Stream,
+)
 from .plan import UpsampleFusion, VideoDecodePlan, _conv_chunk_bytes, _fusion_bytes
 
 
@@ -26,12 +35,17 @@ class _Ctx:
     workspace: int
     # (x, scale, shift, out, act) → out = silu(x * scale + shift): kernels.groupnorm_silu's op or its reference.
     norm_act: Callable[..., Tensor]
+    # (x, block_bytes) → its blocks' per-channel moments: norm_stats._fused_channel_moments or its reference.
+    channel_moments: Callable[[Tensor, int], Iterable[_Part]] = _channel_moments
     emit: Callable[[_Stream, int, int, Tensor], None] | None = None
     max_chunk_frames: int | None = None  # tests: at most this many frames per chunk, to cross chunk boundaries
     should_stop: StopCheck | None = None  # checked before every op (k6fast.cancel)
 
     def empty(self, *shape: int) -> Tensor:
         return torch.empty(shape, dtype=self.dtype, device=self.device, memory_format=self.memory_format)
+
+    def moments(self, x: Tensor, groups: int) -> _Moments:
+        return _moments(x, groups, self.channel_moments)
 
     def frames_per_chunk(self, bytes_per_frame: int) -> int:
         frames = max(1, self.workspace // max(1, bytes_per_frame))
@@ -126,7 +140,7 @@ def _resnet(op: _Op, x: Tensor, stream: _Stream, ctx: _Ctx) -> Tensor:
     r = op.module
     b, _, n, h, w = x.shape
     hbuf = ctx.empty(b, op.c_out, n, h, w)
-    coeffs1 = _norm_coeffs(stream, f"{op.name}.norm1", r.norm1, partial(_moments, x))
+    coeffs1 = _norm_coeffs(stream, f"{op.name}.norm1", r.norm1, partial(ctx.moments, x))
 
     def fill1(t0: int, t1: int, dst: Tensor) -> None:
         ctx.norm_act(x[:, :, t0:t1], *coeffs1, dst, act=True)
@@ -135,7 +149,7 @@ def _resnet(op: _Op, x: Tensor, stream: _Stream, ctx: _Ctx) -> Tensor:
         hbuf[:, :, t0:t1].copy_(out)
 
     _causal_conv(r.conv1, (b, n, h, w), fill1, sink1, stream, f"{op.name}.conv1", ctx)
-    coeffs2 = _norm_coeffs(stream, f"{op.name}.norm2", r.norm2, partial(_moments, hbuf))
+    coeffs2 = _norm_coeffs(stream, f"{op.name}.norm2", r.norm2, partial(ctx.moments, hbuf))
 
     def fill2(t0: int, t1: int, dst: Tensor) -> None:
         ctx.norm_act(hbuf[:, :, t0:t1], *coeffs2, dst, act=True)
@@ -196,7 +210,7 @@ def _attention(op: _Op, x: Tensor, stream: _Stream, ctx: _Ctx) -> Tensor:
     attn = op.module
     b, c, t, h, w = x.shape
     frame = h * w
-    coeffs = _norm_coeffs(stream, f"{op.name}.group_norm", attn.group_norm, partial(_moments, x))
+    coeffs = _norm_coeffs(stream, f"{op.name}.group_norm", attn.group_norm, partial(ctx.moments, x))
     tokens = torch.empty((b, t, h, w, c), dtype=x.dtype, device=x.device)  # [B, T, h, w, C]
     ctx.norm_act(x, *coeffs, tokens.permute(0, 4, 1, 2, 3), act=False)
     tokens = tokens.view(b, t * frame, c)
@@ -219,7 +233,7 @@ def _out(op: _Op, x: Tensor, stream: _Stream, ctx: _Ctx) -> None:
     """conv_out(silu(conv_norm_out(x))), handed to ctx.emit chunk by chunk."""
     dec = op.module
     b, _, n, h, w = x.shape
-    coeffs = _norm_coeffs(stream, "out.norm", dec.conv_norm_out, partial(_moments, x))
+    coeffs = _norm_coeffs(stream, "out.norm", dec.conv_norm_out, partial(ctx.moments, x))
 
     def fill(t0: int, t1: int, dst: Tensor) -> None:
         ctx.norm_act(x[:, :, t0:t1], *coeffs, dst, act=True)
@@ -281,7 +295,7 @@ def _upsample_resnet(up: _Op, res: _Op, x: Tensor, stream: _Stream, ctx: _Ctx, r
         return u if r.conv_shortcut is None else r.conv_shortcut.conv(u)
 
     def u_moments(groups: int) -> _Moments:  # pass 1: U chunk by chunk, only for norm1's statistics
-        parts = (part for t0, t1 in chunks for part in _channel_moments(upsampled(t0, t1), _NORM_BLOCK_BYTES))
+        parts = (part for t0, t1 in chunks for part in ctx.channel_moments(upsampled(t0, t1), _NORM_BLOCK_BYTES))
         return _group_moments(parts, groups)
 
     coeffs1 = _norm_coeffs(stream, f"{res.name}.norm1", r.norm1, u_moments)
@@ -295,7 +309,7 @@ def _upsample_resnet(up: _Op, res: _Op, x: Tensor, stream: _Stream, ctx: _Ctx, r
         if stored is not None:
             stored[:, :, t0:t1] = shortcut(u)
         del u
-    coeffs2 = _norm_coeffs(stream, f"{res.name}.norm2", r.norm2, partial(_moments, hbuf))
+    coeffs2 = _norm_coeffs(stream, f"{res.name}.norm2", r.norm2, partial(ctx.moments, hbuf))
     # conv2 + shortcut over conv1's output: a chunk of it is not read again once normalised into conv2's input.
     conv2 = _CausalConv(r.conv2, b, hh, ww, ctx)
     for t0, t1 in chunks:
