@@ -164,33 +164,46 @@ def cmd_generate(args: argparse.Namespace) -> int:
     # Everything is checked: now the imports that take seconds, each lapped (PyTorch; the libraries' shared modules;
     # k6fast's own and the model classes they import), and between the first two the CUDA context, which needs only
     # PyTorch: on a GPU machine torchao, which transformers imports where it is installed, asks for the GPU's
-    # capability on import, which would start CUDA inside the libraries' lap.
-    with collector_paused(freeze=getattr(args, "ends_process", False)):
-        import torch
-
-        clock.lap("imports_torch")
-        clock.facts["cuda_initialized_before_context"] = torch.cuda.is_initialized()
-        prepare_pipeline_process(options, args.device)  # this process's allocator cap and compile caches
-        clock.lap("cuda_context")  # the CUDA context and the allocator's cap at the budget
-        for name in LIBRARY_MODULES:
-            importlib.import_module(name)
-        clock.lap("imports_libraries")
-        from tqdm import tqdm
-
-        from .output import generate_to_mp4
-        from .pipeline import Pipeline
-        from .telemetry import bytecode_compiled
-
-        clock.lap("imports_k6fast")
-    clock.lap("imports_collect")  # the one garbage collection after them, or their freeze
-    clock.facts["gc_frozen"] = gc.get_freeze_count()
+    # capability on import, which would start CUDA inside the libraries' lap. The DiT needs only PyTorch and k6fast's
+    # own modules: its build starts on a thread of its own before the libraries' imports, which are Python holding the
+    # GIL for seconds, while its reads and copies to the device release it (`dit_load`).
     width, height = args.size
-    dtype, cache_dir = torch_dtype_of(args.dtype), prompt_cache_dir(args, options)
-    # The prompt is encoded beside the load (its "text_encode" phase is then the wait for it).
-    pipe = Pipeline(ckpt, options, device=args.device, dtype=dtype, plan_geometry=(width, height, args.frames),
-                    prompt_cache_dir=cache_dir, first_request=request)  # fmt: skip
+    dtype, ahead = torch_dtype_of(args.dtype), None
     try:
-        clock.lap_split(pipe.load_parts, "load_other")
+        with collector_paused(freeze=getattr(args, "ends_process", False)):
+            import torch
+
+            clock.lap("imports_torch")
+            clock.facts["cuda_initialized_before_context"] = torch.cuda.is_initialized()
+            prepare_pipeline_process(options, args.device)  # this process's allocator cap and compile caches
+            clock.lap("cuda_context")  # the CUDA context and the allocator's cap at the budget
+            from .dit_load import DiTAhead
+
+            ahead = DiTAhead(ckpt, options, args.device, dtype, plan_geometry=(width, height, args.frames))
+            clock.lap("dit_start")  # the DiT build's modules imported, its arguments worked out, its thread started
+            for name in LIBRARY_MODULES:
+                importlib.import_module(name)
+            clock.lap("imports_libraries")
+            from tqdm import tqdm
+
+            from .output import generate_to_mp4
+            from .pipeline import Pipeline
+            from .telemetry import bytecode_compiled
+
+            clock.lap("imports_k6fast")
+        clock.lap("imports_collect")  # the one garbage collection after them, or their freeze
+        clock.facts["gc_frozen"] = gc.get_freeze_count()
+        cache_dir = prompt_cache_dir(args, options)
+        # The prompt is encoded beside the rest of the load (its "text_encode" phase is then the wait for it).
+        pipe = Pipeline(ckpt, options, device=args.device, dtype=dtype, plan_geometry=(width, height, args.frames),
+                        prompt_cache_dir=cache_dir, first_request=request, dit_ahead=ahead)  # fmt: skip
+    except BaseException:
+        if ahead is not None:  # its thread ends before the process does (a failed pipeline has closed it already)
+            ahead.close()
+        raise
+    try:
+        # The DiT's parts keep their own seconds; those it ran beside the imports are said apart (`load_overlapped_s`).
+        clock.lap_split(pipe.load_parts, "load_other", overlapped=pipe.load_overlapped_s)
         if pipe.device.type == "cuda":  # the residency plan is a GPU memory budget; the CPU has none
             print(pipe.runtime.plan.describe(), file=sys.stderr)
         steps, _ = pipe.resolve(request)

@@ -7,7 +7,6 @@ one; writing the MP4 (with provenance) is `output.py`'s job (`generate_to_mp4` e
 
 from __future__ import annotations
 
-import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -20,13 +19,12 @@ from diffusers.utils.torch_utils import randn_tensor
 from .allocator import device_budget, held_after_release, resolve_device
 from .cancel import StopCheck, check_stop
 from .checkpoint import Checkpoint, open_checkpoint
-from .dit.backend import SwitchedBackend
+from .dit_load import DiTAhead, build_planned_dit, compute_dtype, dit_build_args
 from .fit import oversize_message, vram_budget
 from .frame_sink import FrameSink
 from .memory import GiB
 from .prompt_cache import PromptCache
 from .request import (
-    SPATIAL_MULTIPLE,
     W1,
     Request,
     RequestError,
@@ -37,7 +35,7 @@ from .request import (
 from .sampler import StepEvent, sample
 from .step_cache import StepCacheError, plan_run
 from .stream.plan import ResidencyError
-from .stream.runtime import DiTRuntime, build_dit
+from .stream.runtime import DiTRuntime
 from .switches import Options
 from .telemetry import Telemetry
 from .text import DEFAULT_NEGATIVE_PROMPT
@@ -46,8 +44,6 @@ from .vae import decode_audio, decode_video, encode_image, load_audio_decoder, l
 from .vae_geometry import AudioRate, audio_length, audio_rate, latent_frames, latent_size
 from .video_decode import VideoDecodePlan, decode_video_fast, plan_video_decode
 from .video_decode.plan import exact_decode_fits
-
-logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -82,20 +78,41 @@ class Pipeline:
         plan_geometry: tuple[int, int, int] = W1,
         prompt_cache_dir: str | Path | None = None,
         first_request: Request | None = None,
+        dit_ahead: DiTAhead | None = None,
     ):
         """plan_geometry: the request the DiT's resident blocks are planned for (a larger one streams more of them
         for its own run; one the budget cannot fit is refused by `resolve`). prompt_cache_dir: where encoded prompts
         are kept across processes (None: in memory only). first_request: the request the caller runs first (the
-        CLI's): its prompt is encoded on a thread while the DiT and the decoders load. Nothing here changes the
-        process: an entry point caps the allocator at the budget and sets the compile caches first
-        (`k6fast.entry.prepare_pipeline_process`)."""
+        CLI's): its prompt is encoded on a thread while the DiT and the decoders load. dit_ahead: the DiT's build for
+        these same arguments, already started (the CLI's, beside its imports): taken instead of a build here, and
+        closed if the pipeline fails. Nothing here changes the process: an entry point caps the allocator at the
+        budget and sets the compile caches first (`k6fast.entry.prepare_pipeline_process`)."""
+        self._ahead: TextAhead | None = None
+        self._dit_ahead = dit_ahead
+        try:
+            self._set_up(model, options, device, dtype, plan_geometry, prompt_cache_dir, first_request)
+        except BaseException:
+            self.settle_text()  # its thread must not run on while the caller handles the error
+            if self._dit_ahead is not None:
+                self._dit_ahead.close()
+                self._dit_ahead = None
+            raise
+
+    def _set_up(self, model, options, device, dtype, plan_geometry, prompt_cache_dir, first_request) -> None:
         self.ckpt = model if isinstance(model, Checkpoint) else open_checkpoint(model)
         self.options = options
         self.device = resolve_device(device)
-        self.dtype = dtype or (torch.bfloat16 if self.device.type == "cuda" else torch.float32)
+        self.dtype = compute_dtype(self.device, dtype)
+        ahead = self._dit_ahead
+        if ahead is not None and not ahead.matches(self.ckpt, options, self.device, self.dtype, plan_geometry):
+            raise ValueError("dit_ahead was started for another checkpoint, options, device, dtype or plan geometry")
         self.load_seconds = 0.0
+        # Of `load_seconds`, those the DiT's build ran beside the caller's work before this pipeline (`dit_ahead`).
+        self.load_overlapped_s = 0.0
         telemetry = Telemetry(device=str(self.device))
-        self.budget_bytes = device_budget(self.device, options.vram_budget_gb)
+        # With `dit_ahead`, the budget it read before its build took any of the card.
+        budget = ahead.budget_bytes if ahead is not None else device_budget(self.device, options.vram_budget_gb)
+        self.budget_bytes = budget
         self.kept_mapped = False  # the last free_budget counted the allocator's memory without giving it back
         self.audio_rate = audio_rate(self.ckpt.root)  # what requests are planned and their audio latents drawn for
         # The text phase never evicts the DiT: its layers stream through the room the denoising activations take
@@ -104,29 +121,23 @@ class Pipeline:
         started = time.perf_counter()
         self.text = TextPhase(self.ckpt.root, self.device, self.dtype, cache=PromptCache(directory=prompt_cache_dir))
         self.load_parts["text_setup"] = time.perf_counter() - started
-        self._ahead: TextAhead | None = None
-        self._dit_args = dict(
-            text_bytes=self.text.device_bytes(),
-            budget_bytes=self.budget_bytes,
-            tokens=dit_tokens(*plan_geometry, self.audio_rate),
-            prefetch=options.prefetch_blocks,
-            max_resident=None if options.max_resident_blocks < 0 else options.max_resident_blocks,
-            host_cache=options.host_cache_gb,
-            backend=SwitchedBackend(options, self.device),
-            compile_blocks=options.compile,
-        )
+        if ahead is None:
+            tokens = dit_tokens(*plan_geometry, self.audio_rate)
+            self._dit_args = dit_build_args(options, self.device, budget_bytes=self.budget_bytes, tokens=tokens,
+                                            text_bytes=self.text.device_bytes())  # fmt: skip
+        elif ahead.args["text_bytes"] != self.text.device_bytes():  # `text_device_bytes` is the same arithmetic
+            raise RuntimeError(f"the DiT was planned for a text phase of {ahead.args['text_bytes']} bytes on the "
+                               f"device; the text phase takes {self.text.device_bytes()}")  # fmt: skip
+        else:
+            self._dit_args = ahead.args  # one dict: a fallback to the smallest request's tokens holds for reloads
         self.runtime: DiTRuntime | None = None
         self._host_tier = None  # the DiT's host tier while the DiT is off the device (`drop_dit`)
         self.runtime_plan = None
         if first_request is not None:  # beside the load: the text phase's room is free until the first denoise
             _, guidance = resolve_request(self.ckpt, options, first_request)
             self._ahead = TextAhead(self.text, first_request.prompt, negative_prompt(first_request, guidance))
-        try:
-            self._load(telemetry)
-        except BaseException:
-            self.settle_text()  # its thread must not run on while the caller handles the error
-            raise
-        self.load_seconds = telemetry.phases["load"]
+        self._load(telemetry)
+        self.load_seconds = telemetry.phases["load"] + self.load_overlapped_s
 
     def _load(self, telemetry: Telemetry) -> None:
         """The DiT (its residency plan and resident blocks), the decoders and the scheduler."""
@@ -155,15 +166,12 @@ class Pipeline:
 
     def _load_dit(self) -> None:
         if self.runtime is None:
-            files, cfg, tier = self.ckpt.transformer_files, self.ckpt.dit, self._host_tier
-            try:
-                self.runtime = build_dit(files, cfg, self.device, self.dtype, host_tier=tier, **self._dit_args)
-            except ResidencyError as exc:
-                # The base geometry does not fit this budget: plan for the smallest request instead, so that what
-                # does fit can run; `resolve` refuses the rest, naming what fits.
-                logger.warning("%s; planning residency for the smallest request instead", exc)
-                self._dit_args["tokens"] = dit_tokens(SPATIAL_MULTIPLE, SPATIAL_MULTIPLE, 1, self.audio_rate)
-                self.runtime = build_dit(files, cfg, self.device, self.dtype, host_tier=tier, **self._dit_args)
+            ahead, self._dit_ahead = self._dit_ahead, None
+            if ahead is not None:
+                self.runtime, self.load_overlapped_s = ahead.take()
+            else:
+                self.runtime = build_planned_dit(self.ckpt, self.device, self.dtype, self._dit_args, self.audio_rate,
+                                                 self._host_tier)  # fmt: skip
             self._host_tier = None  # the runtime's now
             self.dit = self.runtime.dit
             self.runtime_plan = self.runtime.plan  # kept when the DiT leaves the device (the plan does not change)

@@ -245,10 +245,12 @@ AFTER_STARTUP = ("request", "latents", "teardown")
 
 
 class StartupClock:
-    """The start-up profile of one process, in disjoint parts: `lap(part)` adds the seconds since the previous lap (the
-    first: since the process started) to `part`, and the processor seconds spent in them to its `cpu_s`, so the parts
-    cover the process's life up to the last lap, each second counted once. `facts` holds what a caller found on the
-    way (whether CUDA was running, how much bytecode was compiled); `as_dict()` is what the sidecar records."""
+    """The start-up profile of one process, in parts: `lap(part)` adds the seconds since the previous lap (the first:
+    since the process started) to `part`, and the processor seconds spent in them to its `cpu_s`, so the parts cover
+    the process's life up to the last lap, each second counted once, except those of a split span's parts that ran
+    beside earlier laps on another thread (`lap_split`'s `overlapped`, reported as `load_overlapped_s`). `facts` holds
+    what a caller found on the way (whether CUDA was running, how much bytecode was compiled); `as_dict()` is what the
+    sidecar records."""
 
     def __init__(self, from_process_start: bool = True) -> None:
         """from_process_start: the first part starts when the process did (where /proc says when); else now."""
@@ -260,6 +262,7 @@ class StartupClock:
         self.parts: dict[str, float] = {}
         self.cpu: dict[str, float] = {}
         self.facts: dict = {}
+        self.overlapped = 0.0  # seconds counted in two parts: a split span's part and an earlier lap it ran beside
         self.ended = False  # set when the process ends at the last lap (`k6fast.entry.end_process`)
 
     def lap(self, part: str) -> None:
@@ -272,25 +275,31 @@ class StartupClock:
             self.cpu[part] = self.cpu.get(part, 0.0) + cpu - self._last_cpu
         self._last, self._last_cpu = now, cpu
 
-    def lap_split(self, parts: dict[str, float], rest: str) -> None:
+    def lap_split(self, parts: dict[str, float], rest: str, overlapped: float = 0.0) -> None:
         """Lap a span whose own parts were timed inside it (a pipeline's load): those parts, and the span's remainder
-        as `rest`. No processor time is kept for them: the parts' own is not known."""
+        as `rest`. No processor time is kept for them: the parts' own is not known. overlapped: of the parts' seconds,
+        those that ran before the span, on another thread beside earlier laps (the DiT's build beside the imports):
+        each part keeps its whole duration and `rest` only what the span holds besides, so the parts' sum exceeds the
+        process's age by `overlapped`."""
         span = time.perf_counter() - self._last
         self._lap(rest, whole=False)
         for name, seconds in parts.items():
             self.parts[name] = self.parts.get(name, 0.0) + seconds
-        self.parts[rest] -= min(span, sum(parts.values()))
+        self.parts[rest] -= min(span, sum(parts.values()) - overlapped)
+        self.overlapped += overlapped
 
     def as_dict(self) -> dict:
         """{"startup_s": {part: seconds} in the order lapped, "cpu_s": {part: processor seconds} for each part lapped
         whole (the request's and the teardown's included; every thread's, so a part may hold more than its seconds),
-        "origin" (when the first part starts), the `facts`, "request_s" and "latents_s" (when lapped), "teardown_s" and
-        "ended_at_s" (the process's age at its end; both None unless the process ended at the last lap)}."""
+        "load_overlapped_s" (seconds the parts count twice: `lap_split`), "origin" (when the first part starts), the
+        `facts`, "request_s" and "latents_s" (when lapped), "teardown_s" and "ended_at_s" (the process's age at its
+        end: the parts' sum less `load_overlapped_s`; both None unless the process ended at the last lap)}."""
         startup = {name: round(s, 4) for name, s in self.parts.items() if name not in AFTER_STARTUP}
         cpu = {name: round(s, 4) for name, s in self.cpu.items()}
-        out = {"startup_s": startup, "cpu_s": cpu, "origin": self.origin, **self.facts}
+        overlapped = round(self.overlapped, 4)
+        out = {"startup_s": startup, "cpu_s": cpu, "load_overlapped_s": overlapped, "origin": self.origin, **self.facts}
         out |= {f"{name}_s": round(self.parts[name], 4) for name in AFTER_STARTUP[:2] if name in self.parts}
         ended = self.ended and "teardown" in self.parts
         out["teardown_s"] = round(self.parts["teardown"], 4) if ended else None
-        out["ended_at_s"] = round(sum(self.parts.values()), 4) if ended else None
+        out["ended_at_s"] = round(sum(self.parts.values()) - self.overlapped, 4) if ended else None
         return out

@@ -28,7 +28,7 @@ from torch import Tensor, nn
 from .prompt_cache import Encoded, PromptCache, PromptKey
 from .safetensors_index import CheckpointError, TensorLocation
 from .stream.page_locked import staging_buffers
-from .stream.reader import FileReader, torch_dtype
+from .stream.reader import COMPUTE_DTYPES, FileReader, torch_dtype
 from .text import (
     CLIP_MAX_LENGTH,
     MAX_PROMPT_TOKENS,
@@ -39,12 +39,10 @@ from .text import (
     conditioning,
     qwen_inputs,
 )
-from .text_plan import TextFootprint, text_footprint, text_identity, text_weights
+from .text_plan import TEXT_SLOTS, TextFootprint, text_footprint, text_identity, text_weights
 from .text_stream import UnitLayout, UnitStream
 
 logger = logging.getLogger(__name__)
-
-SAFETENSORS_DTYPES = {torch.bfloat16: "BF16", torch.float16: "F16", torch.float32: "F32"}
 
 
 @dataclass(frozen=True)
@@ -118,13 +116,13 @@ class TextPhase:
         device: torch.device,
         dtype: torch.dtype,
         cache: PromptCache | None = None,
-        slots: int = 2,
+        slots: int = TEXT_SLOTS,
     ):
         from transformers import AutoConfig, CLIPTextModel, CLIPTokenizer, Qwen2_5_VLProcessor
         from transformers.models.qwen2_5_vl.modeling_qwen2_5_vl import Qwen2_5_VLModel
 
-        if dtype not in SAFETENSORS_DTYPES:
-            raise ValueError(f"the text phase computes in one of {list(SAFETENSORS_DTYPES)}, found {dtype}")
+        if dtype not in COMPUTE_DTYPES:
+            raise ValueError(f"the text phase computes in one of {list(COMPUTE_DTYPES)}, found {dtype}")
         self.root, self.device, self.dtype, self.cache, self.slots = Path(root), device, dtype, cache, slots
         self.weights = text_weights(self.root)
         self.processor = Qwen2_5_VLProcessor.from_pretrained(self.root / "tokenizer")
@@ -176,7 +174,7 @@ class TextPhase:
         return out
 
     def footprint(self, max_tokens: int | None = None) -> TextFootprint:
-        return text_footprint(self.weights, SAFETENSORS_DTYPES[self.dtype], max_tokens, self.slots)
+        return text_footprint(self.weights, COMPUTE_DTYPES[self.dtype], max_tokens, self.slots)
 
     def device_bytes(self, max_tokens: int | None = None) -> int:
         """The most device memory an encode takes (prompt and negative of up to `max_tokens` tokens after the

@@ -25,6 +25,8 @@ MAX_PROMPT_TOKENS = 1024
 # so this module needs neither PyTorch nor diffusers (tests/test_text_phase.py holds the two equal).
 TEMPLATE_TOKENS = 129
 CLIP_TOKENS = 77
+# Device slots the streamed units pass through: one is copied to while the other computes.
+TEXT_SLOTS = 2
 # Device slot offsets: the text encoders' layers stream through slots laid out as the DiT's blocks are.
 ALIGN = SLOT_ALIGN
 
@@ -178,7 +180,7 @@ class TextFootprint:
 
 
 def text_footprint(
-    weights: TextWeights, compute_dtype: str = "BF16", max_tokens: int | None = None, slots: int = 2
+    weights: TextWeights, compute_dtype: str = "BF16", max_tokens: int | None = None, slots: int = TEXT_SLOTS
 ) -> TextFootprint:
     """The text phase's device memory for prompts of up to `max_tokens` after the template (MAX_PROMPT_TOKENS by
     default) computed in `compute_dtype` (a safetensors dtype string), streaming through `slots` device slots."""

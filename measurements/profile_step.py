@@ -61,6 +61,7 @@ K6_KERNELS = {
     "_gated_residual_kernel": FUSED,
     "_gated_residual_modulate_kernel": FUSED,
     "_groupnorm_silu_kernel": FUSED,
+    "_channel_moments_kernel": FUSED,  # the video decode's GroupNorm statistics
     "_rms_norm_rope_kernel": FUSED,
     "_quantize_q_kernel": ATTENTION,
     "_kv_stats_kernel": ATTENTION,

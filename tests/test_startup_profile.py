@@ -25,20 +25,26 @@ from k6fast.telemetry import StartupClock, process_age_s
 GEN = ["generate", "--prompt", "A fox runs through snow", "--size", "32x32", "--frames", "9", "--steps", "2"]
 # What the load of a tiny checkpoint is made of, each timed on its own (README "Start-up profile").
 STARTUP_PARTS = {
-    "interpreter", "checks", "checkpoint", "imports_torch", "cuda_context", "imports_libraries", "imports_k6fast",
+    "interpreter", "checks", "checkpoint", "imports_torch", "cuda_context", "dit_start", "imports_libraries",
+    "imports_k6fast",
     "imports_collect", "text_setup", "plan", "resident_upload", "staging", "dit_build", "decoders", "load_other",
     "before_request",
 }  # fmt: skip
-# The parts timed inside the pipeline's load, which have no processor time of their own.
+# The parts timed inside the pipeline's load, which have no processor time of their own. The DiT's (plan,
+# resident_upload, staging, dit_build) are timed on the thread that builds it from "dit_start" on, beside the imports.
 LOAD_PARTS = {"text_setup", "plan", "resident_upload", "staging", "dit_build", "decoders", "load_other"}
 IMPORT_PARTS = ("imports_torch", "imports_libraries", "imports_k6fast")
 # The kernel counts a process's start and its uptime in 10 ms ticks: the process's own age may read one tick long.
 TICK_S = 0.01
 
 
+DIT_PARTS = ("plan", "resident_upload", "staging", "dit_build")
+
+
 def _profile_sum(process: dict) -> float:
+    """The process's age by its parts: the DiT's seconds that ran beside the imports are in its parts and theirs."""
     after = [process[k] for k in ("request_s", "latents_s", "teardown_s") if process.get(k) is not None]
-    return sum(process["startup_s"].values()) + sum(after)
+    return sum(process["startup_s"].values()) + sum(after) - process["load_overlapped_s"]
 
 
 def test_the_command_profiles_its_start_up_and_ends_once_its_files_are_written(tiny_distill: Path, tmp_path) -> None:
@@ -66,10 +72,12 @@ def test_the_command_profiles_its_start_up_and_ends_once_its_files_are_written(t
     assert process["gc_frozen"] > 100_000  # the imports' objects frozen, not collected: the process ends with them
     bytecode = process["bytecode"]
     assert 0 <= bytecode["compiled"] <= bytecode["source_modules"] and bytecode["source_modules"] > 1000, bytecode
-    # Disjoint parts: together they are the process's age when it ended, and no more than its wall time outside.
+    # The DiT's build ran beside the imports for at most its own seconds, which its parts keep whole.
+    assert 0 <= process["load_overlapped_s"] <= sum(process["startup_s"][k] for k in DIT_PARTS) + 1e-3, process
+    # Parts each second counted once but those: together the process's age when it ended, no more than its wall time.
     assert abs(_profile_sum(process) - process["ended_at_s"]) < 1e-3 * len(seconds)
     assert process["ended_at_s"] <= wall + TICK_S, (process, wall)
-    # The DiT's parts and the decoders are timed inside the pipeline's "load" phase.
+    # The DiT's parts and the decoders are the load's own seconds (`load_s`), beside the imports or not.
     inside = ("plan", "resident_upload", "staging", "dit_build", "decoders")
     assert sum(process["startup_s"][k] for k in inside) <= record["load_s"] + 1e-3
     # Every file is whole although the interpreter never tore down: the clip, its latents, the sidecar.
@@ -140,6 +148,28 @@ def test_laps_split_a_span_into_its_own_parts_and_the_rest() -> None:
     assert list(parts) == ["a", "rest", "inner"] and parts["inner"] == 0.01
     assert parts["a"] >= 0.02 and parts["rest"] + parts["inner"] >= 0.03
     assert list(clock.as_dict()["cpu_s"]) == ["a"]  # a split span's parts have no processor time of their own
+
+
+def test_a_split_spans_parts_that_ran_before_it_are_counted_once_in_the_age() -> None:
+    """A part timed on another thread that began before the span (the DiT's build, beside the imports): it keeps its
+    whole seconds, the span's remainder only what the span held besides it, and the process's age is the parts' sum
+    less what ran beside the earlier laps."""
+    clock = StartupClock(from_process_start=False)
+    began = time.perf_counter()
+    time.sleep(0.05)
+    clock.lap("imports")  # the other thread's build running beside it
+    beside = time.perf_counter() - began
+    time.sleep(0.03)
+    build = time.perf_counter() - began  # the build ends in the span
+    clock.lap_split({"build": build}, "rest", overlapped=beside)
+    clock.lap("teardown")
+    clock.ended = True
+    out = clock.as_dict()
+    assert out["load_overlapped_s"] == round(beside, 4) and out["startup_s"]["build"] == round(build, 4)
+    assert 0 <= out["startup_s"]["rest"] < 0.005  # the span held the build's last seconds and nothing else
+    age = sum(out["startup_s"].values()) + out["teardown_s"] - out["load_overlapped_s"]
+    assert abs(out["ended_at_s"] - age) < 1e-3
+    assert build - 1e-3 <= out["ended_at_s"] <= time.perf_counter() - began + 1e-3  # its age, not more
 
 
 def test_laps_count_the_processor_time_spent_in_them() -> None:

@@ -32,6 +32,8 @@ TORCH_DTYPES = {
     "I32": torch.int32,
     "I64": torch.int64,
 }
+# The dtypes a model computes in, by their safetensors names (the text phase's footprint is planned in them).
+COMPUTE_DTYPES = {torch.bfloat16: "BF16", torch.float16: "F16", torch.float32: "F32"}
 # Parallel preads in chunks: one thread's copy out of the page cache tops out far below PCIe speed, and a
 # feed-forward matrix of a Pro block (over a hundred MB) read by one thread would serialise the block behind it.
 READ_THREADS = max(2, min(8, os.cpu_count() or 2))
