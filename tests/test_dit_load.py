@@ -266,8 +266,9 @@ def test_gpu_the_thread_imports_nothing_while_a_df11_decode_kernel_compiles(tiny
         "print(sorted(set(sys.modules) - started))"
     )  # fmt: skip
     env = {**os.environ, "TRITON_CACHE_DIR": str(tmp_path / "triton")}
+    # cwd: the installed k6fast, not a source tree's (whose kernels/ lives at the repository's top).
     done = subprocess.run([sys.executable, "-c", code, str(compressed)], capture_output=True, text=True, timeout=300,
-                          env=env)  # fmt: skip
+                          env=env, cwd=tmp_path)  # fmt: skip
     assert done.returncode == 0, done.stderr[-3000:]
     assert done.stdout.split("\n")[-2] == "[]", done.stdout
     assert any(p.suffix == ".json" for p in (tmp_path / "triton").rglob("*")), "no kernel was compiled"
