@@ -166,7 +166,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
     # PyTorch: on a GPU machine torchao, which transformers imports where it is installed, asks for the GPU's
     # capability on import, which would start CUDA inside the libraries' lap. The DiT needs only PyTorch and k6fast's
     # own modules: its build starts on a thread of its own before the libraries' imports, which are Python holding the
-    # GIL for seconds, while its reads and copies to the device release it (`dit_load`).
+    # GIL for seconds, while its reads and copies to the device release it (`dit_load`). K6_DIT_AHEAD=off leaves it to
+    # the pipeline's load, after the imports, to measure what the overlap saves.
     width, height = args.size
     dtype, ahead = torch_dtype_of(args.dtype), None
     try:
@@ -177,10 +178,13 @@ def cmd_generate(args: argparse.Namespace) -> int:
             clock.facts["cuda_initialized_before_context"] = torch.cuda.is_initialized()
             prepare_pipeline_process(options, args.device)  # this process's allocator cap and compile caches
             clock.lap("cuda_context")  # the CUDA context and the allocator's cap at the budget
-            from .dit_load import DiTAhead
+            if options.dit_ahead == "on":
+                from .dit_load import DiTAhead
 
-            ahead = DiTAhead(ckpt, options, args.device, dtype, plan_geometry=(width, height, args.frames))
-            clock.lap("dit_start")  # the DiT build's modules imported, its arguments worked out, its thread started
+                ahead = DiTAhead(ckpt, options, args.device, dtype, plan_geometry=(width, height, args.frames))
+            # The DiT build's modules imported, its arguments worked out, its thread started (off: nothing, so the
+            # profile keeps the same parts either way).
+            clock.lap("dit_start")
             for name in LIBRARY_MODULES:
                 importlib.import_module(name)
             clock.lap("imports_libraries")

@@ -8,10 +8,19 @@
 # working tree do not leak into the lease), with the wheels of acceptance_lease.sh's header in $WHEELS:
 #   WHEELS=/path/.whl bash measurements/lease_envelope.sh start    # install, check, run the steps in the background
 #   bash measurements/acceptance_lease.sh status OUT               # progress and records so far
-# flash-attn-4 arrives in two later calls (`acceptance_lease.sh join ...`), which touch $W/fa4.ready.
+# flash-attn-4 arrives in two later calls (`acceptance_lease.sh join ...`), which touch $W/fa4.ready. The wheels and
+# the three calls, each carrying one folder that `bash measurements/lease_wheels.sh` lays out (and, first, the commit
+# under test: `git archive --format=tar.gz -o .whl/src.tgz HEAD`):
+#   1, carry .whl/a .whl/src.tgz: mkdir -p /tmp/src && tar xzf .whl/src.tgz -C /tmp/src && cd /tmp/src &&
+#      WHEELS=$OLDPWD/.whl bash measurements/lease_envelope.sh start
+#   2, carry .whl/b: cp .whl/b/cu13.partaa /tmp/lease/cu13.whl.partaa &&
+#      bash measurements/acceptance_lease.sh install $PWD/.whl/b
+#   3, carry .whl/c: bash measurements/acceptance_lease.sh install $PWD/.whl/c &&
+#      cp .whl/c/cu13.partab /tmp/lease/cu13.whl.partab && bash measurements/acceptance_lease.sh join cu13.whl fa4.ready
+# then polls (`sleep N; ... status OUT`) back to back: the machine goes after about 30 s without a call.
 set -uo pipefail
 W=${LEASE_DIR:-/tmp/lease}
-WHEELS=${WHEELS:?the folder of wheels (a/, a/srv/)}
+WHEELS=${WHEELS:?the folder of wheels (lease_wheels.sh: a/ here, b/ and c/ in the next two calls)}
 # The DF11 lease (issue #38), the default: the BF16 rows first (df11-to-disk deletes the BF16 DiT to make room for
 # the ballast run on the compressed copy), then the compressed copy written on the GPU and its rows, free host and
 # beside the 60 GB ballast (its text encoders moved to the disk as well, as a user's are: the BF16 ballast row has them
@@ -45,7 +54,6 @@ case "${1:?expected start}" in
 start)
   mkdir -p $W
   bash measurements/acceptance_lease.sh install "$WHEELS/a" --self > $W/install.log 2>&1
-  bash measurements/acceptance_lease.sh install "$WHEELS/a/srv" >> $W/install.log 2>&1
   tail -3 $W/install.log
   TEXT=full bash measurements/acceptance_lease.sh check
   # shellcheck disable=SC2086

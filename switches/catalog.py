@@ -132,6 +132,15 @@ HOST_CACHE_GB = Switch(
     min=0.0,
     affects_output=False,
 )
+DIT_AHEAD = Switch(
+    name="K6_DIT_AHEAD",
+    kind="enum",
+    default="on",
+    choices=("on", "off"),
+    doc="on = `k6fast generate` builds the DiT on a thread beside the libraries' imports (k6fast/dit_load.py); off = "
+    "after them, in the pipeline's load, as before: an A/B of that overlap",
+    affects_output=False,
+)
 ATTN = Switch(
     name="K6_ATTN",
     kind="enum",
@@ -284,6 +293,7 @@ SWITCHES: tuple[Switch, ...] = (
     PREFETCH_BLOCKS,
     MAX_RESIDENT_BLOCKS,
     HOST_CACHE_GB,
+    DIT_AHEAD,
     API_KEY,
     DATA_DIR,
     INDUCTOR_CACHE_DIR,

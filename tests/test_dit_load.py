@@ -1,7 +1,8 @@
 """The DiT's load on a thread of its own (`k6fast.dit_load.DiTAhead`), as `k6fast generate` starts it beside the
 library imports, against the build a pipeline makes itself: the same arguments (the text phase's footprint from the
 files equal to the text phase's own), the same runtime and outputs, the same fallback to the smallest request's
-residency, the same errors raised in the caller's thread, and no thread left running when the command fails.
+residency, the same errors raised in the caller's thread, and no thread left running when the command fails; with
+K6_DIT_AHEAD=off the command builds the DiT in the pipeline's load instead, to the same clip.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ import k6fast.dit_load
 from k6fast.checkpoint import open_checkpoint
 from k6fast.cli import CliError, main
 from k6fast.dit_load import DiTAhead, text_device_bytes
+from k6fast.media import read_mp4
 from k6fast.output import generate_to_mp4
 from k6fast.pipeline import Pipeline, Request
 from k6fast.request import SPATIAL_MULTIPLE, dit_tokens
@@ -143,6 +145,36 @@ def test_the_command_makes_the_clip_a_pipeline_building_its_own_dit_makes(tiny_d
         assert ahead_out.read_bytes() == own_out.read_bytes()
     sidecar = json.loads(ahead_out.with_name("ahead.mp4.json").read_text())
     assert sidecar["process"]["load_overlapped_s"] >= 0.0 and "dit_start" in sidecar["process"]["startup_s"]
+
+
+def test_k6_dit_ahead_off_builds_the_dit_after_the_imports_and_makes_the_same_clip(
+    tiny_distill, tmp_path, monkeypatch, capsys, no_switches
+) -> None:
+    """K6_DIT_AHEAD=off, the A/B of the overlap: the DiT is built in the pipeline's load, none of it beside the imports,
+    the profile has the same parts, and the clip is the default's: the same latents and, decoded, the same frames and
+    sound bit for bit (the MP4s differ only in the switch snapshot they carry)."""
+
+    def run(name: str) -> tuple[dict, dict, tuple]:
+        out, latents = tmp_path / f"{name}.mp4", tmp_path / f"{name}.safetensors"
+        assert main([*GEN, "--model", str(tiny_distill), "--out", str(out), "--save-latents", str(latents)]) == 0
+        return json.loads(out.with_name(f"{name}.mp4.json").read_text()), load_file(latents), read_mp4(out)
+
+    on, on_latents, on_media = run("on")
+    monkeypatch.setenv("K6_DIT_AHEAD", "off")
+    off, off_latents, off_media = run("off")
+    assert on["process"]["load_overlapped_s"] > 0.0 and off["process"]["load_overlapped_s"] == 0.0
+    assert list(on["process"]["startup_s"]) == list(off["process"]["startup_s"])
+    assert [side["provenance"]["switches"]["K6_DIT_AHEAD"] for side in (on, off)] == ["on", "off"]
+    assert on["provenance"]["arm_hash"] == off["provenance"]["arm_hash"]  # it cannot change the output
+    assert on_latents.keys() == off_latents.keys() == {"video", "audio"}
+    assert all(np.array_equal(on_latents[k], off_latents[k]) for k in on_latents)
+    assert np.array_equal(on_media[0], off_media[0]) and np.array_equal(on_media[1], off_media[1])
+    assert threads_left() == []
+    capsys.readouterr()
+    monkeypatch.setenv("K6_DIT_AHEAD", "maybe")
+    assert main([*GEN, "--model", str(tiny_distill), "--out", str(tmp_path / "x.mp4")]) == 2
+    error = capsys.readouterr().err.strip().splitlines()[-1]
+    assert error == "error: Unable to use K6_DIT_AHEAD='maybe': expected one of on, off"
 
 
 def refuse_build(*args, **kwargs):

@@ -267,7 +267,7 @@ def test_arm_file_good(tmp_path: Path) -> None:
         ("K6_AUDIO_NORM=clip\nK6_AUDIO_NROM=clip\n", ":2: unknown switch K6_AUDIO_NROM; did you mean K6_AUDIO_NORM?"),
         (
             "K6_DEVICE=cuda\n",
-            ":1: unknown switch K6_DEVICE; the nearest switch is K6_STEP_CACHE (`k6fast switches` lists",
+            ":1: unknown switch K6_DEVICE; the nearest switch is K6_DIT_AHEAD (`k6fast switches` lists",
         ),
         ("# ok\nK6_AUDIO_NORM clip\n", ":2: expected KEY=VALUE"),
         ("export K6_AUDIO_NORM=clip\n", ":1: expected KEY=VALUE"),
