@@ -282,6 +282,7 @@ def split_readme(text: str) -> str:
 
 def render(sessions_root: Path, readme: Path, plots: bool = True) -> list[Path]:
     """Render the README below its marker (and a PNG per session); returns the files written."""
+    records = load_sessions(sessions_root)  # first: a wrong folder is refused without matplotlib's import (0.3 s)
     if plots:
         try:
             import matplotlib  # noqa: F401
@@ -291,7 +292,6 @@ def render(sessions_root: Path, readme: Path, plots: bool = True) -> list[Path]:
                 "install matplotlib or pass --no-plot"
             ) from exc
     readme = Path(readme)
-    records = load_sessions(sessions_root)
     written = []
     if plots:
         for record in records:
