@@ -39,6 +39,10 @@
 #                      a random VAE of the real config), timed and profiled by op and by kernel kind
 #   first-step:ARM     measurements/profile_first_step.py: a warm process's first DiT step under cProfile (ARM's compile
 #                      cache, what acceptance:ARM-32-cold left), 2 steps at GEOMETRY: where its extra seconds go
+#   dit-ahead:ARM:N    measurements/bench_dit_ahead.py: N fresh `k6fast generate --arm ARM` processes a side with
+#                      K6_DIT_AHEAD on and off, mirrored, after one not counted (ARM's compile cache, what
+#                      acceptance:ARM-32-cold left), at GEOMETRY, 2 steps each: what building the DiT beside the
+#                      imports saves (about 3 minutes for final at W1 with N=2)
 #   calibrate:ARM:WxHxF  a step cache's calibration for ARM (`K6_STEP_CACHE=calibrate k6fast generate --arm ARM`, the
 #                      checkpoint's own step count, every step run) at WxHxF: a magcache arm (fast-base) refuses a
 #                      checkpoint it has no calibration for. The calibration is per checkpoint and step count, not per
@@ -371,6 +375,12 @@ run)
       (cd "$repo" && timeout 300 python3 measurements/profile_first_step.py --model $W/syn --arm "$arm" \
         --cache-dir $W/work/cache/$arm --geometry "$GEOMETRY" --out $W/first_step_$arm.txt \
         > $W/first_step_$arm.log 2>&1); echo "first-step profile exit $?"; head -4 $W/first_step_$arm.txt ;;
+    dit-ahead:*)
+      checkpoint
+      IFS=: read -r _ arm pairs <<< "$s"
+      (cd "$repo" && timeout 900 python3 measurements/bench_dit_ahead.py --model $W/syn --arm "$arm" \
+        --cache-dir $W/work/cache/$arm --geometry "$GEOMETRY" --pairs "${pairs:-2}" --out $W/dit_ahead_$arm.json \
+        > $W/dit_ahead_$arm.log 2>&1); echo "dit-ahead exit $?"; tail -3 $W/dit_ahead_$arm.log ;;
     calibrate:*)
       checkpoint
       IFS=: read -r _ arm geometry <<< "$s"
@@ -438,13 +448,13 @@ status)
   tail -25 $W/run.log
   for f in $REC/runs.jsonl $REC/README.md $REC/acceptance.json $W/exact_attention.json $W/sparse_attention.json \
     $W/block_arms.json $W/ray_serve.json $W/profile_*.json $W/text_phase.json $W/df11.json \
-    $W/decode_probe*.json $W/first_step_*.txt $W/tune/tune.json $W/tune/tuned.env; do
+    $W/decode_probe*.json $W/first_step_*.txt $W/dit_ahead_*.json $W/tune/tune.json $W/tune/tuned.env; do
     [ -f "$f" ] && cp "$f" "$out/"
   done
   for f in $REC/serve/*.json; do [ -f "$f" ] && cp "$f" "$out/serve_$(basename "$f")"; done
   (cd $W && tar czf "$out/logs.tgz" $(ls run.log pytest_gpu*.log synthetic.log diag_compile.log *_attention.log \
     block_arms.log profile_*.log ray_*.log ray_*.json serve_*.log work/serve-*/server.log record/commit.txt \
-    text_phase.log decode_probe.log first_step_*.log calibration_*.log tune.log df11.log df11_checkpoint.log peer_checkpoint.log \
+    text_phase.log decode_probe.log first_step_*.log dit_ahead_*.log calibration_*.log tune.log df11.log df11_checkpoint.log peer_checkpoint.log \
     work/runs/*/stderr.log work/runs/*/*.json 2>/dev/null))
   ls $W/done 2>/dev/null && echo "session finished"
   ;;
