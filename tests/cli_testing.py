@@ -9,9 +9,9 @@ command is allowed. Each refusal is also held to CPU_BOUND_S of the processor ti
 a heavy path the import log cannot name: `import torch` alone uses 2.3-3.4 s of it on a 2-core machine, idle or at a
 load of 15-22. The bound is not the issue's 1 s: processor time moves less than wall time with the load, but it moves
 with the host (and where PYTHONDONTWRITEBYTECODE is set, as on these machines, every process compiles k6fast's
-modules again): the slowest error cases used 0.4-0.6 s of it in a quiet run and 1.04-1.22 s in a CI run of 2026-12-03
-whose whole suite ran 1.7 times slower than usual. What the errors cost is a record's
-(measurements/sessions/2026-12-03_ci-session10); a loose wall bound, WALL_BOUND_S, catches a hang.
+modules again): the slowest error cases used 0.4-0.6 s of it with only these tests running and 1.04-1.22 s beside
+the rest of the suite in a CI run of 2026-12-03 (which took 1.6 times the eighth session's). What the errors cost is
+a record's (measurements/sessions/2026-12-03_ci-session10); a loose wall bound, WALL_BOUND_S, catches a hang.
 """
 
 from __future__ import annotations
