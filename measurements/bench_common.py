@@ -28,6 +28,18 @@ def attention_arg_parser() -> argparse.ArgumentParser:
     return ap
 
 
+def warm_generate_arg_parser(description: str) -> argparse.ArgumentParser:
+    """The options of the scripts that run `k6fast generate` warm: a checkpoint, an arm, the compile caches a cold
+    run of it left, the VRAM budget and the geometry."""
+    ap = argparse.ArgumentParser(description=description)
+    ap.add_argument("--model", required=True)
+    ap.add_argument("--arm", default="final")
+    ap.add_argument("--cache-dir", required=True, help="the compile caches of a cold run of the arm")
+    ap.add_argument("--budget-gb", type=float, default=32.0)
+    ap.add_argument("--geometry", default="w1", help="w1 or WIDTHxHEIGHTxFRAMES (the cold run's)")
+    return ap
+
+
 def environment(device: torch.device | None = None) -> dict:
     """GPU, versions and date for a record: of CUDA device 0, or of `device` (named first; a CPU one has gpu None)."""
     try:

@@ -15,7 +15,6 @@ Run:  python measurements/bench_dit_ahead.py --model CKPT --arm final --cache-di
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import subprocess
@@ -23,6 +22,8 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+
+from bench_common import warm_generate_arg_parser
 
 SIDES = ("on", "off")
 FIGURES = ("wall_s", "ended_at_s", "outside_request_s", "load_s", "load_overlapped_s", "request_s")
@@ -41,12 +42,7 @@ def figures(sidecar: dict) -> dict[str, float]:
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--model", required=True)
-    parser.add_argument("--arm", default="final")
-    parser.add_argument("--cache-dir", required=True, help="the compile caches of a cold run of the arm")
-    parser.add_argument("--budget-gb", type=float, default=32.0)
-    parser.add_argument("--geometry", default="w1", help="w1 or WIDTHxHEIGHTxFRAMES")
+    parser = warm_generate_arg_parser(__doc__.split("\n\n")[0])
     parser.add_argument("--pairs", type=int, default=2, help="processes per side")
     parser.add_argument("--warmup", type=int, default=1, help="processes run first and not counted")
     parser.add_argument("--stop-after-steps", type=int, default=2, help="denoising steps each process runs")

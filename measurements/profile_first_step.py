@@ -12,7 +12,6 @@ Run:  python measurements/profile_first_step.py --model CKPT --arm final --cache
 
 from __future__ import annotations
 
-import argparse
 import cProfile
 import io
 import json
@@ -22,14 +21,11 @@ import sys
 import tempfile
 from pathlib import Path
 
+from bench_common import warm_generate_arg_parser
+
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--model", required=True)
-    parser.add_argument("--arm", default="final")
-    parser.add_argument("--cache-dir", required=True, help="the compile caches of a cold run of the arm")
-    parser.add_argument("--budget-gb", type=float, default=32.0)
-    parser.add_argument("--geometry", default="w1", help="w1 or WIDTHxHEIGHTxFRAMES (the cold run's)")
+    parser = warm_generate_arg_parser(__doc__.split("\n\n")[0])
     parser.add_argument("--steps", type=int, default=2, help="steps run, of the request's 10")
     parser.add_argument("--out", type=Path, required=True)
     args = parser.parse_args()
