@@ -46,7 +46,9 @@
 #   calibrate:ARM:WxHxF  a step cache's calibration for ARM (`K6_STEP_CACHE=calibrate k6fast generate --arm ARM`, the
 #                      checkpoint's own step count, every step run) at WxHxF: a magcache arm (fast-base) refuses a
 #                      checkpoint it has no calibration for. The calibration is per checkpoint and step count, not per
-#                      geometry: a small one keeps the 50-step Pro base's two passes a step to a minute or two
+#                      geometry or budget: a small geometry, and the card's whole memory (no K6_VRAM_BUDGET_GB unless
+#                      CALIBRATE_BUDGET_GB is set) so that no block streams, keep the 50-step Pro base's 100 DiT
+#                      passes short (at 32 GiB every pass would stream most of the DiT)
 #   tune               measurements/run_tune.sh on $W/syn into $W/tune: `k6fast tune` at a reduced geometry (TUNE_GEOMETRY,
 #                      default 480x272x49), 2 prompts, a budget of 6 gate runs, the random LPIPS backbone as a test
 #   drop-text          remove $TEXT_DIR (the RAM-backed real-size text encoders) once no later step reads them
@@ -385,7 +387,8 @@ run)
       checkpoint
       IFS=: read -r _ arm geometry <<< "$s"
       IFS=x read -r cw ch cf <<< "$geometry"
-      (cd /tmp && K6_STEP_CACHE=calibrate K6_VRAM_BUDGET_GB=32 timeout 900 python3 -m k6fast.cli generate \
+      (cd /tmp && env ${CALIBRATE_BUDGET_GB:+K6_VRAM_BUDGET_GB=$CALIBRATE_BUDGET_GB} K6_STEP_CACHE=calibrate \
+        timeout 900 python3 -m k6fast.cli generate \
         --model $W/syn --arm "$arm" --prompt "a calibration run" --size "${cw}x${ch}" --frames "$cf" \
         --out $W/calibration_$arm.mp4) > $W/calibration_$arm.log 2>&1
       echo "calibration $arm exit $?"; tail -3 $W/calibration_$arm.log; ls $W/syn/k6fast-step-cache 2>/dev/null ;;
