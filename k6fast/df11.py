@@ -3,7 +3,7 @@
 The exponent byte of trained or Gaussian-initialised BF16 weights carries 2-3 bits of information (DFloat11, arXiv
 2504.11651). The sign and mantissa are stored raw, one byte an element; the exponents are Huffman-coded with codes of
 at most 12 bits (so one table lookup decodes a symbol) and dealt to lanes that decode independently (see
-`kernels/df11_decode.py` for the order). Every tensor is one uint8 blob; `df11_header.py` gives its sections.
+`k6fast/kernels/df11_decode.py` for the order). Every tensor is one uint8 blob; `df11_header.py` gives its sections.
 
 `encode` builds a blob with vectorised PyTorch (no per-symbol Python) on the CPU or a GPU and checks it: decoded with
 `decode_ref`, it must give the tensor back bit for bit. `parse_header` checks a blob's header and section sizes
@@ -41,7 +41,7 @@ LANES = 128  # lanes of a group (one Triton program)
 TARGET_GROUPS = 1024
 MIN_ELEMENTS = 1 << 20  # smaller bf16 tensors stay raw in a checkpoint (`compressible`)
 if (df11_decode.CODE_BITS, df11_decode.PAD_WORDS) != (CODE_BITS, PAD_WORDS):
-    raise ImportError("kernels/df11_decode.py and k6fast/df11_header.py disagree on the DF11 format's constants")
+    raise ImportError("k6fast/kernels/df11_decode.py and k6fast/df11_header.py disagree on the DF11 format's constants")
 
 
 def code_lengths(counts: np.ndarray, max_len: int = CODE_BITS) -> np.ndarray:

@@ -1,6 +1,6 @@
 """The DF11 blob's header and section layout, without PyTorch: what `open_checkpoint` reads to validate a compressed
 checkpoint (128 bytes a tensor) and what the encoder and decoders address the sections by (`k6fast/df11.py` holds
-the format's description; `kernels/df11_decode.py` the decoder).
+the format's description; `k6fast/kernels/df11_decode.py` the decoder).
 
 A blob, little-endian, each section starting at a multiple of 16 bytes and the blob's length a multiple of 16 (so
 blobs laid back to back in a file keep every section aligned):

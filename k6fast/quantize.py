@@ -5,14 +5,14 @@ PCIe. Lossy.
 What DST holds: every file of SRC outside the transformer's weights and config, hard-linked (copied where SRC and DST
 are on different filesystems; hard links share the source's inode, so nothing in DST is modified after linking), and
 a transformer whose shards (one per source shard, same names) store, for every quantized layer (M = E4M3_MAX, e4m3's
-largest value, `kernels/formats.py`):
+largest value, `k6fast/kernels/formats.py`):
   fp8    <layer>.weight        F8_E4M3 [N, K]      e4m3 of w / weight_scale, per output channel (`quantize_weight_fp8`)
          <layer>.weight_scale  F32 [N]             absmax(w[n]) / M
   mxfp8  <layer>.weight        F8_E4M3 [N, K]      e4m3 of w / 2^(scale - 127), per 32 elements along K
          <layer>.weight_scale  U8 [N, K/32]        e8m0 biased exponents, 127 + ceil(log2(block amax / M))
-                                                   (torchao's MX quantization, `kernels/blockscaled.py`)
+                                                   (torchao's MX quantization, `k6fast/kernels/blockscaled.py`)
   nvfp4  <layer>.weight        U8 [N, K/2]         two E2M1 codes a byte, element 2i in the low nibble
-         <layer>.weight_scale  F8_E4M3 [N, K/16]   per 16 elements along K (`kernels/nvfp4.py` has the recipe)
+         <layer>.weight_scale  F8_E4M3 [N, K/16]   per 16 elements along K (`k6fast/kernels/nvfp4.py` has the recipe)
          <layer>.weight_scale_2 F32 []             amax(|w|) / (M · 6)
 and `transformer/config.json` gains `"k6fast_quantization": {"format": ..., "version": 1}`. diffusers ignores that
 key with a warning (it cannot load the quantized tensors anyway); k6fast's `open_checkpoint` validates shapes and

@@ -9,7 +9,7 @@ self-attention shape by default (1×32×50220×128, bf16):
   the median, 4·B·H·M·N·D / t, and the speed-up over cuDNN SDPA.
 k6fast rows: the whole op (quantization prologue + attention kernel), the kernel alone on pre-quantized inputs, and
 the prologue alone; with ``--sweep`` also the kernel alone for each ``CANDIDATE_CONFIGS`` entry (to fill
-``_CONFIGS`` in kernels/quant_attention_core.py).
+``_CONFIGS`` in k6fast/kernels/quant_attention_core.py).
 
 Run on the GPU machine from the repository root:
     python measurements/bench_attention.py --out measurements/results/attention_h200.json

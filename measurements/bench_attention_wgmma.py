@@ -1,4 +1,4 @@
-"""The Gluon attention core (kernels/quant_attention_wgmma.py) beside cuDNN SDPA and the Triton k6 kernel.
+"""The Gluon attention core (k6fast/kernels/quant_attention_wgmma.py) beside cuDNN SDPA and the Triton k6 kernel.
 
 Correctness first: at odd shapes the Gluon core against `attention_quantized_ref` (the same quantized inputs, FP32
 maths; cosine >= 0.9999, rel. L2 <= 1 %) and against exact FP32 attention (`odd_ok` in the JSON). At W1 every row's

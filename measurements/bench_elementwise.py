@@ -268,7 +268,7 @@ def main() -> None:
             saved = p50(op, slow) - p50(op, fast)
             print(f"{op}: {saved:.3f} ms saved per call vs {what} ({p50(op, slow) / p50(op, fast):.2f}x)")
     if p50("gelu", "op_compiled") and p50("gelu", "compile") and p50("gelu", "op_compiled") > p50("gelu", "compile"):
-        print("warning: Inductor's GELU beat the op the fused path runs; kernels/gelu.py's choice needs a look")
+        print("warning: Inductor's GELU beat the op the fused path runs; k6fast/kernels/gelu.py's choice needs a look")
     if not all(r["ok"] for r in results):
         raise SystemExit("some variants failed their correctness check and were not timed")
 

@@ -1,4 +1,4 @@
-"""Exact attention on the DiT's layout: cuDNN and flash SDPA and flash-attn-4 (kernels/fa4_attention.py, where
+"""Exact attention on the DiT's layout: cuDNN and flash SDPA and flash-attn-4 (k6fast/kernels/fa4_attention.py, where
 installed), at the Pro and Lite head dims.
 
 Correctness first, by the flash-attention rule: at odd shapes (batch 2, 3 heads) and at every W1 shape, a kernel's

@@ -6,7 +6,7 @@ Variants per shape, each checked for correctness before it is timed:
   cublas_fp16         F.linear on fp16 copies (fp32 accumulation): the ceiling for fp16 operands
   fp8                 fp8_linear(x, wq, w_scale, fast_accum=True): Triton row quantization of x + torch._scaled_mm
                       with fast accumulation, what a layer of the fp8 arm costs (k6fast/dit/linear.py)
-  fp8_outlier32       fp8 with 32 outlier columns (kernels/fp8_outliers.py), what a layer of the fp8
+  fp8_outlier32       fp8 with 32 outlier columns (k6fast/kernels/fp8_outliers.py), what a layer of the fp8
                       arm costs on bf16 weights: channel choice + row quantization with the extra columns + a K+128
                       GEMM (the weight's residual columns are built outside the timing, as the weight itself is)
   fp8_exact_accum     the same with fp32-promoted accumulation (use_fast_accum=False)
@@ -15,7 +15,7 @@ Variants per shape, each checked for correctness before it is timed:
   fp8_quantize        quantize_rows_fp8(x) alone (reported in GB/s too)
   fp16acc_k32/k64     fp16acc_linear(x bf16, w fp16, k_chunk=32/64): A converted to fp16 inside the kernel
   fp16acc_k32_fp16x   the same on an fp16 x: the GEMM alone
-  fp8_fp16acc         kernels/fp8_fp16acc.py on operands quantized to its range (±44), the GeForce fp8 path
+  fp8_fp16acc         k6fast/kernels/fp8_fp16acc.py on operands quantized to its range (±44), the GeForce fp8 path
                       (K6_GEMM=fp8 on sm_89/sm_120); runs on any sm_89+ GPU, so an H200 checks its numerics
   mxfp8, nvfp4        blockscaled_linear with the activation quantization (torchao), weights pre-quantized:
                       torch._scaled_mm's block-scaled path, sm_100/sm_120 only (skipped elsewhere)

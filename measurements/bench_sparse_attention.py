@@ -1,4 +1,4 @@
-"""Block-sparse video self-attention (kernels/sparse_attention.py, kernels/tile_mask.py) at W1: speed per density
+"""Block-sparse video self-attention (k6fast/kernels/sparse_attention.py and tile_mask.py) at W1: speed per density
 against cuDNN dense SDPA, and the error of dropping blocks against dense attention.
 
 What is measured, in order:

@@ -62,8 +62,8 @@ H200_DRAM = 4.8e12  # NVIDIA's H200 specification
 
 
 def derive_rates(rates: dict[str, Rate]) -> dict[str, Rate]:
-    """Quantized attention with P·V at FP32 accumulation (what kernels/quant_attention_core.py issued on sm_120 before
-    its FP16-accumulate P·V, tests/test_sass_geforce.py; kept to rank that work): Q·K and P·V are half the FLOPs
+    """Quantized attention with P·V at FP32 accumulation (what k6fast/kernels/quant_attention_core.py issued on sm_120
+    before its FP16-accumulate P·V, tests/test_sass_geforce.py; kept to rank that work): Q·K and P·V are half the FLOPs
     each; at SageAttention2++'s 560 both MMAs run at the FP16-accumulate FP8 rate R and the rest (softmax, loads)
     takes t_s = F (1/560 - 1/R); halving P·V's rate adds F/(2R)."""
     r8, sage = rates["gemm_fp8_fp16acc"].value, rates["attn_quant_f16pv"].value
@@ -146,7 +146,7 @@ class Arm:
     gemm: str  # RATES key
     profile: str  # load_h200_profiles key: which H200 block's memory-bound work and gaps this arm has
     quant_sites: tuple[str, ...] = ()  # attention sites on the quantized kernel: "video_self", "audio_self"
-    quant_rate: str = "attn_quant_f16pv"  # what kernels/quant_attention_core.py issues on sm_120 (FP16-acc P·V)
+    quant_rate: str = "attn_quant_f16pv"  # what k6fast/kernels/quant_attention_core.py issues on sm_120 (FP16-acc P·V)
     exact_blocks: int = 0  # first and last N blocks keep exact attention
     exact_calls: int = 0  # first N DiT calls keep exact attention
     dit_calls: int = 10  # 10 PiFlow steps minus cached ones

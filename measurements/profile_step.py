@@ -54,7 +54,7 @@ TOP_KERNELS = 15
 # span many kernels and would count them twice.
 DEVICE_ACTIVITY_TYPES = ("kernel", "gpu_memcpy", "gpu_memset")
 
-# k6fast's own Triton kernels (kernels/*.py); a Triton kernel's CUDA name is its function's name. The quantization
+# k6fast's own Triton kernels (k6fast/kernels/); a Triton kernel's CUDA name is its function's name. The quantization
 # kernels count with the operation they feed, so an arm's attention or GEMM figure is the whole cost of that path.
 K6_KERNELS = {
     "_layernorm_modulate_kernel": FUSED,

@@ -2,7 +2,7 @@
 
 Each (tile, num_warps, num_stages, maxnreg, k_chunk) is launched directly (no autotuner), checked against the fp32
 product of the fp16 operands on 2,348 rows, then timed (p50 of CUDA-event timings). What the autotuner's config list
-and the default chunk in kernels/fp8_linear.py are chosen from. A plain Triton GEMM with FP32 accumulation (same
+and the default chunk in k6fast/kernels/fp8_linear.py are chosen from. A plain Triton GEMM with FP32 accumulation (same
 loads) is timed beside them: what Triton's own code generation reaches on this GPU.
 
 Run (GPU):  python measurements/sweep_fp16acc.py --out fp16acc_sweep.json [--rep-ms 60]

@@ -1,4 +1,4 @@
-"""The Gluon FP16-accumulate GEMM (kernels/fp16acc_wgmma.py) at the W1 shapes, beside cuBLAS BF16 and the Triton
+"""The Gluon FP16-accumulate GEMM (k6fast/kernels/fp16acc_wgmma.py) at the W1 shapes, beside cuBLAS BF16 and the Triton
 fp16acc kernel in the same process, over its tiles.
 
 Per shape: cuBLAS BF16 (F.linear), the Triton kernel (`fp16acc_linear_triton`, autotuned), the bf16 -> fp16

@@ -1,4 +1,4 @@
-"""kernels/adaln.py: layernorm_modulate, gated_residual and the two fused (gated_residual_modulate).
+"""k6fast/kernels/adaln.py: layernorm_modulate, gated_residual and the two fused (gated_residual_modulate).
 
 Three tiers: CPU tests of the references against diffusers' own functions and of the public ops' CPU path;
 `interpret` tests of the Triton kernels at tiny shapes (run in a subprocess with TRITON_INTERPRET=1, so the setting

@@ -1,4 +1,4 @@
-"""kernels/blockscaled.py: MXFP8 / NVFP4 operands (torchao's quantization) and the block-scaled linear.
+"""k6fast/kernels/blockscaled.py: MXFP8 / NVFP4 operands (torchao's quantization) and the block-scaled linear.
 
 On the CPU: the packed tensors and scales against an independent fp32 emulation of each format written here from the
 format's definition, the swizzled scale layout against the index formula of cuBLAS's documentation, the product
@@ -117,7 +117,7 @@ def test_nvfp4_activations_equal_the_emulation(shape):
 
 
 def test_nvfp4_weights_match_torchao_two_level_recipe():
-    # Weights come from kernels/nvfp4.py (the nvfp4 checkpoint format); torchao's two-level NVFP4 with the same
+    # Weights come from k6fast/kernels/nvfp4.py (the nvfp4 checkpoint format); torchao's two-level NVFP4 with the same
     # tensor scale must give the same scales and (but for threshold ties) the same codes.
     from torchao.prototype.mx_formats.nvfp4_tensor import nvfp4_quantize, per_tensor_amax_to_scale
 

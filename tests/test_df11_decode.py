@@ -1,4 +1,4 @@
-"""kernels/df11_decode.py: the DF11 decoder, bit-exact against the tensor that was encoded.
+"""k6fast/kernels/df11_decode.py: the DF11 decoder, bit-exact against the tensor that was encoded.
 
 CPU tests of the public op's CPU path (the reference); `interpret` tests of the Triton kernel at tiny shapes and
 small lanes x chunk (a subprocess with TRITON_INTERPRET=1); `gpu` tests at the Pro block's weight shapes and odd

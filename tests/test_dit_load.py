@@ -299,7 +299,7 @@ def test_gpu_the_thread_imports_nothing_while_a_df11_decode_kernel_compiles(tiny
         "print('end')"
     )  # fmt: skip
     env = {**os.environ, "TRITON_CACHE_DIR": str(tmp_path / "triton")}
-    # cwd: the installed k6fast, not a source tree's (whose kernels/ lives at the repository's top).
+    # cwd: the installed k6fast, not the source tree's.
     done = subprocess.run([sys.executable, "-c", code, str(compressed)], capture_output=True, text=True, timeout=300,
                           env=env, cwd=tmp_path)  # fmt: skip
     assert done.returncode == 0, done.stderr[-3000:]

@@ -1,4 +1,4 @@
-"""flash-attn-4 as the exact-attention kernel (kernels/fa4_attention.py, `K6_EXACT_ATTN_KERNEL=fa4`).
+"""flash-attn-4 as the exact-attention kernel (k6fast/kernels/fa4_attention.py, `K6_EXACT_ATTN_KERNEL=fa4`).
 
 CPU: the switch refuses the removed `k6` value (k6fast's Gluon exact kernel) naming what it accepts; where
 flash-attn-4 cannot run (no CUDA device, the package missing) the reason is explicit and the dispatch falls back to
@@ -195,7 +195,7 @@ def test_gpu_a_second_process_loads_the_kernels_the_first_compiled(tmp_path):
     import subprocess
 
     def start(out):
-        # cwd: not the repository, whose k6fast/ lacks kernels/ (the installed package maps it in)
+        # cwd: not the repository: the installed package is the one under test
         done = subprocess.run(
             [sys.executable, "-c", _SECOND_START, str(tmp_path / "cache"), str(out)],
             capture_output=True, text=True, timeout=600, cwd=tmp_path,

@@ -1,4 +1,4 @@
-"""The Gluon FP16-accumulate GEMM for sm_90 (kernels/fp16acc_wgmma.py).
+"""The Gluon FP16-accumulate GEMM for sm_90 (k6fast/kernels/fp16acc_wgmma.py).
 
 CPU: the kernel compiles for sm_90a with the installed Triton (Gluon is experimental; this catches API drift), its
 MMAs accumulate in fp16 and stay in flight (a `wgmma.wait_group 1` in the loop), and ptxas neither serializes the

@@ -1,4 +1,4 @@
-"""kernels/fp8_fp16acc.py: the GeForce FP8 GEMM that accumulates each K chunk in FP16 and adds the chunks in FP32.
+"""k6fast/kernels/fp8_fp16acc.py: the GeForce FP8 GEMM that accumulates each K chunk in FP16 and sums them in FP32.
 
 What the CPU can check: the emulation of the FP16 chunk accumulation against the FP32-accumulate product of the same
 e4m3 operands (`fp8_linear_ref`), the overflow bound that fixes the quantization range, and the Triton kernel under

@@ -1,4 +1,4 @@
-"""kernels/fp8_linear.py: row-wise FP8 quantization, the FP8 linear, and the FP16-accumulate GEMM.
+"""k6fast/kernels/fp8_linear.py: row-wise FP8 quantization, the FP8 linear, and the FP16-accumulate GEMM.
 
 Three tiers: CPU tests of the references and of the public ops' CPU path; `interpret` tests of the Triton kernels
 at tiny shapes (run in a subprocess with TRITON_INTERPRET=1, so the setting never leaks into this process); `gpu`

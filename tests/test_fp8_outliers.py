@@ -1,5 +1,5 @@
-"""The fp8 outlier-column choice (kernels/fp8_outliers.py): the reference, the two Triton kernels (interpreter and
-GPU, which must choose exactly the reference's channels), and the op under torch.compile."""
+"""The fp8 outlier-column choice (k6fast/kernels/fp8_outliers.py): the reference, the two Triton kernels (interpreter
+and GPU, which must choose exactly the reference's channels), and the op under torch.compile."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""kernels/gelu.py: the exact-erf GELU of the DiT feed-forward, ATen's kernel behind an op torch.compile keeps.
+"""k6fast/kernels/gelu.py: the exact-erf GELU of the DiT feed-forward, ATen's kernel behind an op torch.compile keeps.
 
 CPU: the op is F.gelu bit for bit, its checks, opcheck and compile tracing, the backend switch. GPU: bit-identical to
 eager F.gelu at the W1 FFN activation (50,220 x 16,384 bf16) and odd shapes, also inside a graph Inductor compiles

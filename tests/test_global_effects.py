@@ -15,7 +15,7 @@ import pytest
 import torch
 
 ROOT = Path(__file__).resolve().parents[1]
-PACKAGE_DIRS = ("k6fast", "kernels", "switches", "quality_gate")
+PACKAGE_DIRS = ("k6fast", "switches", "quality_gate")
 
 # The entry points: a process starts in them and they own it.
 ENTRY_MODULES = frozenset(

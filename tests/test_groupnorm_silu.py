@@ -1,4 +1,4 @@
-"""kernels/groupnorm_silu.py: GroupNorm from given statistics + SiLU into a strided destination.
+"""k6fast/kernels/groupnorm_silu.py: GroupNorm from given statistics + SiLU into a strided destination.
 
 CPU tests of the reference against PyTorch's GroupNorm + SiLU and of the public op's CPU path; `interpret` tests of
 the Triton kernel at small odd shapes (a subprocess with TRITON_INTERPRET=1, so the setting never leaks into this

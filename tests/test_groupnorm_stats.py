@@ -1,4 +1,4 @@
-"""kernels/groupnorm_stats.py: per-channel moments per tile of positions, the GroupNorm statistics' first pass.
+"""k6fast/kernels/groupnorm_stats.py: per-channel moments per tile of positions, the GroupNorm statistics' first pass.
 
 CPU tests of `positions_stride` and the refusals; `interpret` tests of the kernel at small odd shapes (a subprocess with
 TRITON_INTERPRET=1), in both layouts and on a slice along T, with tiles of one sub-tile and of many, each tile

@@ -1,17 +1,18 @@
-"""The import graph of k6fast's four packages points one way: no cycles, and nothing imports upward.
+"""The import graph of k6fast's packages points one way: no cycles, and nothing imports upward.
 
 The graph is read from the source with `ast`, imports inside functions included (an import deferred into a function
 still ties the two modules together; deferring it only hides a cycle from the interpreter). Each import counts as an
 edge to the module it names (`from pkg import name` names `pkg.name` where that is a module, else `pkg`); a package's
 `__init__` is a module like the others, so re-exports through it count.
 
-The layers (design card): `kernels/` (installed as `k6fast.kernels`) knows nothing of the runtime; the runtime knows
+The layers (design card): `k6fast/kernels/` knows nothing of the runtime; the runtime knows
 nothing of the command line (`k6fast.cli` and the subcommands' `cli` modules it registers).
 """
 
 from __future__ import annotations
 
 import ast
+import importlib.metadata
 from pathlib import Path
 
 import networkx  # a dependency of torch
@@ -21,7 +22,6 @@ ROOT = Path(__file__).resolve().parents[1]
 # Source folder -> the package it is installed as (pyproject.toml's package-dir).
 PACKAGES = {
     "k6fast": "k6fast",
-    "kernels": "k6fast.kernels",
     "switches": "k6fast.switches",
     "quality_gate": "k6fast.quality_gate",
 }
@@ -29,7 +29,7 @@ KERNELS = "k6fast.kernels"
 
 
 def _modules() -> dict[str, Path]:
-    """Every module of the four packages by its installed name (a package by its own name, for its __init__)."""
+    """Every module of the packages by its installed name (a package by its own name, for its __init__)."""
     found = {}
     for folder, package in PACKAGES.items():
         for path in sorted((ROOT / folder).rglob("*.py")):
@@ -129,10 +129,35 @@ def test_kernels_import_nothing_of_the_runtime():
         for target in targets
         if not (target == KERNELS or target.startswith(KERNELS + "."))
     )
-    assert not upward, "kernels/ must not import the runtime:\n" + "\n".join(upward)
+    assert not upward, "k6fast/kernels/ must not import the runtime:\n" + "\n".join(upward)
 
 
 @pytest.mark.parametrize("cli", sorted(m for m in MODULES if _is_cli(m)))
 def test_the_runtime_never_imports_the_command_line(cli):
     importers = sorted(m for m, targets in GRAPH.items() if cli in targets and not _is_cli(m))
     assert not importers, f"{cli} is the command line; imported by the runtime: {importers}"
+
+
+def top_level_modules(root: Path) -> set[str]:
+    """What `import NAME` finds in `root` when it is first on sys.path (as a process started there has it)."""
+    folders = {p.name for p in root.iterdir() if (p / "__init__.py").is_file()}
+    return folders | {p.stem for p in root.glob("*.py")}
+
+
+def shadowed(root: Path, installed: dict[str, list[str]]) -> dict[str, list[str]]:
+    """The installed distributions' top-level modules that a folder or file of `root` hides, by name."""
+    return {name: installed[name] for name in top_level_modules(root) if name in installed and name != "k6fast"}
+
+
+def test_no_top_level_folder_of_the_repository_shadows_an_installed_module(tmp_path) -> None:
+    # `python -m k6fast.cli` in a clone's root, and the subprocesses the tests and bench visits start there, put the
+    # root first on sys.path: a kernels/ there hid the PyPI `kernels` that transformers >= 5.25 imports.
+    installed = importlib.metadata.packages_distributions()
+    assert shadowed(ROOT, installed) == {}
+    (tmp_path / "kernels").mkdir()
+    (tmp_path / "kernels" / "__init__.py").write_text("")
+    (tmp_path / "networkx.py").write_text("")
+    assert shadowed(tmp_path, {"kernels": ["kernels"], "networkx": ["networkx"], "k6fast": ["k6fast"]}) == {
+        "kernels": ["kernels"],
+        "networkx": ["networkx"],
+    }

@@ -1,4 +1,4 @@
-"""kernels/nvfp4.py: NVFP4 quantization, dequantization and the dequantize-in-prologue Triton GEMM.
+"""k6fast/kernels/nvfp4.py: NVFP4 quantization, dequantization and the dequantize-in-prologue Triton GEMM.
 
 Three tiers: CPU tests of the format (exact codes, packing, scales, round-trip error) and of the public ops' CPU path;
 `interpret` tests of the Triton kernel at tiny shapes with fp32 dots (run in a subprocess with TRITON_INTERPRET=1, so

@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 TESTS = Path(__file__).resolve().parent
-PACKAGES = frozenset({"k6fast", "kernels", "switches", "quality_gate"})
+PACKAGES = frozenset({"k6fast", "switches", "quality_gate"})
 SOURCES = [TESTS.parent / package for package in sorted(PACKAGES)]
 # Builtins and pytest calls whose (object, "name") arguments reach an attribute by name.
 _BY_NAME = frozenset({"getattr", "setattr", "delattr", "hasattr", "setitem", "delitem"})

@@ -1,4 +1,4 @@
-"""kernels/qk_norm_rope.py: per-head RMSNorm + RoPE of queries and keys in one pass.
+"""k6fast/kernels/qk_norm_rope.py: per-head RMSNorm + RoPE of queries and keys in one pass.
 
 CPU: the reference is the DiT forward's sequence, the public op's CPU path, its checks, compile tracing and the
 backend switch. Interpreter: the Triton kernel at tiny shapes (fp32 tightly, bf16 to one or two units in the last

@@ -1,4 +1,4 @@
-"""Tests of kernels/quant_attention.py (SageAttention-2-style INT8 Q·Kᵀ, FP8/FP16 P·V attention).
+"""Tests of k6fast/kernels/quant_attention.py (SageAttention-2-style INT8 Q·Kᵀ, FP8/FP16 P·V attention).
 
 Three tiers (markers declared in pyproject.toml):
 - plain CPU tests: the PyTorch reference against exact FP32 attention, K-smoothing invariance, the quantized

@@ -1,4 +1,4 @@
-"""The Gluon attention core for sm_90 (kernels/quant_attention_wgmma.py).
+"""The Gluon attention core for sm_90 (k6fast/kernels/quant_attention_wgmma.py).
 
 CPU: the kernel compiles for sm_90a with the installed Triton (Gluon is experimental; this catches API drift) into
 three partitions with register reallocation (`setmaxnreg`), INT8 and FP8 wgmma, and ptxas neither serializes the

@@ -147,8 +147,8 @@ def test_fp8_gemm_accumulates_chunks_in_fp16(target, config) -> None:
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# The quantized attention (the Triton kernels of kernels/quant_attention_prologue.py and quant_attention_core.py, as
-# `quant_attention` launches them off sm_90)
+# The quantized attention (the Triton kernels of k6fast/kernels/quant_attention_prologue.py and
+# quant_attention_core.py, as `quant_attention` launches them off sm_90)
 # ---------------------------------------------------------------------------------------------------------------
 
 

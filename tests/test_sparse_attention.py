@@ -1,4 +1,4 @@
-"""Block-sparse attention (kernels/sparse_attention.py) against dense and masked references.
+"""Block-sparse attention (k6fast/kernels/sparse_attention.py) against dense and masked references.
 
 CPU: the FP32 reference with every block kept equals dense FP32 attention (to fp32 rounding) and with a hand-built
 block list equals SDPA under the same token mask, at odd shapes (one query, ragged last blocks, cross attention, a

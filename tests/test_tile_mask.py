@@ -1,6 +1,7 @@
-"""The sparse arm's mask builder (kernels/tile_mask.py), on CPU: the tiled token order (a permutation, its inverse,
-compact blocks, the tail frame beside frame 0, ragged strips), block bounding boxes, the 3-D window, the pooled-score
-pass, the kept-block selection (window first, density accounting, ascending rows) and the dense token mask."""
+"""The sparse arm's mask builder (k6fast/kernels/tile_mask.py), on CPU: the tiled token order (a permutation, its
+inverse, compact blocks, the tail frame beside frame 0, ragged strips), block bounding boxes, the 3-D window, the
+pooled-score pass, the kept-block selection (window first, density accounting, ascending rows) and the dense token
+mask."""
 
 from __future__ import annotations
 

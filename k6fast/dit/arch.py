@@ -11,7 +11,7 @@ target without one (`resolve_for`, which `k6fast switches` prints for sm_90, sm_
   FP32-accumulate FP8 rate by its published specification; measurements/model_5090.md ranks it) where torchao is
   installed; FP8 row-wise elsewhere from sm_89 (the H200's fastest GEMM measured:
   measurements/sessions/2026-11-29_fp8-outliers/README.md); bf16 below sm_89 and on the CPU.
-- K6_GEMM=fp8 on GeForce sm_89/sm_12x becomes `fp8-fp16acc`: the FP16-chunk FP8 GEMM (kernels/fp8_fp16acc.py,
+- K6_GEMM=fp8 on GeForce sm_89/sm_12x becomes `fp8-fp16acc`: the FP16-chunk FP8 GEMM (k6fast/kernels/fp8_fp16acc.py,
   `QMMA.16832.F16` in its SASS) instead of `torch._scaled_mm`'s FP32 accumulation, half rate on those cards.
 - K6_GEMM=mxfp8 / nvfp4 where there are no block-scaled tensor cores (Hopper, Ada, older): cuBLAS bf16, said once.
 - `auto` attention: k6fast's quantized kernel only on GeForce Ada/Blackwell (sm_89, sm_12x: FP8 P·V), the cards on

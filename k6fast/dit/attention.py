@@ -13,7 +13,7 @@ the last `K6_EXACT_ATTN_LAST_STEPS` steps, which set the final detail (the polic
 timesteps also follow; its users found few-step runs need the last step dense). Where both lossy arms could take video
 self-attention, the sparse one does (it skips the work instead of cheapening it). A masked call always goes exact.
 
-The sparse arm needs the video tokens in 3-D tiles (kernels/tile_mask.py): the DiT asks `video_token_order` once
+The sparse arm needs the video tokens in 3-D tiles (k6fast/kernels/tile_mask.py): the DiT asks `video_token_order` once
 per forward, permutes its tokens and RoPE tables, and undoes the order before the head. With the arm off it gets
 None and nothing moves.
 """

@@ -63,7 +63,8 @@ class Backend(Protocol):
 
 class ExactBackend:
     """The reference every fast path is checked against: GEMMs in the weights' dtype (cuBLAS on GPU), PyTorch SDPA,
-    and the elementwise maths as the kernels' own references (`kernels/*`'s `*_ref`: multi-pass fp32 torch ops)."""
+    and the elementwise maths as the kernels' own references (the `*_ref` of `k6fast/kernels/`: multi-pass fp32
+    torch ops)."""
 
     def linear(self, x: Tensor, weight: Tensor, bias: Tensor | None, *, name: str) -> Tensor:
         return F.linear(x, weight, bias)

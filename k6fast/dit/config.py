@@ -256,7 +256,7 @@ EXACT_LAYERS = ("modulation", "time_embeddings", "pooled_text_embeddings")
 #   nvfp4: <layer>.weight U8 [N, K/2] (two E2M1 codes a byte, element 2i low), <layer>.weight_scale F8_E4M3 [N, K/16],
 #          <layer>.weight_scale_2 F32 []                        w = e2m1(weight) · weight_scale[:, k // 16] · scale_2
 # Scales are stored row-major (one row per output channel), not in cuBLAS's swizzled layout: the block-scaled GEMM
-# (kernels/blockscaled.py) swizzles them per call (1/32 or 1/16 of the weight's bytes), and every other device
+# (k6fast/kernels/blockscaled.py) swizzles them per call (1/32 or 1/16 of the weight's bytes), and every other device
 # dequantizes from the plain layout. The nvfp4 format is the one k6fast wrote before the block-scaled GEMM existed.
 # in transformer/config.json: {"format": one of QUANT_FORMATS, "version": 1}
 QUANT_CONFIG_KEY = "k6fast_quantization"

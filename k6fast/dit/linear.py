@@ -17,10 +17,10 @@ K6_GEMM still governs the layers the checkpoint keeps in bf16. Where the fp8 GEM
 K6_GEMM_MIN_ROWS, CPU, fp32 activations, a GPU without FP8 or block-scaled MMA) the weight is dequantized and
 multiplied by F.linear: correct everywhere.
 
-K6_GEMM=mxfp8 / nvfp4 on bf16 weights quantize weight and activations per call (kernels/blockscaled.py, torchao's
+K6_GEMM=mxfp8 / nvfp4 on bf16 weights quantize weight and activations per call (k6fast/kernels/blockscaled.py, torchao's
 quantization, with outlier columns as for fp8).
 `arch.resolve_auto` turns them into bf16, with a warning, on GPUs without block-scaled tensor cores; K6_GEMM=fp8 on
-GeForce sm_89/sm_12x runs the FP16-chunk FP8 GEMM (kernels/fp8_fp16acc.py; `resolve_auto` turns it into
+GeForce sm_89/sm_12x runs the FP16-chunk FP8 GEMM (k6fast/kernels/fp8_fp16acc.py; `resolve_auto` turns it into
 fp8-fp16acc) instead of `torch._scaled_mm`, whose FP32 accumulation runs at half rate there.
 """
 
@@ -195,8 +195,9 @@ class LinearDispatch:
             # fp8 block time of measurements/sessions/2026-11-29_kernels/README.md). A checkpoint from
             # `k6fast quantize --format fp8` removes it.
             # With K6_FP8_OUTLIER_CHANNELS > 0 (the bf16 weight at hand), its rounding at this call's outlier channels
-            # is corrected by extra GEMM columns (kernels/fp8_outliers.py). fp8-fp16acc (what K6_GEMM=fp8 resolves to on
-            # GeForce, where FP32 accumulation runs at half rate) quantizes to the FP16-chunk GEMM's range and runs it.
+            # is corrected by extra GEMM columns (k6fast/kernels/fp8_outliers.py). fp8-fp16acc (what K6_GEMM=fp8
+            # resolves to on GeForce, where FP32 accumulation runs at half rate) quantizes to the FP16-chunk GEMM's
+            # range and runs it.
             chunks = kind == "fp8-fp16acc"
             qmax = FP16_CHUNK_QMAX if chunks else E4M3_MAX
             cols, xq = fp8_input(x, self.outlier_channels, shared, qmax)
@@ -209,7 +210,8 @@ class LinearDispatch:
         if kind in ("mxfp8", "nvfp4"):
             # Quantized at use, as the fp8 weights are; `k6fast quantize --format mxfp8|nvfp4` removes the pass. With
             # K6_FP8_OUTLIER_CHANNELS > 0, 2C extra columns put back both operands' rounding at this call's largest
-            # input channels (kernels/blockscaled.py; tests/test_blockscaled.py holds the errors with and without).
+            # input channels (k6fast/kernels/blockscaled.py; tests/test_blockscaled.py holds the errors with and
+            # without).
             cols, xq = _blockscaled_input(x, kind, self.outlier_channels, shared)
             if cols is None:
                 wq = blockscaled.quantize_weight(weight, kind)

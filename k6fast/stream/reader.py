@@ -49,8 +49,8 @@ def torch_dtype(loc: TensorLocation) -> torch.dtype:
 
 def as_tensor(raw: Tensor, loc: TensorLocation, compute: torch.dtype, *, decoded: bool = False) -> Tensor:
     """raw: the tensor's stored bytes (uint8, on its device) → a typed tensor of its shape, in the dtype it computes
-    in (see `target_dtype`). A DF11 blob is decoded (on the GPU: `kernels/df11_decode.py`) into a new bf16 tensor;
-    with `decoded`, raw holds it decoded already (bf16 bytes)."""
+    in (see `target_dtype`). A DF11 blob is decoded (on the GPU: `k6fast/kernels/df11_decode.py`) into a new bf16
+    tensor; with `decoded`, raw holds it decoded already (bf16 bytes)."""
     if isinstance(loc, DF11Location):
         stored = torch.bfloat16
         t = raw.view(stored).view(loc.layout.shape) if decoded else decode_blob(raw, loc.layout)

@@ -221,8 +221,8 @@ def decode_video_fast(
     `chunk_latent_frames` forces streaming in slabs of that many latent frames. `plan`: a plan made beforehand
     (instead of `budget_bytes`), so that the caller decodes with the plan it decided on.
     `layout` "ndhwc" keeps activations channels-last (cuDNN's native 3D layout); `triton_norm` runs GroupNorm+SiLU
-    as one Triton kernel (kernels/groupnorm_silu.py) instead of PyTorch's three passes through fp32, and the
-    GroupNorms' statistics as another (kernels/groupnorm_stats.py) instead of fp32 copies and Welford reductions.
+    as one Triton kernel (k6fast/kernels/groupnorm_silu.py) instead of PyTorch's three passes through fp32, and the
+    GroupNorms' statistics as another (k6fast/kernels/groupnorm_stats.py) instead of fp32 copies and Welford reductions.
     cuDNN picks its convolution algorithms as the process has it set (`torch.backends.cudnn.benchmark`, which the
     decode never changes; k6fast leaves it off, see `k6fast.entry.prepare_pipeline_process`). Samples of a batch are
     decoded one after another. `should_stop` (k6fast.cancel) is checked before every op of every slab and tile: when

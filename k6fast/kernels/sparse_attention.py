@@ -14,7 +14,7 @@ Public API (layout [B, N, H, D], the DiT's projections; self- or cross-attention
 - ``sparse_attention_op``: the custom op compiled DiT blocks call.
 
 Implementations (``_select``): flash-attn-4's block-sparse forward (its ``full_block_cnt/idx``) where it runs
-(sm_90; kernels/fa4_attention.py), else the Triton kernel below on CUDA sm_80 and newer (the RTX 5090's path:
+(sm_90; fa4_attention.py), else the Triton kernel below on CUDA sm_80 and newer (the RTX 5090's path:
 flash-attn-4 4.0.0b36 refuses block sparsity on sm_120), else the reference (logged once). Under TRITON_INTERPRET=1
 the Triton kernel runs on CPU tensors.
 

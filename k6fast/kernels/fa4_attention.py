@@ -132,7 +132,7 @@ def fa4_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Te
 def fa4_block_sparse_attention(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_idx: torch.Tensor, kv_cnt: torch.Tensor, block: int
 ) -> torch.Tensor:
-    """Block-sparse attention through flash-attn-4's full blocks (kernels/sparse_attention.py states the contract:
+    """Block-sparse attention through flash-attn-4's full blocks (sparse_attention.py states the contract:
     kv_idx int32 [B, H, Mb, K] ascending, kv_cnt int32 [B, H, Mb], `block`-token blocks)."""
     if not fa4_block_sparse_supported(q):
         cap = torch.cuda.get_device_capability(q.device) if q.is_cuda else None

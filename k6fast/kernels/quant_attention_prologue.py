@@ -1,4 +1,4 @@
-"""The quantization prologue of k6fast's quantized attention (kernels/quant_attention.py): Q, K and V to the INT8 /
+"""The quantization prologue of k6fast's quantized attention (quant_attention.py): Q, K and V to the INT8 /
 FP8 (or FP16) operands of the attention cores, with their scales, in three Triton passes.
 
 - ``quantize_qkv(q, k, v, *, pv_fp8, sm_scale, k_block, v_key_perm, pv_fp16_acc)``: Q to INT8 per 128 query rows;
@@ -190,7 +190,7 @@ def _check_k_block(k_block: int) -> int:
 
 def v_key_order(vt: torch.Tensor) -> torch.Tensor:
     """[..., N_pad] -> the same with the keys of each 32-key block reordered for the Gluon core's FP8 A operand
-    (kernels/quant_attention_wgmma.py, `_to_a_operand`): position 16·i1 + 4q + 2·i0 + e holds key 16·i1 + 8·i0 + 2q + e
+    (quant_attention_wgmma.py, `_to_a_operand`): position 16·i1 + 4q + 2·i0 + e holds key 16·i1 + 8·i0 + 2q + e
     (i1, i0, e < 2, q < 4). P·V sums over keys, so P and V permuted alike give the same product."""
     *lead, n_pad = vt.shape
     return vt.reshape(-1, n_pad // 32, 2, 2, 4, 2).permute(0, 1, 2, 4, 3, 5).reshape(*lead, n_pad)

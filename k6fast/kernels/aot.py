@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import importlib
 
-# name → (module in kernels/, the body's name there)
+# name → (module in k6fast/kernels/, the body's name there)
 BODIES: dict[str, tuple[str, str]] = {
     "fp16acc_linear": ("fp16acc_linear", "_fp16acc_linear_kernel"),
     "fp8_fp16acc": ("fp8_fp16acc", "_fp8_fp16acc_kernel"),

@@ -10,7 +10,7 @@ What it holds:
   (CUTLASS kernels in PyTorch). Lossy: e4m3 keeps 3 mantissa bits, so each operand carries a few percent RMS
   relative rounding error, and the product of the two more (tests/test_fp8_linear.py's FP8_REL_L2_VS_BF16 bounds
   it on Gaussian data with outlier channels).
-- The FP16-accumulate GEMM (`fp16acc_linear`) is kernels/fp16acc_linear.py's.
+- The FP16-accumulate GEMM (`fp16acc_linear`) is fp16acc_linear.py's.
 
 Each public op has a pure-PyTorch `*_ref` beside it with the same signature.
 

@@ -1,4 +1,4 @@
-"""The Triton attention core of k6fast's quantized attention (kernels/quant_attention.py): INT8 Q·Kᵀ, online
+"""The Triton attention core of k6fast's quantized attention (quant_attention.py): INT8 Q·Kᵀ, online
 softmax in FP32, FP8 (or FP16) P·V, on the operands the prologue (quant_attention_prologue.py) made. FP8 P·V sums
 each key tile in FP32 or, on a ``QuantizedQKV`` with pv_fp16_acc (the default on GeForce sm_89/sm_12x), each 32 keys
 in FP16 and those in FP32 (see ``_tile_pv``).

@@ -2,7 +2,7 @@
 
 Only GeForce cards (sm_89, sm_120) run FP16-accumulate MMA at twice the FP32-accumulate rate; on datacenter cards
 (A100/H100/H200/B200) both rates are equal, so this kernel has no speed gain there. On sm_90 the default 64-wide chunk
-runs a Gluon wgmma kernel instead (kernels/fp16acc_wgmma.py). `tests/test_sass_geforce.py` compiles the Triton kernel
+runs a Gluon wgmma kernel instead (fp16acc_wgmma.py). `tests/test_sass_geforce.py` compiles the Triton kernel
 for sm_120 and sm_89 on the CPU and checks that its SASS holds FP16-accumulate HMMA (`HMMA.16816.F16`) only.
 
 What it holds: `fp16acc_linear(x, w, bias)` (the public op, a custom op), `fp16acc_linear_triton` (the Triton kernel
@@ -10,7 +10,7 @@ alone, also under the interpreter) and `fp16acc_linear_ref` (the fp32 product of
 
 Dispatch:
   CPU                          reference (logged once)
-  CUDA sm_90, 64-wide chunks   Gluon wgmma (kernels/fp16acc_wgmma.py)
+  CUDA sm_90, 64-wide chunks   Gluon wgmma (fp16acc_wgmma.py)
   CUDA sm_80 and newer         Triton
   older CUDA                   reference (logged once)
 
@@ -217,7 +217,7 @@ def fp16acc_linear(
     Speed: FP16-accumulate MMA runs at twice the FP32-accumulate rate only on GeForce cards (sm_89, sm_120). On
     datacenter cards (A100, H100, H200, B200) both rates are equal, so there this kernel is no faster than cuBLAS
     BF16 and exists for numerical parity with the GeForce path. On sm_90 with k_chunk=64 a Gluon kernel
-    (kernels/fp16acc_wgmma.py: TMA, fp16-accumulator wgmma kept in flight) runs the call, faster there than the
+    (fp16acc_wgmma.py: TMA, fp16-accumulator wgmma kept in flight) runs the call, faster there than the
     Triton kernel though still slower than cuBLAS BF16 (measurements/sessions/2026-11-29_fp16acc-wgmma/README.md; the
     Triton kernel's tiles and chunks: measurements/sessions/2026-11-29_fp16acc-sweep/README.md). Triton on CUDA
     sm_80+; the reference elsewhere."""

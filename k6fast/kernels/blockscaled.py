@@ -6,7 +6,7 @@ Formats (both operands quantized, blocks run along K):
   b = 127 + ceil(log2(amax / E4M3_MAX)) (`formats.E4M3_MAX`), so no element saturates. Scales are kept as uint8
   bytes here (and in checkpoints).
 - NVFP4: e2m1 elements packed two a byte (element 2i in the low nibble), one e4m3 scale per 16 elements and one fp32
-  tensor scale amax / (E4M3_MAX · E2M1_MAX) (`nvfp4.E2M1_MAX`); the same format as kernels/nvfp4.py and
+  tensor scale amax / (E4M3_MAX · E2M1_MAX) (`nvfp4.E2M1_MAX`); the same format as nvfp4.py and
   `k6fast quantize --format nvfp4` checkpoints. Activations are quantized with a tensor scale of their own (dynamic,
   per call).
 
@@ -14,7 +14,7 @@ The quantization is torchao's (`torchao.prototype.mx_formats`: `to_mx` with `Sca
 `nvfp4_quantize` with a dynamic per-tensor scale for NVFP4 activations), and so is the swizzled scale layout that
 cuBLAS's block-scaled GEMMs read (`to_blocked`: each 128-row x 4-column tile of scales stored as 32 x 16, rows
 padded to 128 and columns to 4). torchao is an optional dependency (`pip install 'k6fast[blockscaled]'`; the dev extra
-has it); the weights of an nvfp4 checkpoint come from kernels/nvfp4.py, whose recipe equals torchao's two-level one
+has it); the weights of an nvfp4 checkpoint come from nvfp4.py, whose recipe equals torchao's two-level one
 (tests/test_blockscaled.py compares the two).
 
 The GEMM is the call torchao 0.18 makes for these formats (torch >= 2.11): `torch._scaled_mm(xq, wq.t(), x_scales,
@@ -121,7 +121,7 @@ def quantize_nvfp4_activations(x: Tensor) -> tuple[Tensor, Tensor, Tensor]:
 
 def quantize_weight(w: Tensor, fmt: str) -> tuple[Tensor, Tensor, Tensor | None]:
     """w: [N, K] (nn.Linear layout) → (qdata, scale, scale_2) as a `fmt` checkpoint stores them: mxfp8 (e4m3 [N, K],
-    uint8 [N, K/32], None); nvfp4 (uint8 [N, K/2], e4m3 [N, K/16], fp32 []) from kernels/nvfp4.py."""
+    uint8 [N, K/32], None); nvfp4 (uint8 [N, K/2], e4m3 [N, K/16], fp32 []) from nvfp4.py."""
     if w.ndim != 2:
         raise ValueError(f"quantize_weight: expected a weight [N, K], found shape {tuple(w.shape)}")
     if fmt == "mxfp8":

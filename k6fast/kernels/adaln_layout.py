@@ -1,4 +1,4 @@
-"""How the AdaLN kernels (kernels/adaln.py) see their operands, and the checks that hold them to it; private to them.
+"""How the AdaLN kernels (adaln.py) see their operands, and the checks that hold them to it; private to them.
 
 x is [..., D] (rows = tokens). A modulation vector is [D] (shared by all rows), [1, D], or [B, D] with x [B, ..., D]
 (one vector per sample, rows of sample b are x[b].reshape(-1, D)), as diffusers broadcasts them. A kernel program

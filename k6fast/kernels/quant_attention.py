@@ -8,7 +8,7 @@ Public API (layout BHND = [batch, heads, tokens, head_dim]; no mask; q and k/v t
 - ``quant_attention_ref(...)``: the same quantization scheme step by step in PyTorch (FP32 maths); the kernel is
   checked against it tightly.
 - ``attention_fp32(q, k, v, *, sm_scale=None)``: exact attention in FP32, chunked over query rows
-  (kernels/exact_attention.py).
+  (exact_attention.py).
 - ``quantize_qkv`` / ``quantize_qkv_ref`` (quant_attention_prologue.py) and ``attention_quantized`` /
   ``attention_quantized_ref`` (quant_attention_core.py): the two halves (quantization prologue, attention core),
   re-exported here so tests and benchmarks can check and time them apart. This module is the dispatch: which
@@ -133,7 +133,7 @@ def quant_attention(
     return attention_quantized(qkv, config=cfg)
 
 
-# Where the Gluon core (kernels/quant_attention_wgmma.py, FP8 P·V) replaces the Triton one: GPU capability -> head
+# Where the Gluon core (quant_attention_wgmma.py, FP8 P·V) replaces the Triton one: GPU capability -> head
 # dims. On an H200 at W1 it beats the Triton core at both head dims (at head_dim 64 since its tree row reductions):
 # measurements/sessions/2026-11-29_attention-tree/README.md.
 _GLUON_CORE_HEAD_DIMS = {(9, 0): (64, 128)}
