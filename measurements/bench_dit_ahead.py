@@ -29,11 +29,6 @@ SIDES = ("on", "off")
 FIGURES = ("wall_s", "ended_at_s", "outside_request_s", "load_s", "load_overlapped_s", "request_s")
 
 
-def mirrored(pairs: int) -> list[str]:
-    """on, off, off, on, on, off, ...: each side as often first as second, so a drift over the session cancels."""
-    return [side for i in range(pairs) for side in (SIDES if i % 2 == 0 else SIDES[::-1])]
-
-
 def figures(sidecar: dict) -> dict[str, float]:
     process = sidecar["process"]
     outside = round(process["ended_at_s"] - process["request_s"], 4)
@@ -53,6 +48,7 @@ def main() -> int:
         parser.error(f"expected --pairs >= 1 and --warmup >= 0, found {args.pairs} and {args.warmup}")
     from k6fast.atomic import sidecar_path
     from k6fast.bench.records import DEFAULT_PROMPT
+    from k6fast.bench.session import visit_order
     from k6fast.bench.stats import median
     from k6fast.bench.workload import parse_geometry
 
@@ -60,8 +56,10 @@ def main() -> int:
     work = Path(tempfile.mkdtemp(prefix="dit-ahead-"))
     base = {k: v for k, v in os.environ.items() if not k.startswith("K6_")}
     base |= {"K6_INDUCTOR_CACHE_DIR": args.cache_dir, "K6_VRAM_BUDGET_GB": f"{args.budget_gb:g}"}
+    # The bench's mirrored order (on, off, off, on, ...), cut to --pairs a side: a drift over the session cancels.
+    mirrored = [side for side, _, _ in visit_order(SIDES, "ABBA", repeats=(args.pairs + 1) // 2)][: 2 * args.pairs]
     runs = []
-    for i, side in enumerate(["on"] * args.warmup + mirrored(args.pairs)):
+    for i, side in enumerate(["on"] * args.warmup + mirrored):
         out = work / f"{i}-{side}.mp4"
         argv = [sys.executable, "-m", "k6fast.cli", "generate", "--model", args.model, "--arm", args.arm,
                 "--prompt", DEFAULT_PROMPT, "--size", f"{geometry.width}x{geometry.height}",

@@ -5,8 +5,8 @@ still ties the two modules together; deferring it only hides a cycle from the in
 edge to the module it names (`from pkg import name` names `pkg.name` where that is a module, else `pkg`); a package's
 `__init__` is a module like the others, so re-exports through it count.
 
-The layers (design card): `k6fast/kernels/` knows nothing of the runtime; the runtime knows
-nothing of the command line (`k6fast.cli` and the subcommands' `cli` modules it registers).
+The layers (design card): `k6fast/kernels/` knows nothing of the runtime; the runtime knows nothing of the command
+line (`k6fast.cli` and the subcommands' `cli` modules it registers).
 """
 
 from __future__ import annotations
