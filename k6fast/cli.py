@@ -18,6 +18,7 @@ from .checkpoint import Checkpoint, CheckpointError, open_checkpoint
 from .cli_args import DTYPES, device_problem, seed_problem, size_arg, torch_dtype_of
 from .entry import configure_allocator_environment, prepare_pipeline_process, quiet_warnings
 from .request import Request, RequestError, dit_tokens, request_from_args, resolve_request, validate_geometry
+from .step_cache import fixed_cache_note
 from .switches import Options, SwitchError, load_options
 
 
@@ -217,6 +218,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
             f"loaded in {pipe.load_seconds:.1f} s",
             file=sys.stderr,
         )
+        if note := fixed_cache_note(pipe.ckpt, options):
+            print(note, file=sys.stderr)
         # The residency this request runs under (its own geometry's plan: `Pipeline.generate` fits the DiT to it).
         tokens = dit_tokens(width, height, args.frames, pipe.audio_rate)
         plan = pipe.runtime.plan_for(tokens) if pipe.runtime else pipe.runtime_plan

@@ -417,7 +417,7 @@ class Pipeline:
                     first_frame=first_frame,
                     visual_cond=cfg.visual_cond,
                     patch=cfg.patch_size,
-                    cache_steps=self.options.piflow_cache_steps,
+                    cache_steps=step_cache.fixed,
                     magcache=step_cache.magcache,
                     measure_ratios=step_cache.measure,
                     on_step=step_hook,

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field, fields
 from typing import TYPE_CHECKING, Any
 
 from .step_cache import check_request as check_step_cache
+from .step_cache import fixed_cache_steps
 from .switches import Options, validate_cache_steps
 from .vae_geometry import MMAUDIO, SPATIAL_STRIDE, TEMPORAL_STRIDE, AudioRate, audio_length, latent_frames
 
@@ -131,7 +132,7 @@ def resolve_request(ckpt: Checkpoint, options: Options, request: Request) -> tup
     if request.image is not None and (not ckpt.dit.visual_cond or ckpt.dit.visual_token_type_num_embeddings < 2):
         raise RequestError("this checkpoint has no image conditioning (visual_cond / token types missing)")
     try:
-        validate_cache_steps(options.piflow_cache_steps, steps)
+        validate_cache_steps(fixed_cache_steps(ckpt, options), steps)
         check_step_cache(ckpt, options, steps, guidance, request.audio)
     except ValueError as exc:
         raise RequestError(str(exc)) from exc

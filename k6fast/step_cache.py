@@ -32,7 +32,9 @@ head, which would need the DiT forward to expose that residual. Calibrated under
 any arm on the same checkpoint (the law is a property of the model; re-calibrate under the arm to be exact).
 
 Distilled (PiFlow) checkpoints are refused: 10 policy steps leave nothing of the published setting (a retention
-share of 50 Euler steps, CFG branches), and their fixed cache is K6_PIFLOW_CACHE_STEPS.
+share of 50 Euler steps, CFG branches), and their fixed cache is K6_PIFLOW_CACHE_STEPS. That fixed cache is the
+distilled schedule's only (`fixed_cache_steps`): its steps were chosen on the 10-step schedule, and step 8 of 50 Euler
+steps lies inside the first 20 % that MagCache never skips, so a base checkpoint does not apply it.
 """
 
 from __future__ import annotations
@@ -168,6 +170,24 @@ def _series(path: Path, raw: object, steps: int, key: str) -> dict[str, tuple[fl
     return out
 
 
+def fixed_cache_steps(ckpt: Checkpoint, options: Options) -> tuple[int, ...]:
+    """The steps K6_PIFLOW_CACHE_STEPS skips on this checkpoint: its steps on a distilled (PiFlow) checkpoint, none on
+    a base one (whose step cache is K6_STEP_CACHE; see the module docstring)."""
+    return options.piflow_cache_steps if ckpt.distilled else ()
+
+
+def fixed_cache_note(ckpt: Checkpoint, options: Options) -> str | None:
+    """What a run on this checkpoint says about K6_PIFLOW_CACHE_STEPS where it does not apply it; None where it does
+    (or where it is empty)."""
+    if ckpt.distilled or not options.piflow_cache_steps:
+        return None
+    shown = ",".join(map(str, options.piflow_cache_steps))
+    return (
+        f"K6_PIFLOW_CACHE_STEPS={shown} not applied: it is the distilled (PiFlow) schedule's fixed cache, and this is "
+        "a base checkpoint (flow-matching Euler, CFG), whose step cache is K6_STEP_CACHE (the fast-base arm)"
+    )
+
+
 def check_request(ckpt: Checkpoint, options: Options, steps: int, guidance: float, audio: bool) -> None:
     """Refuse, before any work, a step-cache setting this checkpoint or request cannot run; raises StepCacheError."""
     mode = options.step_cache
@@ -178,11 +198,6 @@ def check_request(ckpt: Checkpoint, options: Options, steps: int, guidance: floa
             f"K6_STEP_CACHE={mode} is for base checkpoints (flow-matching Euler, CFG); this one is distilled (PiFlow, "
             f"{ckpt.default_steps} steps): its step cache is K6_PIFLOW_CACHE_STEPS, and arms that set K6_STEP_CACHE "
             "(fast-base) are for base checkpoints only"
-        )
-    if options.piflow_cache_steps:
-        raise StepCacheError(
-            f"K6_STEP_CACHE={mode} and K6_PIFLOW_CACHE_STEPS={','.join(map(str, options.piflow_cache_steps))} are two "
-            "step caches; expected one of them (K6_PIFLOW_CACHE_STEPS empty)"
         )
     if mode == "magcache" and can_skip(steps, options):
         calibration_for(ckpt, options, steps, series_names(guidance > 1.0, audio))
@@ -275,10 +290,12 @@ def magcache_for(calibration: Calibration, options: Options, num_steps: int, ser
 
 @dataclass
 class StepCacheRun:
-    """What one request's denoising does about K6_STEP_CACHE: `magcache` decides its skips, `measure` records a
-    calibration to `path`. `finish` writes the calibration (calibrate) and returns the telemetry entry."""
+    """What one request's denoising skips: the `fixed` steps (K6_PIFLOW_CACHE_STEPS, distilled checkpoints), the steps
+    `magcache` decides (K6_STEP_CACHE, base ones); `measure` records a calibration to `path`. `finish` writes the
+    calibration (calibrate) and returns the telemetry entry."""
 
     mode: str
+    fixed: tuple[int, ...] = ()  # the steps K6_PIFLOW_CACHE_STEPS skips here (`fixed_cache_steps`)
     magcache: MagCache | None = None
     measure: bool = False
     path: Path | None = None
@@ -336,4 +353,4 @@ def plan_run(ckpt: Checkpoint, options: Options, steps: int, guidance: float, au
         path = calibration_path(ckpt, options, steps)
         magcache = magcache_for(calibration, options, steps, series)
         return StepCacheRun(mode, magcache=magcache, path=path, digest=calibration.digest())
-    return StepCacheRun(mode)
+    return StepCacheRun(mode, fixed=fixed_cache_steps(ckpt, options))  # K6_STEP_CACHE runs on base checkpoints only

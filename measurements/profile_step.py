@@ -39,6 +39,7 @@ from k6fast.bench.workload import Geometry, parse_geometry
 from k6fast.dit.model import K6DiT
 from k6fast.pipeline import Pipeline, Request, Result
 from k6fast.sampler import Cancelled, StepEvent
+from k6fast.step_cache import fixed_cache_steps
 from k6fast.switches import Options, load_options, provenance
 from k6fast.telemetry import Telemetry
 
@@ -290,10 +291,10 @@ class OneStepProfiler:
             K6DiT.__call__ = original
 
 
-def default_step(options: Options, steps: int) -> int:
+def default_step(options: Options, steps: int, cached: tuple[int, ...]) -> int:
     """The first step on the path most steps take: after step 0 (and after the exact-attention steps of a quantized
-    attention arm), skipping steps the PiFlow cache serves without the DiT."""
-    called = [i for i in range(steps) if i not in options.piflow_cache_steps]
+    attention arm), skipping the `cached` steps (`fixed_cache_steps`: those the PiFlow cache serves without the DiT)."""
+    called = [i for i in range(steps) if i not in cached]
     typical = [i for i in called if i >= max(1, options.exact_attn_steps)]
     return (typical or called)[0]
 
@@ -338,8 +339,9 @@ def profile(args: argparse.Namespace, model: Path, geometry: Geometry, device: t
         width, height, frames = geometry.width, geometry.height, geometry.frames
         request = Request(prompt=DEFAULT_PROMPT, width=width, height=height, frames=frames, steps=args.steps)
         steps, _ = pipe.resolve(request)
-        step = default_step(options, steps) if args.step is None else args.step
-        if not 0 <= step < steps or step in options.piflow_cache_steps:
+        cached = fixed_cache_steps(pipe.ckpt, options)
+        step = default_step(options, steps, cached) if args.step is None else args.step
+        if not 0 <= step < steps or step in cached:
             raise SystemExit(f"--step {step}: expected a step in 0..{steps - 1} that calls the DiT (not cached)")
         for i in range(args.warmup_requests):
             run_request(pipe, request, work / f"warmup{i}.mp4")

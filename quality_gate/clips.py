@@ -25,7 +25,8 @@ from pathlib import Path
 
 import torch
 
-from ..checkpoint import open_checkpoint
+from ..checkpoint import Checkpoint, open_checkpoint
+from ..step_cache import fixed_cache_steps
 from ..switches import Options, load_options, provenance, validate_cache_steps
 from . import GateError
 
@@ -109,11 +110,12 @@ def arm_label(spec: str, taken: set[str]) -> str:
     return label
 
 
-def check_arms_fit(arms: list[Arm], steps: int) -> None:
-    """Fail before any generation if an arm cannot run at this step count (e.g. a cached step past the end)."""
+def check_arms_fit(arms: list[Arm], steps: int, ckpt: Checkpoint) -> None:
+    """Fail before any generation if an arm cannot run at this step count on `ckpt` (e.g. a cached step past the
+    end)."""
     for arm in arms:
         try:
-            validate_cache_steps(arm.options.piflow_cache_steps, steps)
+            validate_cache_steps(fixed_cache_steps(ckpt, arm.options), steps)
         except ValueError as exc:
             raise GateError(f"arm {arm.spec}: {exc}") from exc
 

@@ -70,7 +70,7 @@ def run_gate(config: GateConfig, log: Callable[[str], None] = _stderr, prepare: 
     steps = config.steps if config.steps is not None else ckpt.default_steps
     if steps < 1:
         raise GateError(f"--steps must be >= 1, found {steps}")
-    check_arms_fit([reference, *arms], steps)
+    check_arms_fit([reference, *arms], steps, ckpt)
     geometry = Geometry(config.width, config.height, config.frames, steps, ckpt.default_guidance)
     device = torch.device(config.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     dtype = DTYPES[config.dtype] if config.dtype else (torch.bfloat16 if device.type == "cuda" else torch.float32)

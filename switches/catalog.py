@@ -13,7 +13,8 @@ PIFLOW_CACHE_STEPS = Switch(
     name="K6_PIFLOW_CACHE_STEPS",
     kind="int_list",
     default=(),
-    doc="denoising steps whose DiT call is skipped, reusing the previous step's prediction",
+    doc="denoising steps whose DiT call is skipped, reusing the previous step's prediction; distilled (PiFlow) "
+    "checkpoints only: a base checkpoint runs every step (its step cache is K6_STEP_CACHE)",
     lossy=True,
     min=0,
 )

@@ -58,6 +58,11 @@ def test_step_forwards_from_the_sidecar_and_the_arms_cache_steps() -> None:
     telemetry = {"step_s": [1.0] * 5, "dit_calls": 6, "cached_steps": 2, "step_cache": {"skipped_steps": [1]}}
     assert step_forwards(telemetry, (3,)) == {1: 2, 2: 0, 3: 2, 4: 0, 5: 2}
     assert step_forwards({"step_s": [1.0, 1.0], "dit_calls": 2}, ()) == {1: 1, 2: 1}
+    # A sidecar with step_called says what ran: the arm's cache steps are not applied on a base checkpoint.
+    called = {"step_s": [1.0] * 4, "dit_calls": 8, "cached_steps": 0, "step_called": [True] * 4}
+    assert step_forwards(called, (2,)) == {1: 2, 2: 2, 3: 2, 4: 2}
+    called.update(dit_calls=6, cached_steps=1, step_called=[True, False, True, True])
+    assert step_forwards(called, ()) == {1: 2, 2: 0, 3: 2, 4: 2}
 
 
 def _deeper(tiny: Path, out: Path, blocks: int) -> Path:

@@ -150,10 +150,12 @@ def test_interval_helpers(prof) -> None:
 def test_default_step_follows_the_arm(prof) -> None:
     from k6fast.switches import load_options
 
-    assert prof.default_step(load_options(environ={}, arm="final"), 10) == 1
+    final = load_options(environ={}, arm="final")
+    assert prof.default_step(final, 10, final.piflow_cache_steps) == 1
     fast = load_options(environ={"K6_EXACT_ATTN_STEPS": "2"}, arm="fast")  # cache steps 5, 8
-    assert prof.default_step(fast, 10) == 2
-    assert prof.default_step(load_options(environ={}, arm="reference"), 1) == 0
+    assert prof.default_step(fast, 10, fast.piflow_cache_steps) == 2
+    assert prof.default_step(fast, 10, (2, 3)) == 4  # the cached steps given, not the arm's
+    assert prof.default_step(load_options(environ={}, arm="reference"), 1, ()) == 0
 
 
 @pytest.mark.slow

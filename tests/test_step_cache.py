@@ -7,7 +7,9 @@ import torch
 from diffusers import FlowMatchEulerDiscreteScheduler, PiflowScheduler
 from pipeline_testing import CountingDiT
 
+from k6fast.checkpoint import open_checkpoint
 from k6fast.pipeline import Pipeline, Request, RequestError
+from k6fast.step_cache import fixed_cache_note, fixed_cache_steps
 from k6fast.switches import Options
 
 REQUEST = Request(prompt="Rain on a tin roof, thunder far away", width=32, height=32, frames=5, steps=10, seed=3)
@@ -44,12 +46,22 @@ def test_cached_step_skips_the_dit_and_keeps_earlier_latents(tiny_distill, monke
     assert result.telemetry.cached_steps == 1
 
 
-def test_cache_with_cfg_reuses_both_branches(tiny_checkpoints, monkeypatch) -> None:
+def test_a_base_checkpoint_does_not_apply_the_distilled_schedules_cache(tiny_checkpoints, monkeypatch) -> None:
+    """`final` sets step 8 for the 10-step distilled schedule; on a 50-step Euler + CFG checkpoint that step lies in
+    the first 20 % MagCache never skips, so a base checkpoint runs every step and says why."""
+    base = open_checkpoint(tiny_checkpoints["base"])
     request = Request(prompt="A dog barks twice", width=32, height=32, frames=5, steps=4, guidance=5.0, seed=1)
     cached = Options().replace(piflow_cache_steps=(2, 3))
-    calls, _, result = _run(tiny_checkpoints["base"], cached, request, monkeypatch, FlowMatchEulerDiscreteScheduler)
-    assert calls == 4  # two called steps x (cond + uncond)
-    assert result.telemetry.dit_calls == 4
+    ref_calls, ref_latents, ref = _run(base, Options(), request, monkeypatch, FlowMatchEulerDiscreteScheduler)
+    calls, latents, result = _run(base, cached, request, monkeypatch, FlowMatchEulerDiscreteScheduler)
+    assert calls == ref_calls == 8  # four steps x (cond + uncond)
+    assert result.telemetry.cached_steps == 0 and result.telemetry.step_called == [True] * 4
+    assert all(torch.equal(a, b) for a, b in zip(latents, ref_latents, strict=True))
+    assert all(torch.equal(result.latents[k], ref.latents[k]) for k in ref.latents) and ref.latents
+    assert fixed_cache_steps(base, cached) == () and fixed_cache_note(base, Options()) is None
+    assert "K6_PIFLOW_CACHE_STEPS=2,3 not applied" in (fixed_cache_note(base, cached) or "")
+    distilled = open_checkpoint(tiny_checkpoints["distill"])
+    assert fixed_cache_steps(distilled, cached) == (2, 3) and fixed_cache_note(distilled, cached) is None
 
 
 @pytest.mark.parametrize(

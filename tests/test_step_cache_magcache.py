@@ -15,7 +15,7 @@ from pipeline_testing import CountingDiT
 from k6fast.checkpoint import open_checkpoint
 from k6fast.pipeline import Pipeline, Request, RequestError
 from k6fast.request import resolve_request
-from k6fast.step_cache import MagCache
+from k6fast.step_cache import MagCache, plan_run
 from k6fast.switches import Options, SwitchError, load_options
 
 STEPS = 10
@@ -168,16 +168,17 @@ def test_a_calibration_that_does_not_fit_the_request_is_refused(runs, tiny_check
         resolve_request(ckpt, options.replace(step_cache_dir=broken), silent)
 
 
-def test_refused_on_a_distilled_checkpoint_and_beside_the_piflow_cache(tiny_checkpoints, tmp_path) -> None:
+def test_refused_on_a_distilled_checkpoint(tiny_checkpoints, tmp_path) -> None:
     distilled = open_checkpoint(tiny_checkpoints["distill"])
     request = Request(prompt="x", width=32, height=32, frames=5)
     for mode in ("magcache", "calibrate"):
         with pytest.raises(RequestError, match=rf"K6_STEP_CACHE={mode} is for base checkpoints.*distilled"):
             resolve_request(distilled, Options().replace(step_cache=mode, step_cache_dir=tmp_path), request)
+    # Beside K6_PIFLOW_CACHE_STEPS on a base checkpoint it runs alone: that cache is the distilled schedule's.
     base = open_checkpoint(tiny_checkpoints["base"])
     both = Options().replace(step_cache="calibrate", piflow_cache_steps=(3,), step_cache_dir=tmp_path)
-    with pytest.raises(RequestError, match="two step caches"):
-        resolve_request(base, both, REQUEST)
+    steps, guidance = resolve_request(base, both, REQUEST)
+    assert steps == STEPS and plan_run(base, both, steps, guidance, True).fixed == ()
 
 
 def test_fast_base_arm_refuses_distilled_checkpoints(tiny_checkpoints) -> None:

@@ -124,10 +124,14 @@ def steady_reads(at: dict[int, int], forwards: dict[int, int]) -> dict[str, Any]
 
 
 def step_forwards(telemetry: dict[str, Any], cache_steps: tuple[int, ...]) -> dict[int, int]:
-    """{step (1-based): DiT forwards} of a finished request: 0 for the steps the arm's K6_PIFLOW_CACHE_STEPS
-    (`cache_steps`, 0-based) or the step cache skipped, else the request's forwards per called step (2 with CFG)."""
+    """{step (1-based): DiT forwards} of a finished request: 0 for the steps it did not call (its `step_called`; in
+    sidecars before that, the arm's K6_PIFLOW_CACHE_STEPS, `cache_steps` 0-based, and the steps the step cache
+    skipped), else the request's forwards per called step (2 with CFG)."""
     steps = len(telemetry.get("step_s", []))
-    skipped = set(cache_steps) | set((telemetry.get("step_cache") or {}).get("skipped_steps", []))
+    if "step_called" in telemetry:
+        skipped = {i for i, called in enumerate(telemetry["step_called"]) if not called}
+    else:
+        skipped = set(cache_steps) | set((telemetry.get("step_cache") or {}).get("skipped_steps", []))
     called = steps - telemetry.get("cached_steps", 0)
     per_call = round(telemetry.get("dit_calls", called) / called) if called else 0
     return {i + 1: 0 if i in skipped else per_call for i in range(steps)}

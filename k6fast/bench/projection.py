@@ -45,10 +45,10 @@ def schedule(sidecar: dict[str, Any], ckpt) -> list[str]:
     request = sidecar["request"]
     options = load_options(environ=sidecar["provenance"]["switches"])
     steps, guidance = int(request["steps"]), float(request["guidance"])
-    magcache = plan_run(ckpt, options, steps, guidance, bool(request["audio"])).magcache
+    plan = plan_run(ckpt, options, steps, guidance, bool(request["audio"]))
     kinds = []
     for i in range(steps):
-        called = i not in options.piflow_cache_steps and (magcache is None or magcache.call(i))
+        called = i not in plan.fixed and (plan.magcache is None or plan.magcache.call(i))
         exact = i < options.exact_attn_steps or i >= steps - options.exact_attn_last_steps
         kinds.append("skipped" if not called else "exact" if exact else "middle")
     return kinds

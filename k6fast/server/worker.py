@@ -52,6 +52,7 @@ def load_pipeline(config: ServerConfig, options: Options) -> Pipeline:
     from ..entry import prepare_pipeline_process
     from ..pipeline import Pipeline
     from ..request import Request
+    from ..step_cache import fixed_cache_note, fixed_cache_steps
 
     # Resident blocks are planned for the default request; a larger one streams more of them for its own run, and
     # one that cannot fit the budget at all is refused before it is queued (`Pipeline.resolve`).
@@ -60,7 +61,10 @@ def load_pipeline(config: ServerConfig, options: Options) -> Pipeline:
     dtype = torch_dtype_of(config.dtype)
     pipeline = Pipeline(config.model, options, device=config.device, dtype=dtype, plan_geometry=plan_geometry)
     # Two steps touch every phase; a cached-step switch needs the schedule long enough to contain its steps.
-    steps = max(2, *(s + 1 for s in options.piflow_cache_steps)) if options.piflow_cache_steps else 2
+    fixed = fixed_cache_steps(pipeline.ckpt, options)
+    steps = max(2, *(s + 1 for s in fixed)) if fixed else 2
+    if note := fixed_cache_note(pipeline.ckpt, options):
+        log.info(note)
     started = time.perf_counter()
     pipeline.generate(
         Request(prompt="warm-up", width=WARMUP_SIZE, height=WARMUP_SIZE, frames=WARMUP_FRAMES, steps=steps)
