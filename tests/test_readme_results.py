@@ -29,8 +29,8 @@ def test_readme_results_block_is_what_the_records_render() -> None:
     assert found == expected.strip(), "README.md's results block is stale: run `k6fast bench report --no-plot`"
 
 
-def _note(blocks: int, full: int) -> str:
-    marker = {"synthetic": True, "preset": "pro-distill", "num_visual_blocks": blocks, "full_depth_blocks": full}
+def _note(blocks: int, full: int, preset: str = "pro-distill") -> str:
+    marker = {"synthetic": True, "preset": preset, "num_visual_blocks": blocks, "full_depth_blocks": full}
     return f"/tmp/syn (synthetic random weights, real shapes: {json.dumps(marker, indent=2)[:300]})"
 
 
@@ -121,6 +121,38 @@ def test_a_later_session_with_its_own_peer_keeps_the_complete_headline(sessions:
     rows = _table_rows(later)
     assert rows["fast @ 32 GiB, cold"][2] == "3.25×"  # 130 s / 40 s: its own session's peer
     assert "the peer is diffusers' own pipeline in the same session" in later
+
+
+def test_another_checkpoint_kind_gets_its_own_headline_and_a_failed_peer_gives_no_ratio(sessions: Path) -> None:
+    # A newer full-size record on the Pro base (another schedule) whose peer timed out: it is shown after the
+    # Pro-distill group, which stays whole, and a failed peer row makes neither a headline nor ratios.
+    failed_peer = _row("diffusers-offload", 0.0, passed=False)
+    _acceptance(sessions, "2026-01-06_acceptance-pro", "2026-01-06T10:00", "864x480x121", _note(60, 60, "pro"),
+                [_row("reference", 300.0), _row("final", 200.0), failed_peer])  # fmt: skip
+    _acceptance(sessions, "2026-01-07_acceptance-pro", "2026-01-07T10:00", "864x480x121", _note(60, 60, "pro"),
+                [_row("fast-base", 90.0)])  # fmt: skip
+    names = [r.name for r in shown_records(sessions)]
+    assert names == ["2026-01-01_acceptance", "2026-01-07_acceptance-pro"]  # no passed peer: the newest pro alone
+    _acceptance(sessions, "2026-01-08_acceptance-pro", "2026-01-08T10:00", "864x480x121", _note(60, 60, "pro"),
+                [_row("reference", 300.0), _row("diffusers-offload", 600.0)])  # fmt: skip
+    names = [r.name for r in shown_records(sessions)]
+    assert names == ["2026-01-01_acceptance", "2026-01-08_acceptance-pro"]
+    block = results_block(sessions, sessions.parent.parent)
+    distill, pro = block.split("2026-01-08_acceptance-pro/README.md")
+    assert "2026-01-01_acceptance/README.md" in distill
+    assert _table_rows(pro)["reference @ 32 GiB, cold"][2] == "2.00×"  # 600 s / 300 s: the pro session's own peer
+    assert "real pro shapes" in pro and "real pro-distill shapes" in distill
+    others = block.split("### Other records (newest first)")[1]
+    assert "2026-01-06_acceptance-pro/README.md" in others and "2026-01-07_acceptance-pro/README.md" in others
+
+
+def test_a_failed_peer_row_says_so_instead_of_giving_ratios(tmp_path: Path) -> None:
+    root = tmp_path / "measurements" / "sessions"
+    _acceptance(root, "2026-01-01_acceptance", "2026-01-01T10:00", "864x480x121", _note(60, 60),
+                [_row("reference", 100.0), _row("diffusers-offload", 0.0, passed=False)])  # fmt: skip
+    block = results_block(root, tmp_path)
+    assert "the peer's run failed (its row says why), so its rows have no ratio" in block
+    assert _table_rows(block)["reference @ 32 GiB, cold"][2] == "—"
 
 
 def test_every_other_record_gets_one_line_from_its_own_files(sessions: Path) -> None:

@@ -1,10 +1,11 @@
 """The project README's results section, generated from the records under `measurements/sessions/` by `k6fast bench
 report`, so that no figure in the README is typed by hand.
 
-The block between RESULTS_MARKERS holds (a) the newest full-size acceptance record with a peer row (a folder named
-`*acceptance*` with `runs.jsonl` and `acceptance.json`, run at W1 on a checkpoint at its full depth): its table as
-`acceptance_report.py` renders it, each run's request time against the peer row's computed there, followed by the
-tables of any later full-size records (sessions that ran what it lacked, without ratios); and (b) every
+The block between RESULTS_MARKERS holds (a) for each kind of checkpoint (Pro-distill, the Pro base, ...), the newest
+full-size acceptance record with a passed peer row (a folder named `*acceptance*` with `runs.jsonl` and
+`acceptance.json`, run at W1 on a checkpoint at its full depth): its table as `acceptance_report.py` renders it, each
+run's request time against the peer row's computed there, followed by the tables of any later full-size records of
+that kind (sessions that ran what it lacked, with ratios only to their own peer); and (b) every
 other record, one line each saying what it measures: the title of its README (or COMMAND.md), or for a `k6fast bench`
 session its component, geometry and arms. A CPU test holds README.md's block equal to what this module renders.
 """
@@ -77,21 +78,44 @@ def is_full_size(record: AcceptanceRecord) -> bool:
     return record.plan.get("geometry") == FULL_SIZE_GEOMETRY and (blocks is None or blocks == full)
 
 
-def shown_records(sessions_root: Path) -> list[AcceptanceRecord]:
-    """The full-size acceptance records the README shows in full: the headline and every full-size record after it
-    (later sessions that ran what it lacked or re-measured an arm). The headline is the newest record with both a
+def _kind(record: AcceptanceRecord) -> str:
+    """The checkpoint a record ran on, as the README groups them: a synthetic checkpoint's preset (its shapes and
+    schedule), else the model path."""
+    preset, _, _ = _synthetic_depth(record.plan)
+    return preset or str(record.plan.get("model", ""))
+
+
+def shown_groups(sessions_root: Path) -> list[list[AcceptanceRecord]]:
+    """The full-size acceptance records the README shows in full, one group per checkpoint kind (`_kind`: the
+    Pro-distill and the 50-step Pro base have different schedules, so neither's record replaces the other's), groups
+    in the order of their first record. Each group is its headline and every full-size record after it (later
+    sessions that ran what it lacked or re-measured an arm). The headline is the newest record with both a passed
     peer row and a `reference` row (its ratios were measured side by side in one session); failing that, the newest
-    with a peer row; without a peer row anywhere, the newest full-size record alone."""
-    full = [r for r in acceptance_records(sessions_root) if is_full_size(r)]
-    with_peer = [i for i, r in enumerate(full) if _has_peer(r)]
-    complete = [i for i in with_peer if any(row.get("arm") == "reference" for row in full[i].rows)]
-    if complete or with_peer:
-        return full[(complete or with_peer)[-1] :]
-    return full[-1:]
+    with a passed peer row; without one, the newest record alone."""
+    groups: dict[str, list[AcceptanceRecord]] = {}
+    for record in acceptance_records(sessions_root):
+        if is_full_size(record):
+            groups.setdefault(_kind(record), []).append(record)
+    shown = []
+    for full in groups.values():
+        with_peer = [i for i, r in enumerate(full) if _has_peer(r)]
+        complete = [i for i in with_peer if any(row.get("arm") == "reference" for row in full[i].rows)]
+        shown.append(full[(complete or with_peer)[-1] :] if complete or with_peer else full[-1:])
+    return sorted(shown, key=lambda group: (str(group[0].plan.get("started", "")), group[0].name))
+
+
+def shown_records(sessions_root: Path) -> list[AcceptanceRecord]:
+    """`shown_groups`' records in the order the README shows them."""
+    return [record for group in shown_groups(sessions_root) for record in group]
+
+
+def _peer_rows(record: AcceptanceRecord) -> list[dict[str, Any]]:
+    return [row for row in record.rows if is_peer_arm(str(row.get("arm", "")))]
 
 
 def _has_peer(record: AcceptanceRecord) -> bool:
-    return any(is_peer_arm(str(row.get("arm", ""))) for row in record.rows)
+    """A peer row that passed: the ratios need its request seconds."""
+    return any(row.get("passed") for row in _peer_rows(record))
 
 
 def _checkpoint(plan: dict[str, Any]) -> str:
@@ -109,12 +133,12 @@ def acceptance_section(record: AcceptanceRecord, link_prefix: str, later: bool =
     shown = ", ".join(f"{k} {versions[k]}" for k in ("torch", "triton", "diffusers") if versions.get(k))
     passed = sum(1 for r in rows if r.get("passed"))
     title = "Full-size acceptance, a later session" if later else "Full-size acceptance"
-    peer = (
-        "the peer is diffusers' own pipeline in the same session."
-        if _has_peer(record)
-        else "no peer ran in this session, so its rows have no ratio; each arm's latents are held against this "
-        "session's own reference run."
-    )
+    if _has_peer(record):
+        peer = "the peer is diffusers' own pipeline in the same session."
+    else:
+        ran = "the peer's run failed (its row says why)" if _peer_rows(record) else "no peer ran in this session"
+        peer = f"{ran}, so its rows have no ratio; each arm's latents are held against this session's own reference "
+        peer += "run."
     return [
         f"### {title}: {plan.get('geometry')}, {plan.get('steps')} steps, {', '.join(gpus) or 'no GPU'} "
         f"([record]({link_prefix}/{record.name}/README.md))",
@@ -166,15 +190,16 @@ def results_block(sessions_root: Path, readme_dir: Path) -> str:
     link_prefix = Path(os.path.relpath(sessions_root.resolve(), Path(readme_dir).resolve())).as_posix()
     bench_readme = Path(os.path.relpath(sessions_root.resolve().parent / "README.md", Path(readme_dir).resolve()))
     lines = [GENERATED_NOTE, ""]
-    shown = shown_records(sessions_root)
+    shown = shown_groups(sessions_root)
     if not shown:
         lines += ["No full-size acceptance record yet (`k6fast acceptance` writes one).", ""]
-    for i, record in enumerate(shown):
-        lines += [*acceptance_section(record, link_prefix, later=i > 0), ""]
+    for group in shown:
+        for i, record in enumerate(group):
+            lines += [*acceptance_section(record, link_prefix, later=i > 0), ""]
     others = [
         line
         for folder in sorted(sessions_root.iterdir(), reverse=True)
-        if folder.is_dir() and folder not in {r.path for r in shown}
+        if folder.is_dir() and folder not in {r.path for group in shown for r in group}
         if (line := record_line(folder, link_prefix, bench_readme.as_posix()))
     ]
     lines += ["### Other records (newest first)", "", *(others or ["None yet."])]
