@@ -16,8 +16,9 @@
 # Steps (each waits for what it needs; the 57 GB checkpoint is written in the background from the start):
 #   gpu-tests          `pytest -m gpu` in four concurrent shards, then the tests that read the card's free memory
 #   attention          exact attention kernels at W1 and the Lite shape, sparse attention per density
-#   acceptance:SLUGS   `k6fast acceptance --only SLUGS` (each part continues the same record; ACCEPTANCE_ARGS adds
-#                      options, e.g. "--arms reference,final,fast-base --stop-after-steps 5" for the Pro base)
+#   acceptance:SLUGS   `k6fast acceptance --only SLUGS --timeout $ACCEPTANCE_TIMEOUT` (each part continues the same
+#                      record; ACCEPTANCE_ARGS adds options, e.g. "--arms reference,final,fast-base
+#                      --stop-after-steps 16" for the Pro base)
 #   serve:ARM:BUDGET   measurements/bench_serve_defaults.py: `k6fast serve --arm ARM` at its defaults under BUDGET GiB
 #                      with the arm's compile cache ($W/work/cache/ARM, what `acceptance:ARM-32-cold` left), four jobs
 #                      through the openai SDK, a DELETE, an oversize request; its record goes to $REC/serve/ and the
@@ -79,6 +80,9 @@ set -uo pipefail
 # Overridable for a dry run on a small checkpoint (e.g. BLOCKS=2 PRESET=lite-distill GEOMETRY=64x64x5 on a CPU;
 # TEXT_LINKED=1 puts its one-layer text encoders in $TEXT_DIR, linked, as TEXT=full does).
 PRESET=${PRESET:-pro-distill}
+# Seconds before one acceptance run is killed: 420 holds W1's 10-step runs with room; the Pro base's 16 CFG steps
+# need more (its peer ran past 420 s in measurements/sessions/2026-12-03_acceptance-pro-base).
+ACCEPTANCE_TIMEOUT=${ACCEPTANCE_TIMEOUT:-420}
 BLOCKS=${BLOCKS:-}
 GEOMETRY=${GEOMETRY:-w1}
 TEXT=${TEXT:-one-layer}
@@ -150,8 +154,8 @@ acceptance() {  # the slugs to run, comma-separated
   [ -f $W/syn-peer/model_index.json ] && peer=(--peer-model $W/syn-peer)
   [ -f $W/df11.path ] && df11=(--df11-model "$(cat $W/df11.path)")
   # shellcheck disable=SC2086  # ACCEPTANCE_ARGS: more options, split on spaces (e.g. the Pro base's arms)
-  k6 acceptance --model $W/syn --geometry "$GEOMETRY" --out $REC --work $W/work --timeout 420 "${peer[@]}" \
-    "${df11[@]}" ${ACCEPTANCE_ARGS:-} --only "$1"
+  k6 acceptance --model $W/syn --geometry "$GEOMETRY" --out $REC --work $W/work --timeout "$ACCEPTANCE_TIMEOUT" \
+    "${peer[@]}" "${df11[@]}" ${ACCEPTANCE_ARGS:-} --only "$1"
 }
 
 peer_checkpoint() {  # the peer's copy: the same DiT, VAE and vocoder (links), one-layer text encoders

@@ -46,10 +46,12 @@ acceptance:final-32-warm-host60-df11}
 # all-exact first 10 steps, then its middle steps and the first steps its step cache may skip, so that every kind of
 # step its schedule has is measured past its first (left out: first-use work); the CPU dry run's calibration needed
 # 16 steps for that, the GPU's may differ (an unmeasured kind's cell says how many); its step cache needs a
-# calibration at 50 steps first):
-#   PRESET=pro ACCEPTANCE_ARGS="--arms reference,final,fast-base --stop-after-steps 16" \
-#   STEPS="gpu-tests peer-checkpoint calibrate:fast-base:256x144x9 acceptance:reference-32-cold,final-32-cold,\
-#   fast-base-32-cold drop-text acceptance:diffusers-offload-32-cold"
+# calibration at 50 steps first). Its first run (measurements/sessions/2026-12-03_acceptance-pro-base: 1,735 s of
+# device time with the GPU suite first) lost the peer to the 420 s run timeout; hence the timeout, and the GPU suite
+# last, where running out of device time costs only it:
+#   PRESET=pro ACCEPTANCE_TIMEOUT=900 ACCEPTANCE_ARGS="--arms reference,final,fast-base --stop-after-steps 16" \
+#   STEPS="peer-checkpoint calibrate:fast-base:256x144x9 acceptance:reference-32-cold,final-32-cold,\
+#   fast-base-32-cold drop-text acceptance:diffusers-offload-32-cold gpu-tests"
 case "${1:?expected start}" in
 start)
   mkdir -p $W

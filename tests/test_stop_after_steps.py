@@ -32,7 +32,7 @@ def test_a_request_runs_the_first_steps_of_its_schedule_then_decodes(tiny_distil
         pipe.close()
 
 
-def test_the_peer_is_stopped_by_diffusers_own_interrupt_after_as_many_steps() -> None:
+def test_the_peer_is_stopped_by_diffusers_own_interrupt_after_as_many_steps(capsys) -> None:
     from diffusers import Kandinsky6TI2VAPipeline
 
     clock = PhaseClock(torch.device("cpu"), stop_after=2)
@@ -41,6 +41,10 @@ def test_the_peer_is_stopped_by_diffusers_own_interrupt_after_as_many_steps() ->
     assert getattr(pipe, "interrupt", False) is False
     clock.on_step(pipe, 1, None, {})
     assert pipe.interrupt is True and len(clock.telemetry.step_seconds) == 2
+    # Each step's seconds on stderr as it ends: what a run killed at its timeout leaves in the record.
+    lines = capsys.readouterr().err.splitlines()
+    assert [line.split(" in ")[0] for line in lines] == ["peer: step 1", "peer: step 2"]
+    assert all(float(line.split(" in ")[1].removesuffix(" s")) >= 0 for line in lines)
 
 
 def test_the_acceptance_stops_every_run_and_says_so(tmp_path) -> None:

@@ -15,6 +15,7 @@ same synthetic tensors as the k6fast arm.
 
 from __future__ import annotations
 
+import sys
 import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -178,6 +179,8 @@ class PhaseClock:
         sync(self.device)
         now = time.perf_counter()
         self.telemetry.step_seconds.append(now - self.mark)
+        # One line a step on stderr: a run killed at its timeout still leaves its step times in the record's tail.
+        print(f"peer: step {len(self.telemetry.step_seconds)} in {now - self.mark:.2f} s", file=sys.stderr, flush=True)
         self.mark = now
         if self.stop_after is not None and len(self.telemetry.step_seconds) == self.stop_after:
             pipe._interrupt = True  # diffusers' own stop: the loop skips the remaining steps, then decodes
