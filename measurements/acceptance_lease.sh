@@ -461,7 +461,7 @@ status)
   for f in $REC/serve/*.json; do [ -f "$f" ] && cp "$f" "$out/serve_$(basename "$f")"; done
   (cd $W && tar czf "$out/logs.tgz" $(ls run.log pytest_gpu*.log synthetic.log diag_compile.log *_attention.log \
     block_arms.log profile_*.log ray_*.log ray_*.json serve_*.log work/serve-*/server.log record/commit.txt \
-    text_phase.log decode_probe.log first_step_*.log dit_ahead_*.log calibration_*.log tune.log df11.log df11_checkpoint.log peer_checkpoint.log \
+    text_phase.log decode_probe.log first_step_*.log dit_ahead_*.log calibration_*.log calibration_*.json tune.log df11.log df11_checkpoint.log peer_checkpoint.log \
     work/runs/*/stderr.log work/runs/*/*.json 2>/dev/null))
   ls $W/done 2>/dev/null && echo "session finished"
   ;;

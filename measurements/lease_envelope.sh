@@ -41,15 +41,16 @@ acceptance:final-32-warm-host60-df11}
 # The tune lease (issue #36: `k6fast tune` at full depth, which has never run on a GPU; every probe and candidate is a
 # bench process of its own and every gated one two clips more, so it needs a lease of its own):
 #   STEPS="gpu-tests tune" (TUNE_TIMEOUT, default 900 s; TUNE_ARGS: more `k6fast tune` options)
-# The Pro base lease (issue #36: the 50-step base checkpoint at full depth, the first 16 of its steps a run, per-step
-# times and each run's projected 50-step request (k6fast/bench/projection.py) side by side with the peer's; fast-base's
-# all-exact first 10 steps, then its middle steps and the first steps its step cache may skip, so that every kind of
-# step its schedule has is measured past its first (left out: first-use work); the CPU dry run's calibration needed
-# 16 steps for that, the GPU's may differ (an unmeasured kind's cell says how many); its step cache needs a
-# calibration at 50 steps first). Its first run (measurements/sessions/2026-12-03_acceptance-pro-base: 1,735 s of
-# device time with the GPU suite first) lost the peer to the 420 s run timeout; hence the timeout, and the GPU suite
-# last, where running out of device time costs only it:
-#   PRESET=pro ACCEPTANCE_TIMEOUT=900 ACCEPTANCE_ARGS="--arms reference,final,fast-base --stop-after-steps 16" \
+# The Pro base lease (issue #36: the 50-step base checkpoint at full depth, the first 19 of its steps a run, per-step
+# times and each run's projected 50-step request (k6fast/bench/projection.py) side by side with the peer's). Every
+# kind of step fast-base's schedule has must be measured past its first (first-use work is left out): its all-exact
+# first 10 steps, then its middle steps. The first lease's calibration (measurements/sessions/
+# 2026-12-03_acceptance-pro-base) called every third step after step 10 (12, 15, 18, ...), so 16 steps left one
+# middle step past the first, and 19 leave two. Its step cache needs a calibration at 50 steps first. That first lease
+# (1,738 s of device time, with the GPU suite first) lost the peer to the 420 s run timeout. Hence the timeout here,
+# and the GPU suite last, where running out of device time costs only it (each poll brings back the record and the
+# sidecars):
+#   PRESET=pro ACCEPTANCE_TIMEOUT=900 ACCEPTANCE_ARGS="--arms reference,final,fast-base --stop-after-steps 19" \
 #   STEPS="peer-checkpoint calibrate:fast-base:256x144x9 acceptance:reference-32-cold,final-32-cold,\
 #   fast-base-32-cold drop-text acceptance:diffusers-offload-32-cold gpu-tests"
 case "${1:?expected start}" in
