@@ -39,8 +39,11 @@ acceptance:final-32-warm-host60-df11}
 #   STEPS="gpu-tests peer-checkpoint acceptance:fast-32-cold,fast-32-warm,final-32-cold,final-32-warm drop-text \
 #   acceptance:diffusers-offload-32-cold"
 # The tune lease (issue #36: `k6fast tune` at full depth, which has never run on a GPU; every probe and candidate is a
-# bench process of its own and every gated one two clips more, so it needs a lease of its own):
-#   STEPS="gpu-tests tune" (TUNE_TIMEOUT, default 900 s; TUNE_ARGS: more `k6fast tune` options)
+# bench process of its own and every gated one two clips more, so it needs a lease of its own). A CPU dry run on the
+# tiny checkpoint (run_tune.sh's header) made 4 bench visits and 2 gate runs; at full depth the sparse and exact-
+# attention knobs join, so expect about 12 visits of about 50 s (imports, a load from the page cache, a warm-up and
+# a timed request at 480x272x49) and 6 gate runs of about 30 s; the GPU suite goes last:
+#   STEPS="tune gpu-tests" TUNE_TIMEOUT=1200 (TUNE_ARGS: more `k6fast tune` options)
 # The Pro base lease (issue #36: the 50-step base checkpoint at full depth, the first 19 of its steps a run, per-step
 # times and each run's projected 50-step request (k6fast/bench/projection.py) side by side with the peer's). Every
 # kind of step fast-base's schedule has must be measured past its first (first-use work is left out): its all-exact
