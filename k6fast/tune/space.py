@@ -65,7 +65,8 @@ def _step_levels(steps: int) -> list[int]:
 
 def _cache_levels(steps: int, distilled: bool) -> list[tuple[str, dict[str, str]]]:
     if not distilled:
-        # K6_PIFLOW_CACHE_STEPS stays empty at every level: the two step caches refuse to run together.
+        # K6_PIFLOW_CACHE_STEPS stays empty at every level: a base checkpoint does not apply it (`fixed_cache_steps`),
+        # and the speed model would count its steps as skipped.
         off = {"K6_PIFLOW_CACHE_STEPS": "", "K6_STEP_CACHE": "off"}
         magcache = [
             (f"magcache-{t:g}", {**off, "K6_STEP_CACHE": "magcache", "K6_STEP_CACHE_THRESHOLD": str(t)})
