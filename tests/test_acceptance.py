@@ -93,6 +93,7 @@ def test_acceptance_session_on_the_tiny_checkpoint(tiny_distill, tmp_path) -> No
     assert [r["text_source"] for r in rows] == ["encoded"] * 3
     plan = json.loads((out / "acceptance.json").read_text())
     assert plan["finished"] and plan["steps"] == 10 and len(plan["runs"]) == 3 and plan["parts"] == 2
+    assert plan["variant"] == "custom-distill"  # README groups records by it (the tiny model: no released width)
     table = (out / "README.md").read_text()
     assert "3 of 3 runs passed" in table and table.count("| PASS |") == 3 and "| disk read GB |" in table
     assert ref["clip_bytes"] > 0 and (work / "runs" / "reference-8-cold" / "clip.mp4.json").is_file()

@@ -39,10 +39,11 @@ def _row(arm: str, request_s: float, passed: bool = True) -> dict:
             "phases_s": {"denoise": request_s}, "gpu_name": "NVIDIA H200"}  # fmt: skip
 
 
-def _acceptance(root: Path, name: str, started: str, geometry: str, note: str, rows: list[dict]) -> Path:
+def _acceptance(root: Path, name: str, started: str, geometry: str, note: str, rows: list[dict], **plan_fields) -> Path:
     folder = root / name
     folder.mkdir(parents=True)
     plan = {"geometry": geometry, "steps": 10, "started": started, "checkpoint_note": note, "versions": {}}
+    plan.update(plan_fields)
     (folder / PLAN_FILE).write_text(json.dumps(plan))
     (folder / ROWS_FILE).write_text("".join(json.dumps(r) + "\n" for r in rows))
     (folder / "README.md").write_text(f"# {name} — an acceptance run\n")
@@ -144,6 +145,31 @@ def test_another_checkpoint_kind_gets_its_own_headline_and_a_failed_peer_gives_n
     assert "real pro shapes" in pro and "real pro-distill shapes" in distill
     others = block.split("### Other records (newest first)")[1]
     assert "2026-01-06_acceptance-pro/README.md" in others and "2026-01-07_acceptance-pro/README.md" in others
+
+
+def test_groups_keep_their_order_and_a_stopped_record_says_how_far_it_ran(sessions: Path) -> None:
+    # The Pro base's record is newer than Pro-distill's headline; a still newer Pro-distill headline does not move
+    # Pro-distill's group below it. The stopped record's heading and text say it ran 16 of 50 steps.
+    _acceptance(sessions, "2026-01-06_acceptance-pro", "2026-01-06T10:00", "864x480x121", _note(60, 60, "pro"),
+                [_row("reference", 300.0)], steps=50, stop_after_steps=16)  # fmt: skip
+    _acceptance(sessions, "2026-01-09_acceptance", "2026-01-09T10:00", "864x480x121", _note(60, 60),
+                [_row("reference", 95.0), _row("diffusers-offload", 120.0)])  # fmt: skip
+    assert [r.name for r in shown_records(sessions)] == ["2026-01-09_acceptance", "2026-01-06_acceptance-pro"]
+    block = results_block(sessions, sessions.parent.parent)
+    pro = block.split("2026-01-06_acceptance-pro/README.md")[0].rsplit("###", 1)[1]
+    assert pro.startswith(" Full-size acceptance: 864x480x121, 16 of 50 steps, NVIDIA H200")
+    assert "denoised only the first 16 of its 50 steps" in block.split("2026-01-06_acceptance-pro/README.md")[1]
+    assert "864x480x121, 10 steps, NVIDIA H200 ([record](measurements/sessions/2026-01-09_acceptance" in block
+
+
+def test_real_checkpoints_are_grouped_by_their_variant_not_their_path(tmp_path: Path) -> None:
+    # Two leases of one real checkpoint at two paths are one group; two kinds at one path are two.
+    root = tmp_path / "measurements" / "sessions"
+    rows = [_row("reference", 100.0), _row("diffusers-offload", 120.0)]
+    for i, (model, variant) in enumerate([("/a/k6", "pro-distill"), ("/b/k6", "pro-distill"), ("/a/k6", "pro")]):
+        _acceptance(root, f"2026-01-0{i + 1}_acceptance", f"2026-01-0{i + 1}T10:00", "864x480x121", model, rows,
+                    model=model, variant=variant)  # fmt: skip
+    assert [r.name for r in shown_records(root)] == ["2026-01-02_acceptance", "2026-01-03_acceptance"]
 
 
 def test_a_failed_peer_row_says_so_instead_of_giving_ratios(tmp_path: Path) -> None:

@@ -370,7 +370,8 @@ def _text_encoders(plan: dict[str, Any]) -> list[str]:
     return lines
 
 
-def _stopped(plan: dict[str, Any]) -> list[str]:
+def stopped_note(plan: dict[str, Any]) -> list[str]:
+    """The plan's `--stop-after-steps`, said in a line of its own; none for runs of the whole schedule."""
     k = plan.get("stop_after_steps")
     if not k:
         return []
@@ -472,7 +473,7 @@ def render_table(rows: list[dict[str, Any]], plan: dict[str, Any], serve: list[d
         f"- commit(s): {', '.join(commits) or 'unknown'}",
         f"- checkpoint: {plan.get('checkpoint_note', plan.get('model'))}",
         *_df11_model(plan),
-        *_stopped(plan),
+        *stopped_note(plan),
         *_text_encoders(plan),
         *_read_test(plan),
         f"- each run a fresh process: `k6fast generate --arm ARM` under `K6_VRAM_BUDGET_GB`; cold = empty Inductor and "

@@ -27,6 +27,7 @@ from .acceptance_report import (
     column_notes,
     is_peer_arm,
     serve_lines,
+    stopped_note,
     table_lines,
 )
 from .records import SESSION_FILE, read_jsonl
@@ -79,19 +80,20 @@ def is_full_size(record: AcceptanceRecord) -> bool:
 
 
 def _kind(record: AcceptanceRecord) -> str:
-    """The checkpoint a record ran on, as the README groups them: a synthetic checkpoint's preset (its shapes and
-    schedule), else the model path."""
+    """The kind of checkpoint a record ran on, as the README groups them: its variant (`pro-distill`, `pro`, ...:
+    shapes and schedule), which records before the plan held it give as a synthetic checkpoint's preset; else the
+    model path."""
     preset, _, _ = _synthetic_depth(record.plan)
-    return preset or str(record.plan.get("model", ""))
+    return str(record.plan.get("variant") or preset or record.plan.get("model", ""))
 
 
 def shown_groups(sessions_root: Path) -> list[list[AcceptanceRecord]]:
     """The full-size acceptance records the README shows in full, one group per checkpoint kind (`_kind`: the
     Pro-distill and the 50-step Pro base have different schedules, so neither's record replaces the other's), groups
-    in the order of their first record. Each group is its headline and every full-size record after it (later
-    sessions that ran what it lacked or re-measured an arm). The headline is the newest record with both a passed
-    peer row and a `reference` row (its ratios were measured side by side in one session); failing that, the newest
-    with a passed peer row; without one, the newest record alone."""
+    in the order of each kind's first full-size record (a newer headline does not move its group). Each group is its
+    headline and every full-size record after it (later sessions that ran what it lacked or re-measured an arm). The
+    headline is the newest record with both a passed peer row and a `reference` row (its ratios were measured side
+    by side in one session); failing that, the newest with a passed peer row; without one, the newest record alone."""
     groups: dict[str, list[AcceptanceRecord]] = {}
     for record in acceptance_records(sessions_root):
         if is_full_size(record):
@@ -101,7 +103,7 @@ def shown_groups(sessions_root: Path) -> list[list[AcceptanceRecord]]:
         with_peer = [i for i, r in enumerate(full) if _has_peer(r)]
         complete = [i for i in with_peer if any(row.get("arm") == "reference" for row in full[i].rows)]
         shown.append(full[(complete or with_peer)[-1] :] if complete or with_peer else full[-1:])
-    return sorted(shown, key=lambda group: (str(group[0].plan.get("started", "")), group[0].name))
+    return shown
 
 
 def shown_records(sessions_root: Path) -> list[AcceptanceRecord]:
@@ -139,13 +141,16 @@ def acceptance_section(record: AcceptanceRecord, link_prefix: str, later: bool =
         ran = "the peer's run failed (its row says why)" if _peer_rows(record) else "no peer ran in this session"
         peer = f"{ran}, so its rows have no ratio; each arm's latents are held against this session's own reference "
         peer += "run."
+    stopped = plan.get("stop_after_steps")
+    steps = f"{stopped} of {plan.get('steps')} steps" if stopped else f"{plan.get('steps')} steps"
     return [
-        f"### {title}: {plan.get('geometry')}, {plan.get('steps')} steps, {', '.join(gpus) or 'no GPU'} "
+        f"### {title}: {plan.get('geometry')}, {steps}, {', '.join(gpus) or 'no GPU'} "
         f"([record]({link_prefix}/{record.name}/README.md))",
         "",
         f"Checkpoint: {_checkpoint(plan)}. Started {plan.get('started')}; {shown}. {passed} of {len(rows)} runs "
         "passed. Each run is a fresh `k6fast generate --arm ARM` process under `K6_VRAM_BUDGET_GB` (cold: empty "
         f"compile caches; warm: the caches the arm's cold run left); {peer}",
+        *(["", *stopped_note(plan)] if stopped else []),
         "",
         *table_lines(rows),
         "",
