@@ -49,6 +49,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from .atomic import write_json_atomic
+from .switches import PIFLOW_CACHE_STEPS
 
 if TYPE_CHECKING:
     from .checkpoint import Checkpoint
@@ -183,8 +184,8 @@ def fixed_cache_note(ckpt: Checkpoint, options: Options) -> str | None:
         return None
     shown = ",".join(map(str, options.piflow_cache_steps))
     return (
-        f"K6_PIFLOW_CACHE_STEPS={shown} not applied: it is the distilled (PiFlow) schedule's fixed cache, and this is "
-        "a base checkpoint (flow-matching Euler, CFG), whose step cache is K6_STEP_CACHE (the fast-base arm)"
+        f"{PIFLOW_CACHE_STEPS.name}={shown} not applied: it is the distilled (PiFlow) schedule's fixed cache, and "
+        "this is a base checkpoint (flow-matching Euler, CFG), whose step cache is K6_STEP_CACHE (the fast-base arm)"
     )
 
 

@@ -13,6 +13,7 @@ from pathlib import Path
 import torch
 
 from ..checkpoint import open_checkpoint
+from ..step_cache import fixed_cache_note
 from ..switches import SWITCHES_BY_NAME, SwitchError, load_options
 from . import GateError
 from .clips import Arm, ClipCache, Geometry, Job, arm_label, check_arms_fit, load_arm, load_prompts, run_jobs
@@ -71,6 +72,9 @@ def run_gate(config: GateConfig, log: Callable[[str], None] = _stderr, prepare: 
     if steps < 1:
         raise GateError(f"--steps must be >= 1, found {steps}")
     check_arms_fit([reference, *arms], steps, ckpt)
+    for arm in (reference, *arms):
+        if note := fixed_cache_note(ckpt, arm.options):
+            log(f"arm {arm.spec}: {note}")
     geometry = Geometry(config.width, config.height, config.frames, steps, ckpt.default_guidance)
     device = torch.device(config.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     dtype = DTYPES[config.dtype] if config.dtype else (torch.bfloat16 if device.type == "cuda" else torch.float32)

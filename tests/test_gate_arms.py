@@ -10,6 +10,9 @@ import json
 
 import pytest
 
+from k6fast.checkpoint import open_checkpoint
+from k6fast.quality_gate import GateError
+from k6fast.quality_gate.clips import check_arms_fit, load_arm
 from k6fast.quality_gate.command import EXIT_PLUMBING, register
 from k6fast.quality_gate.config import SET_A
 from k6fast.switches import list_arms, load_options
@@ -44,3 +47,12 @@ def test_gate_scores_final_and_fast_on_the_tiny_checkpoint(tiny_distill, tmp_pat
         assert arm["passed"], label
         assert 0 < arm["set"]["lpips_mean"] < 0.15, label  # the cached steps move the clip, a little
     assert (tmp_path / "out" / "report.md").is_file()
+
+
+def test_the_arms_fit_check_asks_only_what_the_checkpoint_applies(tiny_checkpoints) -> None:
+    # step-cache's K6_PIFLOW_CACHE_STEPS=8 does not fit 4 steps of a distilled schedule; a base checkpoint does not
+    # apply it, so 4 steps fit there.
+    arms = [load_arm("reference", "reference"), load_arm("step-cache", "step-cache")]
+    check_arms_fit(arms, 4, open_checkpoint(tiny_checkpoints["base"]))
+    with pytest.raises(GateError, match="arm step-cache: .*outside the schedule"):
+        check_arms_fit(arms, 4, open_checkpoint(tiny_checkpoints["distill"]))

@@ -57,6 +57,18 @@ def test_the_schedule_is_what_a_whole_run_does(runs) -> None:
     assert all(k in ("middle", "skipped") for k in kinds[2:8]) and all(k in ("exact", "skipped") for k in kinds[8:])
 
 
+def test_the_distilled_schedules_fixed_cache_is_no_skip_on_a_base_checkpoint(runs, tiny_checkpoints) -> None:
+    # `final` sets K6_PIFLOW_CACHE_STEPS=8 for the 10-step distilled schedule: a base checkpoint runs step 8, and the
+    # projection must say so; the distilled checkpoint skips it.
+    _, base = runs
+    options = Options().replace(piflow_cache_steps=(8,))
+    sidecar = {"provenance": provenance(options), "request": {**REQUEST.to_dict(), "steps": STEPS, "guidance": 5.0}}
+    assert "skipped" not in schedule(sidecar, base)
+    distilled = open_checkpoint(tiny_checkpoints["distill"])
+    sidecar["request"]["guidance"] = 1.0
+    assert [i for i, k in enumerate(schedule(sidecar, distilled)) if k == "skipped"] == [8]
+
+
 def test_a_stopped_run_adds_each_later_step_at_its_kinds_median(runs) -> None:
     out, ckpt = runs
     stopped, kinds = out[8]["telemetry"], schedule(out["whole"], ckpt)

@@ -72,3 +72,26 @@ def test_invalid_cache_steps_are_refused(tiny_distill, steps, message) -> None:
     pipe = Pipeline(tiny_distill, Options().replace(piflow_cache_steps=steps), device="cpu")
     with pytest.raises(RequestError, match=message):
         pipe.resolve(REQUEST)
+
+
+@pytest.mark.parametrize(("kind", "warmup_steps"), [("base", 2), ("distill", 9)])
+def test_the_servers_warm_up_runs_the_cached_step_only_where_it_applies(
+    tiny_checkpoints, tmp_path, monkeypatch, caplog, kind, warmup_steps
+) -> None:
+    """The warm-up runs 2 steps, or as many as reach the last cached step where the checkpoint applies the cache (so
+    the cached path is warmed too); a base checkpoint's server says the cache is not applied."""
+    import logging
+
+    from k6fast.server.config import ServerConfig
+    from k6fast.server.worker import load_pipeline
+
+    seen: list[int | None] = []
+    original = Pipeline.generate
+    monkeypatch.setattr(Pipeline, "generate", lambda self, request, **kw: seen.append(request.steps) or original(
+        self, request, **kw))  # fmt: skip
+    config = ServerConfig(model=str(tiny_checkpoints[kind]), served_model_name="k6", data_dir=tmp_path, device="cpu")
+    with caplog.at_level(logging.INFO, logger="k6fast.server"):
+        pipeline = load_pipeline(config, Options().replace(piflow_cache_steps=(8,)))
+    pipeline.close()
+    assert seen == [warmup_steps]
+    assert ("K6_PIFLOW_CACHE_STEPS=8 not applied" in caplog.text) == (kind == "base")

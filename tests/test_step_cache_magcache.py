@@ -178,7 +178,16 @@ def test_refused_on_a_distilled_checkpoint(tiny_checkpoints, tmp_path) -> None:
     base = open_checkpoint(tiny_checkpoints["base"])
     both = Options().replace(step_cache="calibrate", piflow_cache_steps=(3,), step_cache_dir=tmp_path)
     steps, guidance = resolve_request(base, both, REQUEST)
-    assert steps == STEPS and plan_run(base, both, steps, guidance, True).fixed == ()
+    assert steps == STEPS
+    # Alone (K6_STEP_CACHE off), it is not applied on a base checkpoint, at a step count it would not even fit; on a
+    # distilled one it is.
+    final = load_options(environ={}, arm="final")
+    short = Request(prompt="x", width=32, height=32, frames=5, steps=4)
+    assert resolve_request(base, final, short) == (4, 5.0)
+    assert plan_run(base, final, 4, 5.0, True).fixed == ()
+    assert plan_run(distilled, final, 10, 1.0, True).fixed == final.piflow_cache_steps == (8,)
+    with pytest.raises(RequestError, match="outside the schedule"):
+        resolve_request(distilled, final, short)
 
 
 def test_fast_base_arm_refuses_distilled_checkpoints(tiny_checkpoints) -> None:

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import io
 import json
 import shlex
@@ -20,7 +21,8 @@ from k6fast.quality_gate import clips
 from k6fast.switches import load_options, read_arm
 from k6fast.tune import cli as tune_cli
 from k6fast.tune import run as tune_run
-from k6fast.tune.search import SearchResult
+from k6fast.tune.config import TuneConfig, space_for
+from k6fast.tune.search import SearchResult, TuneError
 
 TUNE = ["tune", "--lpips-max", "0.1"]
 # (arguments, environment, the error line's words); {tiny} a tiny distilled checkpoint, {prompts} a one-prompt set,
@@ -91,9 +93,20 @@ def test_every_tune_error_is_one_line_before_any_heavy_import(paths: dict[str, s
     assert_refused(*CASES[case], tmp_path, paths)
 
 
+def test_a_base_checkpoint_ignores_the_base_arms_distilled_cache(tiny_checkpoints, tmp_path) -> None:
+    # `final` as the base arm sets K6_PIFLOW_CACHE_STEPS=8, a lossy switch the cache knob owns: refused on a distilled
+    # checkpoint; a base checkpoint does not apply it, so tune neither refuses it nor predicts step 8 skipped.
+    base = TuneConfig(model=str(tiny_checkpoints["base"]), prompts=tmp_path, lpips_max=0.1, out=tmp_path,
+                      base_arm="final", knobs=("cache",))  # fmt: skip
+    space, _, ckpt = space_for(base)
+    assert not ckpt.distilled and "K6_PIFLOW_CACHE_STEPS" not in space.base
+    distilled = dataclasses.replace(base, model=str(tiny_checkpoints["distill"]))
+    with pytest.raises(TuneError, match="--base-arm sets K6_PIFLOW_CACHE_STEPS=8"):
+        space_for(distilled)
+
+
 def test_the_limits_scale_with_the_gate_proportions(tmp_path) -> None:
     from k6fast.quality_gate.thresholds import Thresholds
-    from k6fast.tune.config import TuneConfig
 
     gate = Thresholds()
     config = TuneConfig(model="m", prompts=tmp_path, lpips_max=0.06, audio_max=1.5, out=tmp_path)

@@ -13,7 +13,7 @@ from ..bench.workload import parse_geometry as bench_geometry
 from ..checkpoint import Checkpoint, open_checkpoint
 from ..quality_gate.config import GateConfig, validate_config
 from ..quality_gate.thresholds import Thresholds
-from ..switches import read_arm, resolve_arm
+from ..switches import PIFLOW_CACHE_STEPS, read_arm, resolve_arm
 from .search import Space, TuneError
 from .space import KNOBS, build_space
 
@@ -150,6 +150,8 @@ def space_for(config: TuneConfig) -> tuple[Space, list[str], Checkpoint]:
     ckpt = open_checkpoint(config.model)
     steps = config.steps if config.steps is not None else ckpt.default_steps
     base = read_arm(resolve_arm(config.base_arm))
+    if not ckpt.distilled:  # not applied on a base checkpoint (`fixed_cache_steps`): neither a lossy base nor a skip
+        base.pop(PIFLOW_CACHE_STEPS.name, None)
     space, notes = build_space(
         base, steps=steps, num_blocks=ckpt.dit.num_visual_blocks, distilled=ckpt.distilled, knobs=config.knobs
     )
