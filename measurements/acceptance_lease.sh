@@ -18,7 +18,7 @@
 #   attention          exact attention kernels at W1 and the Lite shape, sparse attention per density
 #   acceptance:SLUGS   `k6fast acceptance --only SLUGS --timeout $ACCEPTANCE_TIMEOUT` (each part continues the same
 #                      record; ACCEPTANCE_ARGS adds options, e.g. "--arms reference,final,fast-base
-#                      --stop-after-steps 16" for the Pro base)
+#                      --stop-after-steps 19" for the Pro base)
 #   serve:ARM:BUDGET   measurements/bench_serve_defaults.py: `k6fast serve --arm ARM` at its defaults under BUDGET GiB
 #                      with the arm's compile cache ($W/work/cache/ARM, what `acceptance:ARM-32-cold` left), four jobs
 #                      through the openai SDK, a DELETE, an oversize request; its record goes to $REC/serve/ and the
@@ -80,7 +80,7 @@ set -uo pipefail
 # Overridable for a dry run on a small checkpoint (e.g. BLOCKS=2 PRESET=lite-distill GEOMETRY=64x64x5 on a CPU;
 # TEXT_LINKED=1 puts its one-layer text encoders in $TEXT_DIR, linked, as TEXT=full does).
 PRESET=${PRESET:-pro-distill}
-# Seconds before one acceptance run is killed: 420 holds W1's 10-step runs with room; the Pro base's 16 CFG steps
+# Seconds before one acceptance run is killed: 420 holds W1's 10-step runs with room; the Pro base's 19 CFG steps
 # need more (its peer ran past 420 s in measurements/sessions/2026-12-03_acceptance-pro-base).
 ACCEPTANCE_TIMEOUT=${ACCEPTANCE_TIMEOUT:-420}
 BLOCKS=${BLOCKS:-}

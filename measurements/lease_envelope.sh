@@ -52,7 +52,9 @@ acceptance:final-32-warm-host60-df11}
 # middle step past the first, and 19 leave two. Its step cache needs a calibration at 50 steps first. That first lease
 # (1,738 s of device time, with the GPU suite first) lost the peer to the 420 s run timeout. Hence the timeout here,
 # and the GPU suite last, where running out of device time costs only it (each poll brings back the record and the
-# sidecars):
+# sidecars). The margin is thin: from that lease's log the steps before the peer take about 1,100 s of the 1,800
+# (the machine's start and installs included), which leaves the peer about 650 s; it was estimated at about 370 s for
+# 16 steps and ran past 420 s, so 19 steps may take 500 s or more:
 #   PRESET=pro ACCEPTANCE_TIMEOUT=900 ACCEPTANCE_ARGS="--arms reference,final,fast-base --stop-after-steps 19" \
 #   STEPS="peer-checkpoint calibrate:fast-base:256x144x9 acceptance:reference-32-cold,final-32-cold,\
 #   fast-base-32-cold drop-text acceptance:diffusers-offload-32-cold gpu-tests"
