@@ -17,7 +17,7 @@ from k6fast.bench.readme_results import (
     record_line,
     replace_results,
     results_block,
-    shown_records,
+    shown_groups,
 )
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -27,6 +27,11 @@ def test_readme_results_block_is_what_the_records_render() -> None:
     expected = results_block(ROOT / "measurements" / "sessions", ROOT)
     found = readme_block((ROOT / "README.md").read_text(encoding="utf-8"))
     assert found == expected.strip(), "README.md's results block is stale: run `k6fast bench report --no-plot`"
+
+
+def shown_records(sessions: Path) -> list:
+    """The records the README shows in full, in its order (its groups, one after another)."""
+    return [record for group in shown_groups(sessions) for record in group]
 
 
 def _note(blocks: int, full: int, preset: str = "pro-distill") -> str:

@@ -85,18 +85,12 @@ def _header(model: str) -> dict:
             versions[name] = importlib.metadata.version(name)
         except importlib.metadata.PackageNotFoundError:
             versions[name] = None
-    from ..checkpoint import CheckpointError, open_checkpoint
-
-    try:  # what README's results group records by (a path is per machine)
-        variant = open_checkpoint(model).variant
-    except (CheckpointError, OSError):
-        variant = None
     note = model
     marker = Path(model) / "synthetic.json"
     if marker.is_file():
         note = f"{model} (synthetic random weights, real shapes: {marker.read_text().strip()[:300]})"
     return {"gpus": gpu_inventory(), "versions": versions, "checkpoint_note": note, "python": sys.version.split()[0],
-            "text_encoders": text_encoder_note(Path(model)), "variant": variant}  # fmt: skip
+            "text_encoders": text_encoder_note(Path(model))}  # fmt: skip
 
 
 def filesystem_type(path: Path, mounts: str = "/proc/mounts") -> str | None:
@@ -241,7 +235,8 @@ def cmd_acceptance(args: argparse.Namespace) -> int:
               "the runs take", file=sys.stderr)  # fmt: skip
         return 2
     out = Path(args.out or f"measurements/sessions/{dt.date.today().isoformat()}_acceptance")
-    header = _header(str(model)) | {"synthetic_write_s": made}
+    # The variant is what README's results group records by (a path is per machine; the copies share the DiT's).
+    header = _header(str(model)) | {"synthetic_write_s": made, "variant": ckpt.variant}
     if args.peer_model:
         header["peer_text_encoders"] = text_encoder_note(Path(args.peer_model))
     try:

@@ -106,11 +106,6 @@ def shown_groups(sessions_root: Path) -> list[list[AcceptanceRecord]]:
     return shown
 
 
-def shown_records(sessions_root: Path) -> list[AcceptanceRecord]:
-    """`shown_groups`' records in the order the README shows them."""
-    return [record for group in shown_groups(sessions_root) for record in group]
-
-
 def _peer_rows(record: AcceptanceRecord) -> list[dict[str, Any]]:
     return [row for row in record.rows if is_peer_arm(str(row.get("arm", "")))]
 
@@ -143,6 +138,7 @@ def acceptance_section(record: AcceptanceRecord, link_prefix: str, later: bool =
         peer += "run."
     stopped = plan.get("stop_after_steps")
     steps = f"{stopped} of {plan.get('steps')} steps" if stopped else f"{plan.get('steps')} steps"
+    stop_note = stopped_note(plan)
     return [
         f"### {title}: {plan.get('geometry')}, {steps}, {', '.join(gpus) or 'no GPU'} "
         f"([record]({link_prefix}/{record.name}/README.md))",
@@ -150,7 +146,7 @@ def acceptance_section(record: AcceptanceRecord, link_prefix: str, later: bool =
         f"Checkpoint: {_checkpoint(plan)}. Started {plan.get('started')}; {shown}. {passed} of {len(rows)} runs "
         "passed. Each run is a fresh `k6fast generate --arm ARM` process under `K6_VRAM_BUDGET_GB` (cold: empty "
         f"compile caches; warm: the caches the arm's cold run left); {peer}",
-        *(["", *stopped_note(plan)] if stopped else []),
+        *(["", *stop_note] if stop_note else []),
         "",
         *table_lines(rows),
         "",
