@@ -9,10 +9,12 @@
 #   WHEELS=/path/.whl bash measurements/lease_envelope.sh start    # install, check, run the steps in the background
 #   bash measurements/acceptance_lease.sh status OUT               # progress and records so far
 # flash-attn-4 arrives in two later calls (`acceptance_lease.sh join ...`), which touch $W/fa4.ready. The wheels and
-# the three calls, each carrying one folder that `bash measurements/lease_wheels.sh` lays out (and, first, the commit
-# under test: `git archive --format=tar.gz -o .whl/src.tgz HEAD`):
-#   1, carry .whl/a .whl/src.tgz: mkdir -p /tmp/src && tar xzf .whl/src.tgz -C /tmp/src && cd /tmp/src &&
-#      WHEELS=$OLDPWD/.whl bash measurements/lease_envelope.sh start
+# the three calls, each carrying one folder that `bash measurements/lease_wheels.sh` lays out. The commit under test
+# is the working tree the call carries, copied aside (a `git archive` beside .whl/a passes the 64 MiB a call
+# carries), so the working tree must be clean at that commit:
+#   1, carry .whl/a: R=$PWD; mkdir -p /tmp/src && tar cf - --exclude=./.whl . | tar xf - -C /tmp/src &&
+#      echo "$(git rev-parse --short HEAD) (clean working tree)" > /tmp/src/LEASE_COMMIT && cd /tmp/src &&
+#      WHEELS=$R/.whl bash measurements/lease_envelope.sh start
 #   2, carry .whl/b: cp .whl/b/cu13.partaa /tmp/lease/cu13.whl.partaa &&
 #      bash measurements/acceptance_lease.sh install $PWD/.whl/b
 #   3, carry .whl/c: bash measurements/acceptance_lease.sh install $PWD/.whl/c &&
@@ -54,8 +56,11 @@ acceptance:final-32-warm-host60-df11}
 # and the GPU suite last, where running out of device time costs only it (each poll brings back the record and the
 # sidecars). The margin is thin: from that lease's log the steps before the peer take about 1,100 s of the 1,800
 # (the machine's start and installs included), which leaves the peer about 650 s; it was estimated at about 370 s for
-# 16 steps and ran past 420 s, so 19 steps may take 500 s or more:
-#   PRESET=pro ACCEPTANCE_TIMEOUT=900 ACCEPTANCE_ARGS="--arms reference,final,fast-base --stop-after-steps 19" \
+# 16 steps and ran past 420 s, so 19 steps may take 500 s or more. So the peer stops after 10 (its steps all stream
+# the same blocks from host memory: 9 after its first show it), about 250 s, which leaves room for a machine that
+# failed to start once (each refusal costs about 90 s of the budget):
+#   PRESET=pro ACCEPTANCE_TIMEOUT=900 \
+#   ACCEPTANCE_ARGS="--arms reference,final,fast-base --stop-after-steps 19 --peer-stop-after-steps 10" \
 #   STEPS="peer-checkpoint calibrate:fast-base:256x144x9 acceptance:reference-32-cold,final-32-cold,\
 #   fast-base-32-cold drop-text acceptance:diffusers-offload-32-cold gpu-tests"
 case "${1:?expected start}" in

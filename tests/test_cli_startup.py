@@ -167,6 +167,16 @@ CASES = {
         "add --text-encoders full",
     ),
     "acceptance-only": (["acceptance", "--model", "{tiny}", "--only", "nope"], {}, "--only ['nope']: expected run"),
+    "acceptance-peer-stop": (
+        ["acceptance", "--model", "{tiny}", "--peer-stop-after-steps", "1"],
+        {},
+        "--peer-stop-after-steps: expected an integer >= 2, found 1",
+    ),
+    "acceptance-peer-stop-long": (
+        ["acceptance", "--model", "{tiny}", "--peer-stop-after-steps", "11"],
+        {},
+        "--peer-stop-after-steps 11: expected at most the 10 steps the runs take",
+    ),
     "doctor-model": (["doctor", "--model", "{here}/nowhere"], {}, "fetch a Hub id first, `hf download ID"),
     "doctor-model-not-a-checkpoint": (["doctor", "--model", "{here}"], {}, "missing file {here}/model_index.json"),
     "doctor-budget": (["doctor", "--budget-gb", "nan"], {}, "--budget-gb: expected a number of GiB >= 0"),

@@ -58,3 +58,37 @@ def test_the_acceptance_stops_every_run_and_says_so(tmp_path) -> None:
     table = render_table([], {"model": "/m", "steps": 50, "stop_after_steps": 4})
     assert "denoised only the first 4 of its 50 steps" in table
     assert "denoised only" not in render_table([], {"model": "/m", "steps": 50})
+
+
+def test_the_peer_may_stop_after_fewer_steps_than_the_arms_and_the_record_says_so(tmp_path) -> None:
+    w = Workload(model="/m", geometry="64x64x5", prompt="p", seed=1, steps=50, guidance=5.0, stop_after_steps=19,
+                 peer_stop_after_steps=10)  # fmt: skip
+    cmd = generate_command(Run("final", 32, "cold"), w, tmp_path, "python3")
+    assert cmd[cmd.index("--stop-after-steps") + 1] == "19"
+    peer_command(Run("diffusers-offload", 32, "cold"), w, tmp_path, "python3")
+    assert '"stop_after_steps": 10' in (tmp_path / "spec.json").read_text()
+    table = render_table([], {"model": "/m", "steps": 50, "stop_after_steps": 19, "peer_stop_after_steps": 10})
+    assert "every run denoised only the first 19 of its 50 steps" in table and "the peer its first 10" in table
+    alone = render_table([], {"model": "/m", "steps": 50, "peer_stop_after_steps": 10})
+    assert "the peer denoised only the first 10 of its 50 steps" in alone and "every run" not in alone
+    same = render_table([], {"model": "/m", "steps": 50, "stop_after_steps": 4, "peer_stop_after_steps": 4})
+    assert "every run (the peer's too) denoised only the first 4 of its 50 steps" in same
+
+
+def test_the_part_that_runs_the_peer_records_its_stop(tmp_path, monkeypatch) -> None:
+    """A session run in parts: the peer's part may set its own stop; the record's plan says it."""
+    import json
+
+    import k6fast.bench.acceptance as acceptance
+
+    monkeypatch.setattr(
+        acceptance, "execute", lambda run, w, **kw: {"run": run.name, "arm": run.arm, "passed": True, "process_s": 1.0}
+    )
+    base = dict(model="/m", geometry="64x64x5", prompt="p", seed=1, steps=50, guidance=5.0, stop_after_steps=19)
+    out, work = tmp_path / "rec", tmp_path / "work"
+    acceptance.run_acceptance([Run("final", 32, "cold")], Workload(**base), out=out, work=work, log=lambda _: None)
+    peer_part = Workload(**base, peer_model="/m-peer", peer_stop_after_steps=10)
+    acceptance.run_acceptance([Run("diffusers-offload", 32, "cold")], peer_part, out=out, work=work, log=lambda _: None)
+    plan = json.loads((out / "acceptance.json").read_text())
+    assert plan["parts"] == 2 and plan["peer_stop_after_steps"] == 10 and plan["stop_after_steps"] == 19
+    assert "the peer its first 10 (`--peer-stop-after-steps`)" in (out / "README.md").read_text()

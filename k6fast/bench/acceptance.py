@@ -243,6 +243,13 @@ class Workload:
     # Every run denoises only the schedule's first steps (`generate --stop-after-steps`): a long schedule's per-step
     # cost (the 50-step base checkpoints), side by side with the peer's; None = the whole schedule.
     stop_after_steps: int | None = None
+    # The peer's own stop where it differs (None: `stop_after_steps`). It streams every block from host memory each
+    # pass, so its steps cost the same and fewer of them show it; a lease's device time is the limit.
+    peer_stop_after_steps: int | None = None
+
+    @property
+    def peer_stop(self) -> int | None:
+        return self.peer_stop_after_steps or self.stop_after_steps
 
     def model_for(self, run: Run) -> str:
         return self.df11_model if run.checkpoint == "df11" else self.model
@@ -274,7 +281,7 @@ def peer_command(run: Run, w: Workload, run_dir: Path, python: str) -> list[str]
                      component="pipeline", width=width, height=height, frames=frames, steps=w.steps,
                      guidance=w.guidance, seed=w.seed, prompt=w.prompt, requests=1, warmup=0,
                      switches={"K6_VRAM_BUDGET_GB": f"{run.budget_gb:g}"},
-                     stop_after_steps=w.stop_after_steps)  # fmt: skip
+                     stop_after_steps=w.peer_stop)  # fmt: skip
     (run_dir / "spec.json").write_text(json.dumps(spec.as_dict()))
     return [python, "-m", "k6fast.bench.visit", "--spec", str(run_dir / "spec.json"),
             "--out", str(run_dir / "peer.json")]  # fmt: skip
@@ -318,8 +325,8 @@ def execute(run: Run, w: Workload, *, work: Path, timeout_s: float, python: str 
     row.update(request_summary(run_dir, peer=run.peer))
     if not run.peer and (run_dir / "clip.mp4.json").is_file():
         row.update(_sidecar_figures(run_dir / "clip.mp4.json", w.model_for(run), stopped=bool(w.stop_after_steps)))
-    elif run.peer and w.stop_after_steps:
-        row["projected"] = project_peer(row, w.steps, w.stop_after_steps)
+    elif run.peer and w.peer_stop:
+        row["projected"] = project_peer(row, w.steps, w.peer_stop)
     if steps is not None:
         row["disk_per_step"] = disk_per_step(row["disk_prediction"], steps, run_dir / "clip.mp4.json", run.arm)
     tail = (run_dir / "stderr.log").read_text(errors="replace").splitlines()[-15:]
@@ -397,8 +404,9 @@ def run_acceptance(
             plan["df11_model"] = w.df11_model
         if w.peer_model:  # the part that runs the peer says what it read
             plan.update(
-                {"peer_model": w.peer_model, **{k: v for k, v in (header or {}).items() if k.startswith("peer_")}}
-            )
+                {"peer_model": w.peer_model, "peer_stop_after_steps": w.peer_stop_after_steps,
+                 **{k: v for k, v in (header or {}).items() if k.startswith("peer_")}}
+            )  # fmt: skip
     plan["runs"] += [asdict(r) for r in runs]
     plan.pop("finished", None)
     write_json(out / PLAN_FILE, plan)

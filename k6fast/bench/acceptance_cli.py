@@ -65,6 +65,8 @@ def register(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=42)
     p.add_argument("--stop-after-steps", type=int, help="every run (the peer's too) denoises only the schedule's "
                    "first N steps: a long schedule's per-step cost, e.g. the 50-step base checkpoints'")  # fmt: skip
+    p.add_argument("--peer-stop-after-steps", type=int, help="the peer's own N where it differs from "
+                   "--stop-after-steps (at least 2: its projection needs a step after its first)")  # fmt: skip
     p.add_argument("--prompt", help="the request's prompt (default: a fixed rain-and-neon prompt)")
     p.add_argument("--out", help="record folder (default measurements/sessions/<date>_acceptance)")
     p.add_argument("--work", default="/tmp/k6fast-acceptance", help="clips, latents, logs, caches")
@@ -153,6 +155,8 @@ def check_arguments(args: argparse.Namespace) -> str | None:
         return f"--steps: expected an integer >= 1, found {args.steps}"
     if args.stop_after_steps is not None and args.stop_after_steps < 1:
         return f"--stop-after-steps: expected an integer >= 1, found {args.stop_after_steps}"
+    if args.peer_stop_after_steps is not None and args.peer_stop_after_steps < 2:
+        return f"--peer-stop-after-steps: expected an integer >= 2, found {args.peer_stop_after_steps}"
     if args.guidance is not None and not (math.isfinite(args.guidance) and args.guidance >= 1.0):
         return f"--guidance: expected a finite number >= 1.0 (1.0 = no CFG), found {args.guidance}"
     problem = seed_problem(args.seed)
@@ -229,11 +233,14 @@ def cmd_acceptance(args: argparse.Namespace) -> int:
         steps=args.steps or ckpt.default_steps,
         guidance=args.guidance if args.guidance is not None else ckpt.default_guidance,
         peer_model=args.peer_model or "", df11_model=args.df11_model or "", stop_after_steps=args.stop_after_steps,
+        peer_stop_after_steps=args.peer_stop_after_steps,
     )  # fmt: skip
-    if workload.stop_after_steps and workload.stop_after_steps > workload.steps:
-        print(f"error: --stop-after-steps {workload.stop_after_steps}: expected at most the {workload.steps} steps "
-              "the runs take", file=sys.stderr)  # fmt: skip
-        return 2
+    for option, value in (("--stop-after-steps", workload.stop_after_steps),
+                          ("--peer-stop-after-steps", workload.peer_stop_after_steps)):  # fmt: skip
+        if value and value > workload.steps:
+            print(f"error: {option} {value}: expected at most the {workload.steps} steps the runs take",
+                  file=sys.stderr)  # fmt: skip
+            return 2
     out = Path(args.out or f"measurements/sessions/{dt.date.today().isoformat()}_acceptance")
     # The variant is what README's results group records by (a path is per machine; the copies share the DiT's).
     header = _header(str(model)) | {"synthetic_write_s": made, "variant": ckpt.variant}

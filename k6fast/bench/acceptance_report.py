@@ -372,12 +372,23 @@ def _text_encoders(plan: dict[str, Any]) -> list[str]:
 
 def stopped_note(plan: dict[str, Any]) -> list[str]:
     """The plan's `--stop-after-steps`, said in a line of its own; none for runs of the whole schedule."""
-    k = plan.get("stop_after_steps")
-    if not k:
+    k, peer_k = plan.get("stop_after_steps"), plan.get("peer_stop_after_steps")
+    if not (k or peer_k):
         return []
-    return [f"- every run (the peer's too) denoised only the first {k} of its {plan.get('steps')} steps "
-            "(`--stop-after-steps`) and decoded what they left: the per-step times are the figures; the request's is "
-            "not a finished clip's"]  # fmt: skip
+    steps = plan.get("steps")
+    if not peer_k or peer_k == k:
+        who = f"every run (the peer's too) denoised only the first {k} of its {steps} steps (`--stop-after-steps`)"
+    elif not k:
+        who = f"the peer denoised only the first {peer_k} of its {steps} steps (`--peer-stop-after-steps`)"
+    else:
+        who = (
+            f"every run denoised only the first {k} of its {steps} steps (`--stop-after-steps`), the peer its "
+            f"first {peer_k} (`--peer-stop-after-steps`)"
+        )
+    return [
+        f"- {who} and decoded what they left: the per-step times are the figures; the request's is not a finished "
+        "clip's"
+    ]
 
 
 def _df11_model(plan: dict[str, Any]) -> list[str]:
