@@ -138,7 +138,8 @@ def test_another_checkpoint_kind_gets_its_own_headline_and_a_failed_peer_gives_n
     _acceptance(sessions, "2026-01-07_acceptance-pro", "2026-01-07T10:00", "864x480x121", _note(60, 60, "pro"),
                 [_row("fast-base", 90.0)])  # fmt: skip
     names = [r.name for r in shown_records(sessions)]
-    assert names == ["2026-01-01_acceptance", "2026-01-07_acceptance-pro"]  # no passed peer: the newest pro alone
+    # No passed peer: every pro record (the later one ran an arm the first lacks), oldest first.
+    assert names == ["2026-01-01_acceptance", "2026-01-06_acceptance-pro", "2026-01-07_acceptance-pro"]
     _acceptance(sessions, "2026-01-08_acceptance-pro", "2026-01-08T10:00", "864x480x121", _note(60, 60, "pro"),
                 [_row("reference", 300.0), _row("diffusers-offload", 600.0)])  # fmt: skip
     names = [r.name for r in shown_records(sessions)]

@@ -67,11 +67,15 @@ def test_the_peer_may_stop_after_fewer_steps_than_the_arms_and_the_record_says_s
     assert cmd[cmd.index("--stop-after-steps") + 1] == "19"
     peer_command(Run("diffusers-offload", 32, "cold"), w, tmp_path, "python3")
     assert '"stop_after_steps": 10' in (tmp_path / "spec.json").read_text()
-    table = render_table([], {"model": "/m", "steps": 50, "stop_after_steps": 19, "peer_stop_after_steps": 10})
+    peer = [{"run": "diffusers-offload @ 32 GiB, cold", "arm": "diffusers-offload", "passed": True}]
+    both = {"model": "/m", "steps": 50, "stop_after_steps": 19, "peer_stop_after_steps": 10}
+    table = render_table(peer, both)
     assert "every run denoised only the first 19 of its 50 steps" in table and "the peer its first 10" in table
-    alone = render_table([], {"model": "/m", "steps": 50, "peer_stop_after_steps": 10})
+    # A part that ran no peer says nothing of the peer's stop.
+    assert "every run denoised only the first 19 of its 50 steps (" in render_table([], both)
+    alone = render_table(peer, {"model": "/m", "steps": 50, "peer_stop_after_steps": 10})
     assert "the peer denoised only the first 10 of its 50 steps" in alone and "every run" not in alone
-    same = render_table([], {"model": "/m", "steps": 50, "stop_after_steps": 4, "peer_stop_after_steps": 4})
+    same = render_table(peer, {"model": "/m", "steps": 50, "stop_after_steps": 4, "peer_stop_after_steps": 4})
     assert "every run (the peer's too) denoised only the first 4 of its 50 steps" in same
 
 

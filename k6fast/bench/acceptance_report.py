@@ -370,14 +370,20 @@ def _text_encoders(plan: dict[str, Any]) -> list[str]:
     return lines
 
 
-def stopped_note(plan: dict[str, Any]) -> list[str]:
-    """The plan's `--stop-after-steps`, said in a line of its own; none for runs of the whole schedule."""
-    k, peer_k = plan.get("stop_after_steps"), plan.get("peer_stop_after_steps")
+def stopped_note(plan: dict[str, Any], rows: list[dict[str, Any]]) -> list[str]:
+    """The plan's `--stop-after-steps` (and the peer's own, `--peer-stop-after-steps`), said in a line of its own;
+    the peer is named only where a peer row is in `rows` (a part without the peer ran none); none for runs of the
+    whole schedule."""
+    k = plan.get("stop_after_steps")
+    peer_ran = any(is_peer_arm(str(row.get("arm", ""))) for row in rows)
+    peer_k = (plan.get("peer_stop_after_steps") or k) if peer_ran else None
     if not (k or peer_k):
         return []
     steps = plan.get("steps")
-    if not peer_k or peer_k == k:
+    if peer_k == k:
         who = f"every run (the peer's too) denoised only the first {k} of its {steps} steps (`--stop-after-steps`)"
+    elif not peer_k:
+        who = f"every run denoised only the first {k} of its {steps} steps (`--stop-after-steps`)"
     elif not k:
         who = f"the peer denoised only the first {peer_k} of its {steps} steps (`--peer-stop-after-steps`)"
     else:
@@ -484,7 +490,7 @@ def render_table(rows: list[dict[str, Any]], plan: dict[str, Any], serve: list[d
         f"- commit(s): {', '.join(commits) or 'unknown'}",
         f"- checkpoint: {plan.get('checkpoint_note', plan.get('model'))}",
         *_df11_model(plan),
-        *stopped_note(plan),
+        *stopped_note(plan, rows),
         *_text_encoders(plan),
         *_read_test(plan),
         f"- each run a fresh process: `k6fast generate --arm ARM` under `K6_VRAM_BUDGET_GB`; cold = empty Inductor and "

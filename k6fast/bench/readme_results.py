@@ -93,7 +93,8 @@ def shown_groups(sessions_root: Path) -> list[list[AcceptanceRecord]]:
     in the order of each kind's first full-size record (a newer headline does not move its group). Each group is its
     headline and every full-size record after it (later sessions that ran what it lacked or re-measured an arm). The
     headline is the newest record with both a passed peer row and a `reference` row (its ratios were measured side
-    by side in one session); failing that, the newest with a passed peer row; without one, the newest record alone."""
+    by side in one session); failing that, the newest with a passed peer row; without one, every record of the kind
+    (none is a headline, and each may hold arms the others lack)."""
     groups: dict[str, list[AcceptanceRecord]] = {}
     for record in acceptance_records(sessions_root):
         if is_full_size(record):
@@ -102,7 +103,7 @@ def shown_groups(sessions_root: Path) -> list[list[AcceptanceRecord]]:
     for full in groups.values():
         with_peer = [i for i, r in enumerate(full) if _has_peer(r)]
         complete = [i for i in with_peer if any(row.get("arm") == "reference" for row in full[i].rows)]
-        shown.append(full[(complete or with_peer)[-1] :] if complete or with_peer else full[-1:])
+        shown.append(full[(complete or with_peer)[-1] :] if complete or with_peer else full)
     return shown
 
 
@@ -138,7 +139,7 @@ def acceptance_section(record: AcceptanceRecord, link_prefix: str, later: bool =
         peer += "run."
     stopped = plan.get("stop_after_steps")
     steps = f"{stopped} of {plan.get('steps')} steps" if stopped else f"{plan.get('steps')} steps"
-    stop_note = stopped_note(plan)
+    stop_note = stopped_note(plan, rows)
     return [
         f"### {title}: {plan.get('geometry')}, {steps}, {', '.join(gpus) or 'no GPU'} "
         f"([record]({link_prefix}/{record.name}/README.md))",
