@@ -40,8 +40,9 @@ from pathlib import Path
 from typing import Any
 
 from k6fast.bench.acceptance import ProcessWatch, write_readme
-from k6fast.bench.acceptance_report import SERVE_DIR, serve_lines
+from k6fast.bench.acceptance_report import SERVE_DIR
 from k6fast.bench.records import DEFAULT_PROMPT
+from k6fast.bench.serve_report import serve_lines
 
 SECOND_PROMPT = "A paper boat drifting down a gutter stream after a summer storm. Audio: water trickling, birdsong."
 # (name, size, prompt, plan): the first job encodes the prompt, the next two reuse it, the last brings a new one.

@@ -12,8 +12,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from ..memory import GiB
 from .projection import PROJECTION_COLUMNS, PROJECTION_NOTES, projected_s, projection_cell
+from .serve_report import serve_lines
+from .table_cells import PHASES_HEADER, gb, gib, phase_split, secs
 
 ROWS_FILE = "runs.jsonl"
 PLAN_FILE = "acceptance.json"
@@ -23,6 +24,10 @@ SERVE_DIR = "serve"  # measurements/bench_serve_defaults.py's records of the sam
 def is_peer_arm(arm: str) -> bool:
     """The peer rows of an acceptance run: diffusers' own pipeline (`diffusers`, `diffusers-offload`)."""
     return arm.startswith("diffusers")
+
+
+def peer_rows(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    return [row for row in rows if is_peer_arm(str(row.get("arm", "")))]
 
 
 def latent_error(latents: Path, reference: Path) -> dict[str, dict[str, float]]:
@@ -97,18 +102,6 @@ def request_summary(run_dir: Path, *, peer: bool = False) -> dict[str, Any]:
     }
 
 
-def _s(value: float | None, digits: int = 1) -> str:
-    return "—" if value is None else f"{value:.{digits}f}"
-
-
-def _gib(value: int | None) -> str:
-    return "—" if not value else f"{value / GiB:.2f}"
-
-
-def _gb(value: int | None) -> str:
-    return "—" if value is None else f"{value / 1e9:.2f}"
-
-
 def _latents(row: dict[str, Any]) -> str:
     errors = row.get("vs_reference")
     if not errors:
@@ -120,16 +113,6 @@ def _result(row: dict[str, Any]) -> str:
     if row.get("passed"):
         return "PASS"
     return "**FAIL**: " + str(row.get("error", "")).replace("|", "/")[:160]
-
-
-# A request's phases in the order they run (the audio decode precedes the video decode: a streamed mux needs the
-# whole waveform before the first frame).
-PHASES = ("text_encode", "denoise", "audio_decode", "video_decode", "mux")
-PHASES_HEADER = "text / denoise / audio / video decode / mux s"
-
-
-def _phase_split(phases: dict[str, float]) -> str:
-    return " / ".join(_s(phases.get(k)) for k in PHASES)
 
 
 COLUMNS = (
@@ -213,8 +196,8 @@ def _predicted_vs_measured(row: dict[str, Any]) -> list[str]:
     d = row.get("disk_per_step")
     if d is None:
         return ["—", "—"]
-    return [f"{_gb(d.get('predicted_bytes'))} / {_gb(d.get('measured_bytes'))}",
-            f"{_s(d.get('predicted_min_s'))} / {_s(d.get('measured_s'))}"]  # fmt: skip
+    return [f"{gb(d.get('predicted_bytes'))} / {gb(d.get('measured_bytes'))}",
+            f"{secs(d.get('predicted_min_s'))} / {secs(d.get('measured_s'))}"]  # fmt: skip
 
 
 def _host_tier(row: dict[str, Any]) -> str:
@@ -229,8 +212,8 @@ def _host_tier(row: dict[str, Any]) -> str:
 def peer_request_s(rows: list[dict[str, Any]]) -> tuple[str, float, bool] | None:
     """(arm, request seconds, projected) of the first passing peer row, None without one: its projected whole
     request where it was stopped (`projection`)."""
-    for row in rows:
-        if is_peer_arm(str(row.get("arm", ""))) and row.get("passed") and row.get("request_s"):
+    for row in peer_rows(rows):
+        if row.get("passed") and row.get("request_s"):
             projected = projected_s(row)
             return str(row["arm"]), projected or float(row["request_s"]), projected is not None
     return None
@@ -261,14 +244,14 @@ def table_row(row: dict[str, Any], peer: tuple[str, float] | None = None, groups
         row.get("run", "?"),
         _result(row),
         _vs_peer(row, peer),
-        _s(row.get("process_s")),
-        _s(row.get("request_s")) if row.get("request_s") else "—",
-        _phase_split(phases) if phases else "—",
-        f"{_s(row.get('compile_s'))} ({row.get('compiled_graphs', 0)})" if row.get("phases_s") else "—",
-        f"{_gib(row.get('peak_vram_bytes'))} / {_gib(row.get('peak_vram_reserved_bytes'))}",
-        _gib(denoise_peak),
+        secs(row.get("process_s")),
+        secs(row.get("request_s")) if row.get("request_s") else "—",
+        phase_split(phases) if phases else "—",
+        f"{secs(row.get('compile_s'))} ({row.get('compiled_graphs', 0)})" if row.get("phases_s") else "—",
+        f"{gib(row.get('peak_vram_bytes'))} / {gib(row.get('peak_vram_reserved_bytes'))}",
+        gib(denoise_peak),
         "—" if not smi else f"{smi / 1024:.2f}",
-        _gib(row.get("peak_rss_bytes")),
+        gib(row.get("peak_rss_bytes")),
         "—" if hidden is None else f"{100 * hidden:.1f} %",
         _latents(row),
     ]
@@ -329,7 +312,7 @@ class ColumnGroup:
 
 OPTIONAL_GROUPS = (
     ColumnGroup(EXTRA_COLUMNS, EXTRA_NOTES, lambda r: "disk_read_bytes" in r,
-                lambda r: [_text_source(r), _gb(r.get("disk_read_bytes")), _reuploads(r)]),
+                lambda r: [_text_source(r), gb(r.get("disk_read_bytes")), _reuploads(r)]),
     ColumnGroup(TIER_COLUMNS, TIER_NOTES, lambda r: "host_blocks" in (r.get("residency") or {}),
                 lambda r: [_host_tier(r)]),
     ColumnGroup(PREDICTION_COLUMNS, PREDICTION_NOTES, lambda r: "disk_per_step" in r, _predicted_vs_measured),
@@ -362,11 +345,11 @@ def _text_encoders(plan: dict[str, Any]) -> list[str]:
     fs = f" ({te['filesystem']})" if te.get("filesystem") else ""
     link = ", linked from the checkpoint" if te.get("linked") else ""
     kind = te.get("synthetic") or "the checkpoint's own"
-    lines = [f"- text encoders: {kind}; {_gb(te.get('bytes'))} GB in {where}{fs}{link}"]
+    lines = [f"- text encoders: {kind}; {gb(te.get('bytes'))} GB in {where}{fs}{link}"]
     peer = plan.get("peer_text_encoders")
     if peer:
         lines.append(f"- the peer read {plan.get('peer_model', '?')}: text encoders {peer.get('synthetic') or '?'}, "
-                     f"{_gb(peer.get('bytes'))} GB (it holds them and the DiT in host memory)")  # fmt: skip
+                     f"{gb(peer.get('bytes'))} GB (it holds them and the DiT in host memory)")  # fmt: skip
     return lines
 
 
@@ -374,27 +357,21 @@ def stopped_note(plan: dict[str, Any], rows: list[dict[str, Any]]) -> list[str]:
     """The plan's `--stop-after-steps` (and the peer's own, `--peer-stop-after-steps`), said in a line of its own;
     the peer is named only where a peer row is in `rows` (a part without the peer ran none); none for runs of the
     whole schedule."""
-    k = plan.get("stop_after_steps")
-    peer_ran = any(is_peer_arm(str(row.get("arm", ""))) for row in rows)
-    peer_k = (plan.get("peer_stop_after_steps") or k) if peer_ran else None
+    k, steps = plan.get("stop_after_steps"), plan.get("steps")
+    peer_k = (plan.get("peer_stop_after_steps") or k) if peer_rows(rows) else None
     if not (k or peer_k):
         return []
-    steps = plan.get("steps")
+    ours = f"the first {k} of its {steps} steps (`--stop-after-steps`)"
     if peer_k == k:
-        who = f"every run (the peer's too) denoised only the first {k} of its {steps} steps (`--stop-after-steps`)"
-    elif not peer_k:
-        who = f"every run denoised only the first {k} of its {steps} steps (`--stop-after-steps`)"
+        who = f"every run (the peer's too) denoised only {ours}"
     elif not k:
         who = f"the peer denoised only the first {peer_k} of its {steps} steps (`--peer-stop-after-steps`)"
     else:
-        who = (
-            f"every run denoised only the first {k} of its {steps} steps (`--stop-after-steps`), the peer its "
-            f"first {peer_k} (`--peer-stop-after-steps`)"
+        who = f"every run denoised only {ours}" + (
+            f", the peer its first {peer_k} (`--peer-stop-after-steps`)" if peer_k else ""
         )
-    return [
-        f"- {who} and decoded what they left: the per-step times are the figures; the request's is not a finished "
-        "clip's"
-    ]
+    return [f"- {who} and decoded what they left: the per-step times are the figures; the request's is not a finished "
+            "clip's"]  # fmt: skip
 
 
 def _df11_model(plan: dict[str, Any]) -> list[str]:
@@ -408,64 +385,6 @@ def _read_test(plan: dict[str, Any]) -> list[str]:
         return []
     return [f"- checkpoint read speed before the ballast runs: {test['read_gb_s']:.2f} GB/s (`k6fast doctor`'s read "
             f"test: {test.get('note', '')}); the disk GB/step column's predictions use it"]  # fmt: skip
-
-
-SERVE_COLUMNS = ("serve run", "job", "size", "outcome", "submit → done s", "run s", PHASES_HEADER,
-                 "text source", "disk read GB", "peak RSS GiB")  # fmt: skip
-
-
-def _serve_name(record: dict[str, Any]) -> str:
-    return f"{record.get('arm') or 'env'} @ {record.get('budget_gb', 0):g} GiB"
-
-
-def _serve_summary(record: dict[str, Any]) -> str:
-    start = record.get("startup") or {}
-    parts = [f"ready in {_s(start.get('ready_s'))} s (read {_gb(start.get('disk_read_bytes'))} GB)",
-             f"peak host RSS {_gib(record.get('peak_rss_bytes'))} GiB",
-             f"nvidia-smi peak {_gib((record.get('peak_smi_used_mib') or 0) * 2**20)} GiB",
-             f"disk read {_gb(record.get('disk_read_bytes'))} GB in all"]  # fmt: skip
-    if record.get("jobs_set") == "first":
-        parts.insert(0, "the first job only (`--jobs first`)")
-    deleted = next((j for j in record.get("jobs", []) if j.get("plan") == "delete"), None)
-    if deleted and deleted.get("delete"):
-        d = deleted["delete"]
-        parts.append(f"DELETE at {d.get('progress')} % took effect in {_s(d.get('took_effect_s'), 2)} s "
-                     f"({d.get('phase') or 'phase not logged'})")  # fmt: skip
-    over = record.get("oversize") or {}
-    if over:
-        queued = "queued" if over.get("queued") else "not queued"
-        message = str(over.get("message", "")).replace("|", "/")[:200]
-        parts.append(f"oversize {over.get('geometry')}: {over.get('status')}, {queued}: {message!r}")
-    result = "PASS" if record.get("passed") else "**FAIL**: " + "; ".join(record.get("problems", []))[:300]
-    client = record.get("client", "never ready")
-    return f"- `{_serve_name(record)}` ({client}): {result}; " + "; ".join(parts)
-
-
-def serve_lines(records: list[dict[str, Any]], heading: str = "##") -> list[str]:
-    """The section of `measurements/bench_serve_defaults.py`'s records: a line per server, a row per job."""
-    lines = [
-        f"{heading} `k6fast serve` at its defaults",
-        "",
-        "`measurements/bench_serve_defaults.py`: `k6fast serve --model M --arm ARM` with no size options under "
-        "`K6_VRAM_BUDGET_GB`, four queued jobs of two sizes through the openai SDK (one prompt repeated, a second "
-        "prompt last, one job deleted part-way; with `--jobs first` only the first) and one request larger than "
-        "the budget holds.",
-        "",
-        *(_serve_summary(r) for r in records),
-        "",
-        "| " + " | ".join(SERVE_COLUMNS) + " |",
-        "|" + "---|" * len(SERVE_COLUMNS),
-    ]
-    for record in records:
-        for job in record.get("jobs", []):
-            telemetry = job.get("telemetry") or {}
-            phases = telemetry.get("phases_s") or {}
-            cells = [_serve_name(record), job.get("name"), job.get("geometry"), job.get("outcome"),
-                     _s(job.get("done_after_s")), _s(job.get("run_s")), _phase_split(phases) if phases else "—",
-                     telemetry.get("text_source") or "—", _gb(job.get("disk_read_bytes")),
-                     _gib(job.get("peak_rss_bytes"))]  # fmt: skip
-            lines.append("| " + " | ".join(str(c) for c in cells) + " |")
-    return [*lines, ""]
 
 
 def column_notes(rows: list[dict[str, Any]]) -> list[str]:

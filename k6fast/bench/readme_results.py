@@ -25,12 +25,12 @@ from .acceptance_report import (
     ROWS_FILE,
     SERVE_DIR,
     column_notes,
-    is_peer_arm,
-    serve_lines,
+    peer_rows,
     stopped_note,
     table_lines,
 )
 from .records import SESSION_FILE, read_jsonl
+from .serve_report import serve_lines
 
 RESULTS_MARKERS = ("<!-- results:start -->", "<!-- results:end -->")
 FULL_SIZE_GEOMETRY = "864x480x121"  # W1, the geometry the product is measured at
@@ -107,13 +107,9 @@ def shown_groups(sessions_root: Path) -> list[list[AcceptanceRecord]]:
     return shown
 
 
-def _peer_rows(record: AcceptanceRecord) -> list[dict[str, Any]]:
-    return [row for row in record.rows if is_peer_arm(str(row.get("arm", "")))]
-
-
 def _has_peer(record: AcceptanceRecord) -> bool:
     """A peer row that passed: the ratios need its request seconds."""
-    return any(row.get("passed") for row in _peer_rows(record))
+    return any(row.get("passed") for row in peer_rows(record.rows))
 
 
 def _checkpoint(plan: dict[str, Any]) -> str:
@@ -134,7 +130,7 @@ def acceptance_section(record: AcceptanceRecord, link_prefix: str, later: bool =
     if _has_peer(record):
         peer = "the peer is diffusers' own pipeline in the same session."
     else:
-        ran = "the peer's run failed (its row says why)" if _peer_rows(record) else "no peer ran in this session"
+        ran = "the peer's run failed (its row says why)" if peer_rows(record.rows) else "no peer ran in this session"
         peer = f"{ran}, so its rows have no ratio; each arm's latents are held against this session's own reference "
         peer += "run."
     stopped = plan.get("stop_after_steps")
